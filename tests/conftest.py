@@ -1,0 +1,18 @@
+"""Fixtures shared by every test: the packaged models, converted once per machine."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from ringserve import models
+
+CACHE_DIR = Path(os.environ.get("RINGSERVE_CACHE_DIR", models.DEFAULT_CACHE))
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """HF-format SmolLM2-135M-Instruct directory (config.json, model.safetensors, tokenizer.json)."""
+    return models.prepare_smollm2(CACHE_DIR)
