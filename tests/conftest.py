@@ -5,6 +5,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+# torch's OpenMP workers spin while idle unless told otherwise; with several
+# processes sharing 2 cores (the services, the test process) that spinning
+# made decode steps 5-25x slower. Must be set before torch is imported.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import pytest
 
 from ringserve import models

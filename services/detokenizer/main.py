@@ -1,0 +1,88 @@
+"""``ringserve detokenizer``: serve the Detokenizer gRPC service for one model's vocabulary."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import logging
+import signal
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from ringserve import grpcutil
+from ringserve.v1 import detokenizer_pb2, detokenizer_pb2_grpc
+from services.detokenizer.manager import DEFAULT_MAX_DECODE_STATES, DetokenizerManager
+from services.detokenizer.servicer import DetokenizerServicer
+
+log = logging.getLogger("ringserve.detokenizer")
+
+
+@dataclass(frozen=True)
+class DetokenizerConfig:
+    """Flags of ``ringserve detokenizer``, parsed once."""
+
+    model: Path
+    host: str = "127.0.0.1"
+    port: int = 30030
+    max_decode_states: int = DEFAULT_MAX_DECODE_STATES
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+def parse_args(argv: list[str] | None = None) -> DetokenizerConfig:
+    d = DetokenizerConfig(model=Path("."))
+    p = argparse.ArgumentParser(prog="ringserve detokenizer", description=__doc__)
+    p.add_argument("--model", type=Path, required=True, help="directory holding tokenizer.json")
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--port", type=int, default=d.port, help="0 picks a free port")
+    p.add_argument("--max-decode-states", type=int, default=d.max_decode_states,
+                   help="live per-request decode states kept at most; a request beyond it is aborted")
+    a = p.parse_args(argv)
+    return DetokenizerConfig(model=a.model, host=a.host, port=a.port, max_decode_states=a.max_decode_states)
+
+
+async def start(config: DetokenizerConfig) -> tuple[grpcutil.ServingServer, DetokenizerServicer]:
+    """Load the vocabulary and start the server; health is SERVING when this returns.
+
+    Raises:
+        FileNotFoundError: no tokenizer.json under ``config.model``.
+        RuntimeError: the address could not be bound.
+    """
+    manager = DetokenizerManager(config.model, max_decode_states=config.max_decode_states)
+    servicer = DetokenizerServicer(manager, instance_id=f"detokenizer@{socket.gethostname()}:{config.port}")
+    name = detokenizer_pb2.DESCRIPTOR.services_by_name["Detokenizer"].full_name
+    server = await grpcutil.start_server(
+        config.address, [(detokenizer_pb2_grpc.add_DetokenizerServicer_to_server, servicer, name)])
+    log.info("detokenizer on %s:%d (%s path, vocab %d)", config.host, server.port,
+             "byte-table" if manager.fast else "offset", manager.vocab_size)
+    # Start-up objects (the 262k-entry tables) never need collecting; freezing them keeps
+    # GC pauses out of decode steps.
+    gc.collect()
+    gc.freeze()
+    await server.set_serving(True)
+    return server, servicer
+
+
+async def serve(config: DetokenizerConfig) -> None:
+    """Serve until SIGTERM or SIGINT, then stop gracefully (health NOT_SERVING first)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    server, _ = await start(config)
+    await stop.wait()
+    log.info("detokenizer stopping")
+    await server.stop(1.0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    asyncio.run(serve(parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()

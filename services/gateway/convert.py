@@ -1,0 +1,272 @@
+"""Validated OpenAI / native requests -> ``GenerateReqInput`` protos.
+
+Only the fields a client gave are set on ``SamplingParams`` (proto3 ``optional``), so the
+tokenizer's defaults apply to the rest. Cross-field checks that need no model knowledge
+(min_tokens <= max_tokens, the continue_final_message rules, content part types) raise a
+400 here, before anything is sent.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+
+import orjson
+
+from ringserve.v1 import common_pb2, tokenizer_pb2
+
+from .errors import invalid
+from .protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    GenerateRequest,
+    NativeSamplingParams,
+    SamplingFields,
+    Tool,
+)
+
+# Fields copied one to one from a request onto SamplingParams when the client set them.
+_PLAIN_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "n",
+)
+
+
+def new_rid(req: SamplingFields | GenerateRequest) -> str:
+    """The client's rid (``rid`` or vLLM's ``request_id``), else a fresh uuid4 hex."""
+    rid = req.rid or getattr(req, "request_id", None)
+    return rid or uuid.uuid4().hex
+
+
+def _logit_bias(bias: dict[str, float] | None, out: common_pb2.SamplingParams) -> None:
+    for key, value in (bias or {}).items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise invalid(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+        if not -100 <= value <= 100:
+            raise invalid(f"logit_bias values must be in [-100, 100], got {value}", "logit_bias")
+        out.logit_bias[token_id] = value
+
+
+def _stops(stop: str | list[str] | None) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or ())
+    if any(s == "" for s in stops):
+        raise invalid("stop strings must not be empty", "stop")
+    return stops
+
+
+def sampling_params(req: SamplingFields) -> common_pb2.SamplingParams:
+    """SamplingParams from an OpenAI chat or completions request.
+
+    Raises:
+        GatewayError(400): min_tokens > max_tokens, bad logit_bias, empty stop string,
+            stream_options without stream.
+    """
+    if req.stream_options is not None and not req.stream:
+        raise invalid("stream_options is only allowed when stream is true", "stream_options")
+    max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
+    param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
+    if req.min_tokens is not None and max_tokens is not None and req.min_tokens > max_tokens:
+        raise invalid(f"min_tokens ({req.min_tokens}) must not exceed {param} ({max_tokens})", "min_tokens")
+    out = common_pb2.SamplingParams(stop=_stops(req.stop), stop_token_ids=req.stop_token_ids or ())
+    for name in _PLAIN_FIELDS:
+        value = getattr(req, name)
+        if value is not None:
+            setattr(out, name, value)
+    if max_tokens is not None:
+        out.max_new_tokens = max_tokens
+    if req.min_tokens is not None:
+        out.min_new_tokens = req.min_tokens
+    if req.no_stop_trim is not None or req.include_stop_str_in_output is not None:
+        out.no_stop_trim = bool(req.no_stop_trim or req.include_stop_str_in_output)
+    _logit_bias(req.logit_bias, out)
+    return out
+
+
+def native_sampling_params(params: NativeSamplingParams) -> common_pb2.SamplingParams:
+    """SamplingParams from ``/generate``'s sampling_params (field names are the proto's)."""
+    if (
+        params.min_new_tokens is not None
+        and params.max_new_tokens is not None
+        and params.min_new_tokens > params.max_new_tokens
+    ):
+        raise invalid(
+            f"min_new_tokens ({params.min_new_tokens}) must not exceed max_new_tokens ({params.max_new_tokens})",
+            "sampling_params.min_new_tokens",
+        )
+    fields = params.model_dump(exclude_none=True, exclude={"stop", "stop_token_ids", "logit_bias"})
+    out = common_pb2.SamplingParams(stop=_stops(params.stop), stop_token_ids=params.stop_token_ids or (), **fields)
+    _logit_bias(params.logit_bias, out)
+    return out
+
+
+def message_text(msg: ChatMessage, index: int) -> tuple[str | None, list[tokenizer_pb2.ContentPart]]:
+    """(content, content_parts) of one message; only text parts are accepted.
+
+    Parts are passed on as parts; the tokenizer joins them (its documented rule), so a
+    single text part renders exactly like the same string.
+    """
+    if isinstance(msg.content, str) or msg.content is None:
+        if msg.content is None and msg.role not in ("assistant",):
+            raise invalid(f"messages[{index}].content is required for role '{msg.role}'", "messages")
+        return msg.content, []
+    parts = []
+    for j, part in enumerate(msg.content):
+        where = f"messages[{index}].content[{j}]"
+        if part.type != "text":
+            raise invalid(
+                f"{where}: content part type '{part.type}' is not supported; this model accepts only 'text' parts",
+                "messages",
+                "unsupported_content_type",
+            )
+        if part.text is None:
+            raise invalid(f"{where}: a text part needs 'text'", "messages")
+        if part.model_extra:
+            fields = ", ".join(part.model_extra)
+            raise invalid(f"{where}: unrecognized fields {fields}", "messages", "unknown_parameter")
+        parts.append(tokenizer_pb2.ContentPart(type="text", text=part.text))
+    return None, parts
+
+
+def chat_messages(messages: Sequence[ChatMessage]) -> list[tokenizer_pb2.ChatMessage]:
+    out = []
+    for i, msg in enumerate(messages):
+        content, parts = message_text(msg, i)
+        if msg.role == "tool" and not msg.tool_call_id:
+            raise invalid(f"messages[{i}]: a tool message needs tool_call_id", "messages")
+        pb = tokenizer_pb2.ChatMessage(
+            role=msg.role,
+            content_parts=parts,
+            name=msg.name or "",
+            tool_call_id=msg.tool_call_id or "",
+            tool_calls=[
+                tokenizer_pb2.ToolCall(
+                    id=c.id, type=c.type, function_name=c.function.name, function_arguments=c.function.arguments
+                )
+                for c in msg.tool_calls or ()
+            ],
+        )
+        if content is not None:
+            pb.content = content
+        if msg.reasoning_content is not None:
+            pb.reasoning_content = msg.reasoning_content
+        out.append(pb)
+    return out
+
+
+def chat_input(
+    messages: Sequence[ChatMessage],
+    add_generation_prompt: bool | None,
+    continue_final_message: bool,
+    chat_template_kwargs: dict | None,
+    tools: Sequence[Tool] | None,
+) -> tokenizer_pb2.ChatInput:
+    """ChatInput with the template flags checked (C10).
+
+    Raises:
+        GatewayError(400): add_generation_prompt and continue_final_message both true, or
+            continue_final_message with a last message that is not the assistant's.
+    """
+    if not messages:
+        raise invalid("messages must not be empty", "messages")
+    if continue_final_message:
+        if add_generation_prompt:
+            raise invalid(
+                "add_generation_prompt and continue_final_message cannot both be true", "continue_final_message"
+            )
+        if messages[-1].role != "assistant":
+            raise invalid(
+                "continue_final_message needs the last message to be the assistant's", "continue_final_message"
+            )
+        add_generation_prompt = False
+    chat = tokenizer_pb2.ChatInput(
+        messages=chat_messages(messages),
+        continue_final_message=continue_final_message,
+        tools_json=orjson.dumps([t.model_dump(exclude_none=True) for t in tools]).decode() if tools else "",
+        chat_template_kwargs_json=orjson.dumps(chat_template_kwargs).decode() if chat_template_kwargs else "",
+    )
+    if add_generation_prompt is not None:
+        chat.add_generation_prompt = add_generation_prompt
+    return chat
+
+
+def chat_request(req: ChatCompletionRequest, rid: str) -> tokenizer_pb2.GenerateReqInput:
+    if req.top_logprobs and not req.logprobs:
+        raise invalid("top_logprobs needs logprobs to be true", "top_logprobs")
+    # tool_choice "none" means the model must not see the tools (as vLLM and OpenAI do).
+    tools = None if req.tool_choice == "none" else req.tools
+    chat = chat_input(
+        req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs, tools
+    )
+    return tokenizer_pb2.GenerateReqInput(
+        rid=rid,
+        chat=chat,
+        sampling_params=sampling_params(req),
+        stream=req.stream,
+        return_logprob=req.logprobs,
+        top_logprobs_num=req.top_logprobs or 0,
+    )
+
+
+def completion_prompts(prompt: str | list[int] | list[list[int]] | list[str]) -> list[str | list[int]]:
+    """The prompts of a completions request: one string, one id list, or a batch of either."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise invalid("prompt must not be empty", "prompt")
+    if isinstance(prompt[0], int):
+        return [list(prompt)]  # type: ignore[arg-type]
+    prompts: list[str | list[int]] = list(prompt)  # type: ignore[arg-type]
+    if any(isinstance(p, list) and not p for p in prompts):
+        raise invalid("prompt token lists must not be empty", "prompt")
+    return prompts
+
+
+def completion_requests(req: CompletionRequest, rid: str) -> list[tokenizer_pb2.GenerateReqInput]:
+    """One GenerateReqInput per prompt; a batch gets rids ``<rid>-<i>``."""
+    params = sampling_params(req)
+    prompts = completion_prompts(req.prompt)
+    out = []
+    for i, prompt in enumerate(prompts):
+        pb = tokenizer_pb2.GenerateReqInput(
+            rid=rid if len(prompts) == 1 else f"{rid}-{i}",
+            sampling_params=params,
+            stream=req.stream,
+            return_logprob=req.logprobs is not None,
+            top_logprobs_num=req.logprobs or 0,
+        )
+        if isinstance(prompt, str):
+            pb.text = prompt
+        else:
+            pb.input_ids.ids.extend(prompt)
+        out.append(pb)
+    return out
+
+
+def native_request(req: GenerateRequest, rid: str) -> tokenizer_pb2.GenerateReqInput:
+    if (req.text is None) == (req.input_ids is None):
+        raise invalid("give exactly one of text and input_ids", "text")
+    pb = tokenizer_pb2.GenerateReqInput(
+        rid=rid,
+        sampling_params=native_sampling_params(req.sampling_params),
+        stream=req.stream,
+        return_logprob=req.return_logprob,
+        top_logprobs_num=req.top_logprobs_num,
+    )
+    if req.text is not None:
+        pb.text = req.text
+    else:
+        pb.input_ids.ids.extend(req.input_ids or ())
+    return pb

@@ -1,0 +1,185 @@
+"""Request models of the OpenAI API (chat, completions) and of the native endpoints.
+
+Every model forbids unknown fields: a silently ignored parameter is how clients get wrong
+results. Ranges that need no model knowledge are checked here (they also appear in the
+OpenAPI schema); the tokenizer service checks the rest (context length, template errors).
+Optional sampling fields default to None so that only what the client gave reaches the
+tokenizer, which fills in the real defaults.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+NonNegInt = Annotated[int, Field(ge=0)]
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class ContentPart(BaseModel):
+    """One part of a message's content. Only ``text`` parts are served (checked on conversion,
+    so that an ``image_url`` part gets a clear 400 rather than a union-matching error)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class FunctionCall(Strict):
+    name: str
+    arguments: str = ""
+
+
+class ToolCall(Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+    index: int | None = None
+
+
+class ChatMessage(Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None
+
+
+class FunctionDef(Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(Strict):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedToolChoiceFunction(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"] = "function"
+    function: NamedToolChoiceFunction
+
+
+class SamplingFields(Strict):
+    """Fields shared by chat and completions requests (OpenAI plus the SGLang/vLLM extensions)."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    n: int | None = Field(None, ge=1, le=128)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[NonNegInt] | None = None
+    seed: int | None = Field(None, ge=0, lt=2**64)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=2)
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int | None = Field(None, ge=0)
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    user: str | None = None
+    rid: str | None = Field(None, min_length=1)
+    request_id: str | None = Field(None, min_length=1)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    echo: bool = False  # vLLM: prepend the final assistant message (when continuing it)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int] | list[list[int]] | list[str]
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class NativeSamplingParams(Strict):
+    """``sampling_params`` of ``POST /generate``: the fields of the proto's SamplingParams."""
+
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    max_new_tokens: int | None = Field(None, ge=1)
+    min_new_tokens: int | None = Field(None, ge=0)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[NonNegInt] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+    seed: int | None = Field(None, ge=0, lt=2**64)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=2)
+    logit_bias: dict[str, float] | None = None
+    n: int | None = Field(None, ge=1, le=128)
+
+
+class GenerateRequest(Strict):
+    """``POST /generate`` (SGLang's native API): exactly one of text and input_ids."""
+
+    text: str | None = None
+    input_ids: list[NonNegInt] | None = None
+    sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
+    stream: bool = False
+    rid: str | None = Field(None, min_length=1)
+    return_logprob: bool = False
+    top_logprobs_num: int = Field(0, ge=0, le=20)
+
+
+class TokenizeRequest(Strict):
+    """``POST /v1/tokenize``: a prompt, or chat messages rendered with the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+
+
+class DetokenizeRequest(Strict):
+    model: str | None = None
+    tokens: list[NonNegInt]
+    skip_special_tokens: bool = False
+
+
+class AbortRequest(Strict):
+    rid: str = Field(min_length=1)

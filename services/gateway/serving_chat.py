@@ -1,0 +1,92 @@
+"""``POST /v1/chat/completions``: one chat.completion body or a chat.completion.chunk stream.
+
+Stream shape (OpenAI; cases C06 and C07): every chunk has the same id, created and model;
+the first delta of each choice carries ``role: "assistant"``; every choice has a
+``finish_reason`` key, null until its last chunk; content chunks have ``usage: null``; with
+``stream_options.include_usage`` one more chunk with ``choices: []`` and the usage of the
+whole request follows the finish chunks; then ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from . import convert
+from .backend import TokenizerClient
+from .logprobs import chat_logprobs
+from .outputs import ChoiceUpdate, FinalChoice
+from .protocol import ChatCompletionRequest
+from .serving import respond, response_head
+
+
+def _delta_choice(
+    client: TokenizerClient, echo: str, want_logprobs: bool
+) -> Callable[[ChoiceUpdate], Awaitable[dict | None]]:
+    """Chunk choices: the first delta of a choice carries the role (and the echo)."""
+
+    async def choice_of(u: ChoiceUpdate) -> dict | None:
+        delta: dict = {}
+        if u.first:
+            delta = {"role": "assistant", "content": echo + u.text}
+        elif u.text:
+            delta = {"content": u.text}
+        elif u.finish_reason is None and not (want_logprobs and u.out.output_ids):
+            return None
+        return {
+            "index": u.index,
+            "delta": delta,
+            "logprobs": await chat_logprobs(client, u.out) if want_logprobs else None,
+            "finish_reason": u.finish_reason,
+            "matched_stop": u.matched_stop,
+        }
+
+    return choice_of
+
+
+def _echo_text(req: ChatCompletionRequest) -> str:
+    """vLLM's chat ``echo``: the final assistant message being continued, else nothing."""
+    last = req.messages[-1]
+    if not req.echo or last.role != "assistant" or last.content is None:
+        return ""
+    if isinstance(last.content, str):
+        return last.content
+    return "".join(p.text or "" for p in last.content)
+
+
+async def create_chat_completion(
+    client: TokenizerClient, request: Request, req: ChatCompletionRequest
+) -> Response:
+    """Serve one chat request; every error before the first output is a JSON error.
+
+    Raises:
+        GatewayError: validation (400), unknown model (404), tokenizer errors (mapped).
+        ClientDisconnected: the client went away before the response started.
+    """
+    rid = convert.new_rid(req)
+    pb = convert.chat_request(req, rid)
+    model = await client.check_model(req.model)
+    echo = _echo_text(req)
+
+    async def final_choice(c: FinalChoice) -> dict:
+        return {
+            "index": c.index,
+            "message": {"role": "assistant", "content": echo + c.text, "tool_calls": None},
+            "logprobs": await chat_logprobs(client, c.out) if req.logprobs else None,
+            "finish_reason": c.finish_reason,
+            "matched_stop": c.matched_stop,
+        }
+
+    return await respond(
+        client,
+        request,
+        [pb],
+        req.n or 1,
+        response_head("chatcmpl", rid, model),
+        ("chat.completion", "chat.completion.chunk"),
+        req.stream_options,
+        _delta_choice(client, echo, req.logprobs),
+        final_choice,
+    )

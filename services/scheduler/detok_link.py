@@ -1,0 +1,89 @@
+"""The scheduler's client stream to the detokenizer (``Detokenizer.Stream``), with reconnects.
+
+One BatchTokenIDOutput per engine step goes out in order. If the detokenizer goes away
+the link reconnects with exponential backoff (tenacity); the message being written is kept
+and sent first on the new stream, and messages produced meanwhile wait in the queue.
+A detokenizer that restarted has lost every DecodeStatus, so after a reconnect the link
+calls ``on_reconnect`` (the service aborts what is in flight, resending RowInit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import grpc
+from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
+
+from ringserve.grpcutil import insecure_channel
+from ringserve.v1 import detokenizer_pb2, detokenizer_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class DetokenizerLink:
+    """Owns the outgoing queue and the stream; ``run()`` until cancelled."""
+
+    def __init__(self, target: str, on_reconnect: Callable[[], None] | None = None):
+        self.target = target
+        self.on_reconnect = on_reconnect
+        self.queue: asyncio.Queue[detokenizer_pb2.BatchTokenIDOutput] = asyncio.Queue()
+        self.connected = asyncio.Event()
+        self.num_connects = 0
+        self._pending: detokenizer_pb2.BatchTokenIDOutput | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def send_threadsafe(self, msg: detokenizer_pb2.BatchTokenIDOutput) -> None:
+        """Queue a message from any thread (the engine thread); never blocks."""
+        assert self._loop is not None, "run() must start before messages are sent"
+        self._loop.call_soon_threadsafe(self.queue.put_nowait, msg)
+
+    def bind_loop(self) -> None:
+        """Record the running event loop; call from the loop before the engine thread starts."""
+        self._loop = asyncio.get_running_loop()
+
+    async def run(self) -> None:
+        """Keep a stream open; reconnect with backoff (50 ms doubling to 2 s) on any gRPC failure."""
+        self.bind_loop()
+        retrying = AsyncRetrying(
+            wait=wait_exponential(multiplier=0.05, max=2.0),
+            retry=retry_if_exception_type((grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError, ConnectionError)),
+            reraise=True,
+        )
+        async for attempt in retrying:
+            with attempt:
+                await self._session()
+
+    async def _session(self) -> None:
+        async with insecure_channel(self.target) as channel:
+            call = detokenizer_pb2_grpc.DetokenizerStub(channel).Stream()
+            await call.wait_for_connection()
+            self.num_connects += 1
+            self.connected.set()
+            log.info("detokenizer stream to %s connected", self.target)
+            if self.num_connects > 1 and self.on_reconnect is not None:
+                self.on_reconnect()
+            writer = asyncio.create_task(self._write(call))
+            reader = asyncio.create_task(self._read(call))
+            try:
+                done, _ = await asyncio.wait({writer, reader}, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    task.result()  # raise the gRPC error, if any
+                raise ConnectionError("detokenizer closed the stream")
+            finally:
+                self.connected.clear()
+                writer.cancel()
+                reader.cancel()
+                call.cancel()
+
+    async def _write(self, call) -> None:
+        while True:
+            if self._pending is None:
+                self._pending = await self.queue.get()
+            await call.write(self._pending)
+            self._pending = None
+
+    async def _read(self, call) -> None:
+        async for _event in call:
+            pass  # DetokenizerEvents carry load reports, which the scheduler does not use yet

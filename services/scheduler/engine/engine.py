@@ -1,0 +1,202 @@
+"""The engine: schedule -> run the model on the plan -> process results -> one step output.
+
+Plain Python over torch; knows nothing of gRPC. Not thread-safe: one thread drives it
+(see ``engine.loop.EngineLoop``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from services.scheduler.config import EngineConfig
+from services.scheduler.engine.kv_pool import ReqToTokenPool, TokenToKVPool
+from services.scheduler.engine.model_runner import ModelRunner
+from services.scheduler.engine.output import StepOutput
+from services.scheduler.engine.req import FinishReason, FinishType, Req, ReqInput
+from services.scheduler.engine.sampling import Sampler
+from services.scheduler.engine.schedule import Plan, SchedulePolicy
+from services.scheduler.engine.stops import StopChecker, load_eos_ids
+from services.scheduler.engine.validate import validate
+from services.scheduler.models import load_model
+
+
+@dataclass(frozen=True)
+class LoadStats:
+    """A snapshot of the engine's occupancy and counters since start (the wire's LoadReport)."""
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+    req_slots_used: int
+    kv_used_tokens: int
+    kv_total_tokens: int
+    num_decode_steps: int
+    peak_decode_batch_size: int
+    num_aborted_reqs: int
+    num_finished_reqs: int
+
+
+class Engine:
+    """Continuous-batching generation over a paged KV cache.
+
+    API: ``add_request``, ``abort``, ``step``, ``has_work``, ``load``.
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer, eos_ids: frozenset[int], cfg: EngineConfig):
+        mc = model.config
+        self.cfg = cfg
+        self.vocab_size = mc.vocab_size
+        self.context_length = cfg.context_length or mc.max_position_embeddings
+        if self.context_length > mc.max_position_embeddings:
+            raise ValueError(f"--context-length {self.context_length} exceeds the model's "
+                             f"max_position_embeddings {mc.max_position_embeddings}")
+        self.req_pool = ReqToTokenPool(cfg.max_running_requests, self.context_length)
+        self.kv_pool = TokenToKVPool(
+            cfg.max_total_tokens, mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
+            next(model.parameters()).dtype,
+        )
+        self.policy = SchedulePolicy(self.req_pool, self.kv_pool, cfg.max_running_requests, cfg.max_prefill_tokens)
+        self.runner = ModelRunner(model, self.req_pool, self.kv_pool)
+        self.sampler = Sampler(cfg.seed, eos_ids)
+        self.stops = StopChecker(tokenizer, eos_ids, self.context_length)
+        self.reqs: dict[str, Req] = {}  # rid -> in-flight request (waiting or running)
+        self._out = StepOutput()
+        self.num_decode_steps = 0
+        self.peak_decode_batch_size = 0
+        self.num_aborted_reqs = 0
+        self.num_finished_reqs = 0
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig) -> "Engine":
+        """Load model, tokenizer.json and EOS ids from ``cfg.model``.
+
+        Raises:
+            ValueError: unsupported architecture or dtype, or no EOS id.
+            FileNotFoundError: missing config.json, tokenizer.json or weights.
+        """
+        dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+        if cfg.dtype not in dtypes:
+            raise ValueError(f"unsupported dtype {cfg.dtype!r}; supported: {sorted(dtypes)}")
+        model_dir = Path(cfg.model)
+        model = load_model(model_dir, dtypes[cfg.dtype])
+        tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        return cls(model, tokenizer, load_eos_ids(model_dir, tokenizer), cfg)
+
+    # ---- inputs -------------------------------------------------------------------
+    def add_request(self, spec: ReqInput) -> None:
+        """Queue a request. An invalid or duplicate one gets a final FINISH_ABORT row instead."""
+        if spec.rid in self.reqs:
+            dup = Req(spec)
+            dup.init_sent = True  # the detokenizer's state for this rid belongs to the first request
+            self._emit_abort(dup, f"rid {spec.rid!r} is already in flight", "ALREADY_EXISTS")
+            return
+        error = validate(spec, self.vocab_size, self.context_length, self.cfg.max_total_tokens)
+        req = Req(spec)
+        if error is not None:
+            self._emit_abort(req, error, "INVALID_ARGUMENT")
+            return
+        self.reqs[req.rid] = req
+        self.policy.waiting.append(req)
+
+    def abort(self, rid: str | None = None, tokenizer_id: str | None = None,
+              message: str = "aborted", status: str = "CANCELLED", resend_init: bool = False) -> int:
+        """Abort one rid, every rid owned by ``tokenizer_id``, or (neither given) every rid.
+
+        Frees the KV cache and req slot at once, whether the request waits or runs; each
+        aborted request gets a final row with FINISH_ABORT (with its RowInit again when
+        ``resend_init``, for a detokenizer that lost its state). Unknown rids are ignored:
+        the request may have finished already. Returns how many were aborted.
+        """
+        if rid is not None:
+            victims = [self.reqs[rid]] if rid in self.reqs else []
+        elif tokenizer_id is not None:
+            victims = [r for r in self.reqs.values() if r.tokenizer_id == tokenizer_id]
+        else:
+            victims = list(self.reqs.values())
+        for req in victims:
+            req.init_sent = req.init_sent and not resend_init
+            self.policy.remove(req)
+            del self.reqs[req.rid]
+            self._emit_abort(req, message, status)
+        return len(victims)
+
+    def fail_all(self, message: str) -> None:
+        """After a failed step: abort every request (status INTERNAL) and reset both pools.
+
+        A step can fail after allocating KV rows it had not yet recorded, so the free lists
+        are rebuilt rather than trusted.
+        """
+        for req in list(self.reqs.values()):
+            self._emit_abort(req, message, "INTERNAL")
+        self.reqs.clear()
+        self.policy.waiting.clear()
+        self.policy.running.clear()
+        self.req_pool.reset()
+        self.kv_pool.reset()
+
+    # ---- the loop -----------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        return bool(self.reqs) or len(self._out) > 0
+
+    def step(self) -> StepOutput | None:
+        """Run one scheduling step; returns its rows, or None when no row was produced."""
+        plan = self.policy.schedule()
+        if plan is not None:
+            self.process_results(plan, self.runner.forward(plan))
+        return self._take_output()
+
+    def process_results(self, plan: Plan, logits: torch.Tensor) -> None:
+        """Sample, append, check stops, free finished requests and record their rows.
+
+        Args:
+            logits: float32 [len(plan.reqs), vocab], from ``self.runner.forward(plan)``.
+        """
+        for req, n in zip(plan.reqs, plan.extend_lens):
+            req.kv_len += n
+        result = self.sampler.sample(logits, plan.reqs)
+        next_ids = result.next_ids.tolist()
+        for req, token in zip(plan.reqs, next_ids):
+            req.append_output(token)
+        self.stops.check(plan.reqs)
+        logprobs = result.logprobs.tolist() if result.logprobs is not None else None
+        top_ids = result.top_ids.tolist() if result.top_ids is not None else None
+        top_vals = result.top_vals.tolist() if result.top_vals is not None else None
+        for i, req in enumerate(plan.reqs):
+            self._out.add_row(req, [next_ids[i]])
+            if req.return_logprob:
+                k = req.top_logprobs_num
+                self._out.add_logprobs(logprobs[i], top_ids[i][:k] if k else [], top_vals[i][:k] if k else [])
+            if req.finished:
+                self.policy.remove(req)
+                del self.reqs[req.rid]
+                self.num_finished_reqs += 1
+        if plan.is_decode:
+            self.num_decode_steps += 1
+            self.peak_decode_batch_size = max(self.peak_decode_batch_size, len(plan.reqs))
+
+    def _emit_abort(self, req: Req, message: str, status: str) -> None:
+        req.finish_reason = FinishReason(FinishType.ABORT, message=message, status=status)
+        self._out.add_row(req, [])
+        self.num_aborted_reqs += 1
+
+    def _take_output(self) -> StepOutput | None:
+        out, self._out = self._out, StepOutput()
+        return out if len(out) else None
+
+    def load(self) -> LoadStats:
+        """Counters for GetLoad; safe to call from another thread (reads of ints and lengths)."""
+        return LoadStats(
+            num_running_reqs=len(self.policy.running),
+            num_waiting_reqs=len(self.policy.waiting),
+            req_slots_used=self.req_pool.used,
+            kv_used_tokens=self.kv_pool.used,
+            kv_total_tokens=self.kv_pool.size,
+            num_decode_steps=self.num_decode_steps,
+            peak_decode_batch_size=self.peak_decode_batch_size,
+            num_aborted_reqs=self.num_aborted_reqs,
+            num_finished_reqs=self.num_finished_reqs,
+        )

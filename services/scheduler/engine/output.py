@@ -1,0 +1,79 @@
+"""One step's output rows, columnar like the wire's BatchTokenIDOutput (gRPC-free)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.scheduler.engine.req import FinishReason, Req
+
+# Prompt ids sent with a rid's first row: enough decode context for the detokenizer to
+# render the first output token's leading space / partial character correctly.
+PROMPT_TAIL = 5
+
+
+@dataclass(frozen=True)
+class RowInit:
+    """Once-per-rid facts for the detokenizer (the wire's RowInit)."""
+
+    row: int
+    prompt_tail_ids: list[int]
+    stop: tuple[str, ...]
+    skip_special_tokens: bool
+    spaces_between_special_tokens: bool
+    no_stop_trim: bool
+    top_logprobs_num: int
+
+
+@dataclass
+class StepOutput:
+    """Every row that produced tokens or finished in one step.
+
+    Row i owns ``output_ids[sum(new_token_counts[:i]) : sum(new_token_counts[:i+1])]``;
+    logprob columns follow the same rule with ``logprob_counts`` (0 for rows without
+    logprobs), and top logprobs are ``top_logprobs_num`` ids/values per logprob.
+    ``finish_reasons[i]`` is None while the request runs.
+    """
+
+    rids: list[str] = field(default_factory=list)
+    tokenizer_ids: list[str] = field(default_factory=list)
+    new_token_counts: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+    inits: list[RowInit] = field(default_factory=list)
+    finish_reasons: list[FinishReason | None] = field(default_factory=list)
+    prompt_tokens: list[int] = field(default_factory=list)
+    completion_tokens: list[int] = field(default_factory=list)
+    cached_tokens: list[int] = field(default_factory=list)
+    logprob_counts: list[int] = field(default_factory=list)
+    output_token_logprobs: list[float] = field(default_factory=list)
+    top_logprob_ids: list[int] = field(default_factory=list)
+    top_logprob_vals: list[float] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.rids)
+
+    def add_row(self, req: Req, new_ids: list[int]) -> None:
+        """Append req's row; the first row of a rid carries its RowInit."""
+        row = len(self.rids)
+        if not req.init_sent:
+            req.init_sent = True
+            p = req.sampling
+            self.inits.append(
+                RowInit(row, list(req.origin_input_ids[-PROMPT_TAIL:]), p.stop, p.skip_special_tokens,
+                        p.spaces_between_special_tokens, p.no_stop_trim, req.top_logprobs_num)
+            )
+        self.rids.append(req.rid)
+        self.tokenizer_ids.append(req.tokenizer_id)
+        self.new_token_counts.append(len(new_ids))
+        self.output_ids.extend(new_ids)
+        self.finish_reasons.append(req.finish_reason)
+        self.prompt_tokens.append(req.prompt_len)
+        self.completion_tokens.append(len(req.output_ids))
+        self.cached_tokens.append(0)
+        self.logprob_counts.append(0)
+
+    def add_logprobs(self, logprob: float, top_ids: list[int], top_vals: list[float]) -> None:
+        """Attach one token's logprob (and its top-k) to the row added last."""
+        self.logprob_counts[-1] += 1
+        self.output_token_logprobs.append(logprob)
+        self.top_logprob_ids.extend(top_ids)
+        self.top_logprob_vals.extend(top_vals)

@@ -1,0 +1,149 @@
+"""The scheduler's request: its token lists, sampling parameters and finish state.
+
+As in vLLM v1's ``Request``, the token lists are private: readers get read-only views,
+and the engine grows the output through one method, ``append_output``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+class FinishType(enum.IntEnum):
+    """Values equal ``common_pb2.FinishReasonType`` so the wire mapping is the identity."""
+
+    NONE = 0
+    STOP = 1
+    LENGTH = 2
+    ABORT = 3
+
+
+@dataclass(frozen=True)
+class FinishReason:
+    """Why a request ended; ``matched_str`` / ``matched_token_id`` name the stop (matched_stop)."""
+
+    type: FinishType
+    matched_str: str | None = None
+    matched_token_id: int | None = None
+    message: str = ""
+    status: str = ""  # gRPC status code name for aborts, e.g. "CANCELLED", "INVALID_ARGUMENT"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Resolved sampling parameters (every default filled in by the tokenizer service)."""
+
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = disabled
+    min_p: float = 0.0
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class ReqInput:
+    """A tokenized request as the engine receives it (the wire's TokenizedGenerateReqInput)."""
+
+    rid: str
+    input_ids: Sequence[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    tokenizer_id: str = ""
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    stream: bool = True
+
+
+class TokenView(Sequence[int]):
+    """Read-only, zero-copy view of a token list."""
+
+    __slots__ = ("_ids",)
+
+    def __init__(self, ids: list[int]):
+        self._ids = ids
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return self._ids[i]
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __eq__(self, other: object) -> bool:
+        return list(self._ids) == list(other) if isinstance(other, Sequence) else NotImplemented
+
+    def __repr__(self) -> str:
+        return f"TokenView({self._ids!r})"
+
+
+class Req:
+    """One in-flight request.
+
+    Attributes (engine-managed):
+        req_slot: row in ReqToTokenPool while the request holds KV, else None.
+        kv_len: tokens whose K/V are in the KV cache (positions 0..kv_len-1).
+        finish_reason: set once when the request ends; None while running or waiting.
+        init_sent: the detokenizer has had this rid's RowInit.
+        generator: per-request torch.Generator when a seed is given (reproducible sampling).
+    """
+
+    def __init__(self, spec: ReqInput):
+        self.rid = spec.rid
+        self.tokenizer_id = spec.tokenizer_id
+        self.sampling = spec.sampling
+        self.return_logprob = spec.return_logprob
+        self.top_logprobs_num = spec.top_logprobs_num
+        self._origin_input_ids = list(spec.input_ids)
+        self._output_ids: list[int] = []
+        self.req_slot: int | None = None
+        self.kv_len = 0
+        self.finish_reason: FinishReason | None = None
+        self.init_sent = False
+        self.generator: torch.Generator | None = None
+        if spec.sampling.seed is not None:
+            self.generator = torch.Generator().manual_seed(spec.sampling.seed)
+
+    @property
+    def origin_input_ids(self) -> TokenView:
+        return TokenView(self._origin_input_ids)
+
+    @property
+    def output_ids(self) -> TokenView:
+        return TokenView(self._output_ids)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self._origin_input_ids)
+
+    @property
+    def seq_len(self) -> int:
+        """Prompt plus output tokens."""
+        return len(self._origin_input_ids) + len(self._output_ids)
+
+    def fill_ids(self) -> list[int]:
+        """All tokens (prompt + output): what a (re-)prefill after retraction computes K/V for."""
+        return self._origin_input_ids + self._output_ids
+
+    def last_token(self) -> int:
+        return self._output_ids[-1] if self._output_ids else self._origin_input_ids[-1]
+
+    def append_output(self, token_id: int) -> None:
+        self._output_ids.append(token_id)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

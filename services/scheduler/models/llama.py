@@ -1,0 +1,187 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Mistral) on a paged KV cache.
+
+One class covers the family: the variants differ only in config flags (q/k/v bias for
+Qwen2, head_dim, grouped-query attention, tied embeddings, RMSNorm eps, rope theta and
+llama3 rope scaling). Weights come from an HF directory (config.json + *.safetensors);
+q/k/v and gate/up projections are fused at load so a layer runs four matmuls.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from services.scheduler.layers.attention import AttnMetadata, KVBuffers, paged_attention
+from services.scheduler.layers.norm import RMSNorm
+from services.scheduler.layers.rotary import RotaryEmbedding, apply_rotary
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, head_dim]
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """The config.json fields the model reads; defaults are Llama's."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    attention_bias: bool
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "LlamaConfig":
+        """Read an HF config dict; rope from ``rope_parameters`` (transformers 5) or ``rope_theta``/``rope_scaling``.
+
+        Raises:
+            ValueError: a hidden activation other than silu, or an active sliding window.
+        """
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r}; only silu")
+        if cfg.get("sliding_window") and cfg.get("use_sliding_window", True) and cfg["sliding_window"] < cfg["max_position_embeddings"]:
+            raise ValueError("sliding-window attention is not implemented; the config sets sliding_window")
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        heads = cfg["num_attention_heads"]
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=rope or None,
+            max_position_embeddings=cfg["max_position_embeddings"],
+            attention_bias=cfg.get("attention_bias", cfg.get("model_type") == "qwen2"),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+        )
+
+
+class LlamaAttention(torch.nn.Module):
+    def __init__(self, cfg: LlamaConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = torch.nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = torch.nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+
+    def forward(self, h: torch.Tensor, rope: Rope, meta: AttnMetadata, kv: KVBuffers) -> torch.Tensor:
+        """h: [T, hidden] -> [T, hidden]."""
+        t = h.shape[0]
+        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, k, *rope)
+        return self.o_proj(paged_attention(q, k, v, self.layer_id, meta, kv, self.scale))
+
+
+class LlamaMLP(torch.nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.gate_up_proj = torch.nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = torch.nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(torch.nn.Module):
+    def __init__(self, cfg: LlamaConfig, layer_id: int):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_id)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, rope: Rope, meta: AttnMetadata, kv: KVBuffers) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), rope, meta, kv)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(torch.nn.Module):
+    """The decoder plus LM head. Built on the meta device; ``load`` materializes it."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.config = cfg
+        with torch.device("cpu"):
+            # Real tensors even when the module tree is built on the meta device.
+            self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.embed_tokens = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = torch.nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @classmethod
+    def load(cls, model_dir: Path, dtype: torch.dtype) -> "LlamaForCausalLM":
+        """Build from ``model_dir``/config.json and every ``*.safetensors`` file in it.
+
+        Raises:
+            FileNotFoundError: no safetensors file.
+            RuntimeError: missing or unexpected weights (named by load_state_dict).
+        """
+        cfg = LlamaConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+        raw: dict[str, torch.Tensor] = {}
+        for f in files:
+            raw.update(load_file(str(f)))
+        with torch.device("meta"):
+            model = cls(cfg)
+        state = _fuse(raw, cfg, dtype)
+        model.load_state_dict(state, strict=True, assign=True)
+        return model.eval()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata, kv: KVBuffers) -> torch.Tensor:
+        """input_ids, positions: int64 [T] packed over requests -> final hidden states [T, hidden]."""
+        h = self.embed_tokens(input_ids)
+        rope = self.rotary(positions, h.dtype)
+        for layer in self.layers:
+            h = layer(h, rope, meta, kv)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] (the positions that sample) -> float32 logits [N, vocab]."""
+        return self.lm_head(self.norm(hidden)).float()
+
+
+def _fuse(raw: dict[str, torch.Tensor], cfg: LlamaConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """HF names -> this module's names, with q/k/v and gate/up concatenated along the output dim."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in raw.items():
+        key = name.removeprefix("model.")
+        if ".self_attn.k_proj." in key or ".self_attn.v_proj." in key or ".mlp.up_proj." in key:
+            continue
+        if ".self_attn.q_proj." in key:
+            parts = [raw[name], raw[name.replace("q_proj", "k_proj")], raw[name.replace("q_proj", "v_proj")]]
+            out[key.replace("q_proj", "qkv_proj")] = torch.cat(parts, dim=0).to(dtype)
+        elif ".mlp.gate_proj." in key:
+            out[key.replace("gate_proj", "gate_up_proj")] = torch.cat([t, raw[name.replace("gate_proj", "up_proj")]], dim=0).to(dtype)
+        elif "rotary_emb" not in key:
+            out[key] = t.to(dtype)
+    if cfg.tie_word_embeddings or "lm_head.weight" not in out:
+        out["lm_head.weight"] = out["embed_tokens.weight"]
+    return out

@@ -1,0 +1,71 @@
+"""gRPC adapter over the engine loop: ``Scheduler.Connect`` and ``Scheduler.GetLoad``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from ringserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.scheduler.engine.loop import EngineLoop
+from services.scheduler.wire import load_to_proto, req_input_from_proto
+
+log = logging.getLogger(__name__)
+
+
+class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
+    """One Connect stream per tokenizer instance; rids it owns die with its stream."""
+
+    def __init__(self, loop: EngineLoop, instance_id: str, load_report_interval_s: float = 1.0):
+        self.loop = loop
+        self.instance_id = instance_id
+        self.load_report_interval_s = load_report_interval_s
+
+    def _load_event(self) -> scheduler_pb2.SchedulerEvent:
+        return scheduler_pb2.SchedulerEvent(load=load_to_proto(self.loop.load(), self.instance_id))
+
+    async def Connect(self, request_iterator, context: grpc.aio.ServicerContext):
+        """Bidi stream: hello (AbortReq, empty rid, tokenizer_id), then requests and aborts.
+
+        Sends a LoadReport event at once and then every ``load_report_interval_s``. When
+        the stream ends for any reason, every rid the tokenizer owns is aborted.
+
+        Errors: INVALID_ARGUMENT when the first message is not a hello.
+        """
+        first = await anext(aiter(request_iterator), None)
+        if first is None or first.WhichOneof("msg") != "abort" or first.abort.rid or not first.abort.tokenizer_id:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "the first Connect message must be an AbortReq hello with an empty rid and a tokenizer_id",
+            )
+        tokenizer_id = first.abort.tokenizer_id
+        log.info("tokenizer %s connected", tokenizer_id)
+        reader = asyncio.create_task(self._read(request_iterator, tokenizer_id))
+        try:
+            yield self._load_event()
+            while not reader.done():
+                await asyncio.wait({reader}, timeout=self.load_report_interval_s)
+                if not reader.done():
+                    yield self._load_event()
+            reader.result()
+        finally:
+            reader.cancel()
+            log.info("tokenizer %s stream closed; aborting its requests", tokenizer_id)
+            self.loop.abort(tokenizer_id=tokenizer_id, message=f"tokenizer {tokenizer_id} stream closed", status="UNAVAILABLE")
+
+    async def _read(self, request_iterator, tokenizer_id: str) -> None:
+        async for msg in request_iterator:
+            kind = msg.WhichOneof("msg")
+            if kind == "req":
+                self.loop.submit(req_input_from_proto(msg.req, tokenizer_id))
+            elif kind == "abort":
+                a = msg.abort
+                reason = a.reason or "aborted by the tokenizer"
+                if a.abort_all:
+                    self.loop.abort(tokenizer_id=a.tokenizer_id or tokenizer_id, message=reason)
+                elif a.rid:
+                    self.loop.abort(rid=a.rid, message=reason)
+
+    async def GetLoad(self, request: common_pb2.Empty, context: grpc.aio.ServicerContext) -> common_pb2.LoadReport:
+        return load_to_proto(self.loop.load(), self.instance_id)

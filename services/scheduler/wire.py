@@ -1,0 +1,69 @@
+"""Mapping between the engine's plain objects and the contract's protobuf messages."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, fields
+
+from ringserve.v1 import common_pb2, detokenizer_pb2, scheduler_pb2
+from services.scheduler.engine.engine import LoadStats
+from services.scheduler.engine.output import StepOutput
+from services.scheduler.engine.req import FinishReason, ReqInput, SamplingParams
+
+
+# ResolvedSamplingParams fields copied as they are; the rest need a conversion.
+_SCALAR_PARAMS = tuple(
+    f.name for f in fields(SamplingParams) if f.name not in ("stop", "stop_token_ids", "seed", "logit_bias")
+)
+
+
+def req_input_from_proto(msg: scheduler_pb2.TokenizedGenerateReqInput, tokenizer_id: str) -> ReqInput:
+    """TokenizedGenerateReqInput -> ReqInput; ``tokenizer_id`` (the stream's) fills an empty field."""
+    p = msg.sampling_params
+    sampling = SamplingParams(
+        **{name: getattr(p, name) for name in _SCALAR_PARAMS},
+        stop=tuple(p.stop),
+        stop_token_ids=frozenset(p.stop_token_ids),
+        seed=p.seed if p.HasField("seed") else None,
+        logit_bias=tuple(sorted(p.logit_bias.items())),
+    )
+    return ReqInput(
+        rid=msg.rid,
+        input_ids=list(msg.input_ids),
+        sampling=sampling,
+        tokenizer_id=msg.tokenizer_id or tokenizer_id,
+        return_logprob=msg.return_logprob,
+        top_logprobs_num=msg.top_logprobs_num,
+        stream=msg.stream,
+    )
+
+
+def _finish_to_proto(fr: FinishReason | None) -> common_pb2.FinishReason:
+    if fr is None:
+        return common_pb2.FinishReason(type=common_pb2.FINISH_NONE)
+    msg = common_pb2.FinishReason(type=int(fr.type), message=fr.message, status=fr.status)
+    if fr.matched_str is not None:
+        msg.matched_str = fr.matched_str
+    elif fr.matched_token_id is not None:
+        msg.matched_token_id = fr.matched_token_id
+    return msg
+
+
+def step_output_to_proto(out: StepOutput) -> detokenizer_pb2.BatchTokenIDOutput:
+    """StepOutput -> BatchTokenIDOutput (same column names)."""
+    inits = [
+        detokenizer_pb2.RowInit(
+            row=i.row, prompt_tail_ids=i.prompt_tail_ids, stop=i.stop, skip_special_tokens=i.skip_special_tokens,
+            spaces_between_special_tokens=i.spaces_between_special_tokens, no_stop_trim=i.no_stop_trim,
+            top_logprobs_num=i.top_logprobs_num,
+        )
+        for i in out.inits
+    ]
+    columns = {f.name: getattr(out, f.name) for f in fields(StepOutput) if f.name not in ("inits", "finish_reasons")}
+    return detokenizer_pb2.BatchTokenIDOutput(
+        **columns, inits=inits, finish_reasons=[_finish_to_proto(f) for f in out.finish_reasons]
+    )
+
+
+def load_to_proto(stats: LoadStats, instance_id: str) -> common_pb2.LoadReport:
+    """LoadStats -> LoadReport (the field names are the same)."""
+    return common_pb2.LoadReport(instance_id=instance_id, **asdict(stats))

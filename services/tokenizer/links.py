@@ -1,0 +1,204 @@
+"""The tokenizer's two long-lived connections in the ring, each reconnecting with backoff.
+
+- ``SchedulerLink``: one bidirectional ``Scheduler.Connect`` stream. The first
+  message is the hello (an AbortReq with an empty rid naming this instance's
+  tokenizer_id); TokenizedGenerateReqInput and AbortReq follow, in order, from a
+  queue filled synchronously by the manager (it is the manager's ``Dispatcher``).
+- ``DetokenizerLink``: one ``Detokenizer.Subscribe(tokenizer_id)`` stream whose
+  BatchStrOutput messages go to the manager's ``handle_batch``. The subscription
+  counts as up when the detokenizer sends the call's initial metadata (which it
+  should do once the subscriber is registered), or, if it does not, after
+  ``SUBSCRIBE_GRACE_S`` with the call still open.
+
+When a session ends (peer gone, stream closed) the link reports down at once, so
+the manager fails every in-flight request with UNAVAILABLE, then reconnects with
+exponential backoff and jitter (tenacity), forever, until ``stop()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import grpc
+from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential, wait_random
+
+from ringserve.grpcutil import insecure_channel
+from ringserve.v1 import detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from services.tokenizer.errors import unavailable
+
+logger = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_S = 2.0
+SUBSCRIBE_GRACE_S = 0.5
+BACKOFF_INITIAL_S = 0.05
+BACKOFF_MAX_S = 2.0
+
+_RETRYABLE = (grpc.aio.AioRpcError, asyncio.TimeoutError, ConnectionError, grpc.aio.UsageError)
+
+
+class Link(ABC):
+    """A connection to one peer that is either up or reconnecting.
+
+    Args:
+        name: "scheduler" or "detokenizer", for messages.
+        target: the peer's address ("host:port" or "unix:path").
+        on_change: called with (link, up) on every transition; on a loss it runs
+            before anything else touches the link, so in-flight requests fail first.
+    """
+
+    def __init__(self, name: str, target: str, on_change: Callable[[Link, bool], None]):
+        self.name = name
+        self.target = target
+        self.on_change = on_change
+        self.up = False
+        self.sessions = 0  # successful connections so far
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"{self.name}-link")
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        while not self._stopping:
+            channel = None
+            failed = False
+            try:
+                async for attempt in AsyncRetrying(
+                    wait=wait_exponential(multiplier=BACKOFF_INITIAL_S, max=BACKOFF_MAX_S) + wait_random(0, BACKOFF_INITIAL_S),
+                    retry=retry_if_exception_type(_RETRYABLE),
+                ):
+                    with attempt:
+                        if channel is not None:
+                            await channel.close()
+                        channel = insecure_channel(self.target)
+                        await asyncio.wait_for(channel.channel_ready(), CONNECT_TIMEOUT_S)
+                        call = await self._open(channel)
+                self.sessions += 1
+                self._set(True)
+                await self._pump(call)
+                logger.warning("%s stream at %s closed", self.name, self.target)
+            except _RETRYABLE as exc:
+                cause = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else repr(exc)
+                logger.warning("%s stream at %s lost (%s)", self.name, self.target, cause)
+            except Exception:
+                logger.exception("%s stream at %s failed", self.name, self.target)
+                failed = True
+            finally:
+                self._set(False)
+                if channel is not None:
+                    await channel.close()
+            if failed:  # a bug, not a lost peer: do not spin
+                await asyncio.sleep(BACKOFF_MAX_S)
+
+    def _set(self, up: bool) -> None:
+        if up != self.up:
+            self.up = up
+            self.on_change(self, up)
+
+    @abstractmethod
+    async def _open(self, channel: grpc.aio.Channel) -> grpc.aio.Call:
+        """Start the stream on a ready channel; raise a retryable error if the peer refuses."""
+
+    @abstractmethod
+    async def _pump(self, call: grpc.aio.Call) -> None:
+        """Run the stream until it ends (return) or fails (raise)."""
+
+
+class SchedulerLink(Link):
+    """The scheduler stream; also the manager's Dispatcher (``send_req``, ``send_abort``)."""
+
+    def __init__(self, target: str, instance_id: str, on_change: Callable[[Link, bool], None]):
+        super().__init__("scheduler", target, on_change)
+        self.instance_id = instance_id
+        self._queue: asyncio.Queue[scheduler_pb2.SchedulerInput] = asyncio.Queue()
+
+    def _put(self, msg: scheduler_pb2.SchedulerInput) -> None:
+        if not self.up:
+            raise unavailable(f"the scheduler at {self.target} is not connected")
+        self._queue.put_nowait(msg)
+
+    def send_req(self, req: scheduler_pb2.TokenizedGenerateReqInput) -> None:
+        """Queue a request. Raises RequestError (UNAVAILABLE) when the stream is down."""
+        self._put(scheduler_pb2.SchedulerInput(req=req))
+
+    def send_abort(self, abort: scheduler_pb2.AbortReq) -> None:
+        """Queue an abort. Raises RequestError (UNAVAILABLE) when the stream is down."""
+        self._put(scheduler_pb2.SchedulerInput(abort=abort))
+
+    async def flush(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for queued messages (aborts at shutdown) to be written."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.up and not self._queue.empty() and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+
+    async def _open(self, channel: grpc.aio.Channel) -> grpc.aio.Call:
+        call = scheduler_pb2_grpc.SchedulerStub(channel).Connect()
+        hello = scheduler_pb2.AbortReq(rid="", abort_all=False, tokenizer_id=self.instance_id)
+        await call.write(scheduler_pb2.SchedulerInput(abort=hello))
+        # Messages queued for an earlier session belong to requests that were failed.
+        self._queue = asyncio.Queue()
+        return call
+
+    async def _pump(self, call: grpc.aio.Call) -> None:
+        async def write() -> None:
+            while True:
+                await call.write(await self._queue.get())
+
+        async def read() -> None:
+            while await call.read() is not grpc.aio.EOF:  # LoadReport events; nothing to route yet
+                pass
+
+        tasks = [asyncio.create_task(write()), asyncio.create_task(read())]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()
+        finally:
+            # No await here: the loss must reach the manager before anything else runs.
+            for task in tasks:
+                task.cancel()
+            call.cancel()
+
+
+class DetokenizerLink(Link):
+    """The detokenizer subscription; every BatchStrOutput goes to ``on_batch``."""
+
+    def __init__(
+        self,
+        target: str,
+        instance_id: str,
+        on_batch: Callable[[detokenizer_pb2.BatchStrOutput], None],
+        on_change: Callable[[Link, bool], None],
+    ):
+        super().__init__("detokenizer", target, on_change)
+        self.instance_id = instance_id
+        self.on_batch = on_batch
+
+    async def _open(self, channel: grpc.aio.Channel) -> grpc.aio.Call:
+        call = detokenizer_pb2_grpc.DetokenizerStub(channel).Subscribe(
+            detokenizer_pb2.SubscribeRequest(tokenizer_id=self.instance_id)
+        )
+        try:
+            await asyncio.wait_for(call.initial_metadata(), SUBSCRIBE_GRACE_S)
+        except asyncio.TimeoutError:
+            pass  # a detokenizer that does not announce its subscribers: open and not failed is up
+        if call.done():
+            raise ConnectionError(f"the detokenizer ended the subscription at once: {await call.code()}")
+        return call
+
+    async def _pump(self, call: grpc.aio.Call) -> None:
+        try:
+            async for batch in call:
+                self.on_batch(batch)
+        finally:
+            call.cancel()

@@ -1,0 +1,159 @@
+"""``ringserve tokenizer``: flags, start-up, health and shutdown of the tokenizer service.
+
+Flags are parsed once into ``TokenizerConfig``. Health reports SERVING once the
+tokenizer is loaded and both the scheduler stream and the detokenizer
+subscription are up, and NOT_SERVING while either is reconnecting. SIGTERM and
+SIGINT stop the server (in-flight calls are cancelled, which aborts them at the
+scheduler), flush the pending aborts and close both links.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ringserve.grpcutil import ServingServer, start_server
+from ringserve.v1 import tokenizer_pb2_grpc
+from services.tokenizer.errors import unavailable
+from services.tokenizer.links import DetokenizerLink, Link, SchedulerLink
+from services.tokenizer.manager import TokenizerManager
+from services.tokenizer.model import load_tokenizer, model_facts
+from services.tokenizer.servicer import SERVICE_NAME, TokenizerServicer
+
+logger = logging.getLogger(__name__)
+
+SHUTDOWN_GRACE_S = 1.0
+ABORT_FLUSH_S = 0.5
+
+
+def default_instance_id() -> str:
+    return f"tok-{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    """Configuration of one tokenizer instance (one field per flag)."""
+
+    model: Path
+    host: str = "127.0.0.1"
+    port: int = 30010  # 0 picks a free port
+    scheduler: str = "127.0.0.1:30020"
+    detokenizer: str = "127.0.0.1:30030"
+    instance_id: str = field(default_factory=default_instance_id)
+    served_model_name: str | None = None  # default: the model directory's name
+    context_length: int | None = None  # default: config.json max_position_embeddings
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+class TokenizerService:
+    """The manager, its two links and the gRPC server, started and stopped together."""
+
+    def __init__(self, config: TokenizerConfig):
+        self.config = config
+        tokenizer = load_tokenizer(config.model)
+        facts = model_facts(config.model, tokenizer, config.served_model_name, config.context_length)
+        self.manager = TokenizerManager(tokenizer, facts, config.instance_id, outputs_up=False)
+        self.scheduler = SchedulerLink(config.scheduler, config.instance_id, self._on_link)
+        self.detokenizer = DetokenizerLink(
+            config.detokenizer, config.instance_id, self.manager.handle_batch, self._on_link
+        )
+        self.manager.attach(self.scheduler)
+        self.server: ServingServer | None = None
+
+    @property
+    def port(self) -> int:
+        assert self.server is not None
+        return self.server.port
+
+    @property
+    def ready(self) -> bool:
+        return self.scheduler.up and self.detokenizer.up
+
+    def _on_link(self, link: Link, up: bool) -> None:
+        if link is self.detokenizer:
+            self.manager.outputs_up = up
+        if not up:
+            failed = self.manager.fail_all(
+                unavailable(f"lost the connection to the {link.name} at {link.target}"),
+                send_aborts=link is self.detokenizer,
+            )
+            logger.warning("%s link down; failed %d in-flight requests", link.name, failed)
+        else:
+            logger.info("%s link up (%s)", link.name, link.target)
+        asyncio.get_running_loop().create_task(self._sync_health())
+
+    async def _sync_health(self) -> None:
+        if self.server is not None:
+            await self.server.set_serving(self.ready)
+
+    async def start(self) -> None:
+        self.server = await start_server(
+            self.config.address,
+            [(tokenizer_pb2_grpc.add_TokenizerServicer_to_server, TokenizerServicer(self.manager), SERVICE_NAME)],
+        )
+        self.scheduler.start()
+        self.detokenizer.start()
+        logger.info("tokenizer %s listening on %s:%d", self.config.instance_id, self.config.host, self.port)
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.set_serving(False)
+            await self.server.stop(SHUTDOWN_GRACE_S)
+        await self.scheduler.flush(ABORT_FLUSH_S)
+        await self.detokenizer.stop()
+        await self.scheduler.stop()
+
+
+def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
+    p = argparse.ArgumentParser(prog="ringserve tokenizer", description="The tokenizer service (public gRPC API).")
+    p.add_argument("--model", type=Path, required=True, help="HF-format model directory")
+    p.add_argument("--host", default=TokenizerConfig.host)
+    p.add_argument("--port", type=int, default=TokenizerConfig.port, help="0 picks a free port")
+    p.add_argument("--scheduler", default=TokenizerConfig.scheduler, help="scheduler address")
+    p.add_argument("--detokenizer", default=TokenizerConfig.detokenizer, help="detokenizer address")
+    p.add_argument("--instance-id", default=None, help="default: tok-<hostname>-<pid>")
+    p.add_argument("--served-model-name", default=None, help="default: the model directory's name")
+    p.add_argument("--context-length", type=int, default=None, help="default: config.json max_position_embeddings")
+    a = p.parse_args(argv)
+    return TokenizerConfig(
+        model=a.model,
+        host=a.host,
+        port=a.port,
+        scheduler=a.scheduler,
+        detokenizer=a.detokenizer,
+        instance_id=a.instance_id or default_instance_id(),
+        served_model_name=a.served_model_name,
+        context_length=a.context_length,
+    )
+
+
+async def serve(config: TokenizerConfig) -> None:
+    """Run until SIGTERM or SIGINT."""
+    service = TokenizerService(config)
+    await service.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logger.info("tokenizer stopping")
+    await service.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s tokenizer %(name)s: %(message)s")
+    asyncio.run(serve(config))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""Load the tokenizer and the model facts the tokenizer service needs from a model directory.
+
+Reads ``tokenizer.json`` / ``tokenizer_config.json`` / ``chat_template.jinja``
+through transformers, and ``config.json`` / ``generation_config.json`` for the
+context length and EOS ids. It never imports torch: ``AutoTokenizer`` pulls in
+``transformers.configuration_utils`` and, through it, torch whenever torch is
+installed, so the class is resolved here the way AutoTokenizer resolves it for
+a local directory (``tokenizer_class`` in tokenizer_config.json, a top-level
+transformers name; ``TokenizersBackend`` when absent).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import transformers
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the tokenizer service reports and validates against."""
+
+    model_path: str
+    served_model_name: str
+    context_length: int  # tokens: prompt + completion must fit
+    vocab_size: int  # valid ids are [0, vocab_size)
+    eos_token_ids: tuple[int, ...]
+    has_chat_template: bool
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def load_tokenizer(model_dir: Path) -> Any:
+    """The transformers tokenizer of ``model_dir`` (with its chat template, if any).
+
+    Raises:
+        FileNotFoundError: no tokenizer.json in ``model_dir``.
+        ValueError: tokenizer_config.json names a class transformers does not have.
+    """
+    if not (model_dir / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"{model_dir} has no tokenizer.json (a fast tokenizer file is required)")
+    name = _read_json(model_dir / "tokenizer_config.json").get("tokenizer_class") or "TokenizersBackend"
+    cls = getattr(transformers, name, None) or getattr(transformers, name.removesuffix("Fast"), None)
+    if cls is None:
+        raise ValueError(f"tokenizer_config.json of {model_dir} names tokenizer_class {name!r}, unknown to transformers")
+    return cls.from_pretrained(str(model_dir))
+
+
+def _ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else [int(v) for v in value]
+
+
+def model_facts(
+    model_dir: Path, tokenizer: Any, served_model_name: str | None = None, context_length: int | None = None
+) -> ModelFacts:
+    """Facts of ``model_dir``: context length from the flag or config.json's max_position_embeddings.
+
+    EOS ids are the union (in order) of the tokenizer's eos token, config.json's and
+    generation_config.json's eos_token_id.
+
+    Raises:
+        ValueError: no context length given and none in config.json, or it is < 2.
+    """
+    config = _read_json(model_dir / "config.json")
+    gen_config = _read_json(model_dir / "generation_config.json")
+    if context_length is None:
+        context_length = config.get("max_position_embeddings")
+        if context_length is None:
+            raise ValueError(f"{model_dir}/config.json has no max_position_embeddings; pass --context-length")
+    if context_length < 2:
+        raise ValueError(f"context length must be at least 2 tokens, got {context_length}")
+    eos: list[int] = []
+    for tid in _ids(tokenizer.eos_token_id) + _ids(config.get("eos_token_id")) + _ids(gen_config.get("eos_token_id")):
+        if tid not in eos:
+            eos.append(tid)
+    return ModelFacts(
+        model_path=str(model_dir),
+        served_model_name=served_model_name or model_dir.resolve().name,
+        context_length=int(context_length),
+        vocab_size=len(tokenizer),
+        eos_token_ids=tuple(eos),
+        has_chat_template=bool(tokenizer.chat_template),
+    )

@@ -1,0 +1,90 @@
+"""Per-request entry state (``ReqState``) and the rows of a ``BatchStrOutput`` it receives.
+
+Follows SGLang's ``ReqState`` (``tokenizer_manager.py``): an output list, an
+event the waiting call sleeps on, and the flags of invariant 4 of DESIGN.md
+(dispatched, abort_sent, finished).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from ringserve.v1 import common_pb2, detokenizer_pb2, tokenizer_pb2
+from services.tokenizer.errors import RequestError
+
+
+@dataclass
+class Row:
+    """One rid's part of one BatchStrOutput."""
+
+    rid: str
+    text: str
+    output_ids: list[int]
+    finish_reason: common_pb2.FinishReason
+    completion_tokens: int
+    cached_tokens: int
+    logprobs: list[float]
+    top_logprobs: list[tokenizer_pb2.TopLogprobs]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason.type != common_pb2.FINISH_NONE
+
+
+def split_rows(batch: detokenizer_pb2.BatchStrOutput) -> list[Row]:
+    """The rows of a columnar BatchStrOutput (layout in detokenizer.proto)."""
+    rows = []
+    ids_at = lp_at = top_at = 0
+    for i, rid in enumerate(batch.rids):
+        n_ids = batch.new_token_counts[i]
+        n_lp = batch.logprob_counts[i] if batch.logprob_counts else 0
+        k = batch.top_logprobs_nums[i] if batch.top_logprobs_nums else 0
+        top = []
+        for j in range(n_lp * (k > 0)):
+            at = top_at + j * k
+            top.append(
+                tokenizer_pb2.TopLogprobs(
+                    token_ids=batch.top_logprob_ids[at : at + k], logprobs=batch.top_logprob_vals[at : at + k]
+                )
+            )
+        rows.append(
+            Row(
+                rid=rid,
+                text=batch.texts[i],
+                output_ids=list(batch.output_ids[ids_at : ids_at + n_ids]),
+                finish_reason=batch.finish_reasons[i],
+                completion_tokens=batch.completion_tokens[i],
+                cached_tokens=batch.cached_tokens[i],
+                logprobs=list(batch.output_token_logprobs[lp_at : lp_at + n_lp]),
+                top_logprobs=top,
+            )
+        )
+        ids_at += n_ids
+        lp_at += n_lp
+        top_at += n_lp * k
+    return rows
+
+
+@dataclass(eq=False)
+class ReqState:
+    """Entry-side state of one (sub-)request, keyed by its rid."""
+
+    rid: str
+    parent_rid: str
+    index: int
+    prompt_tokens: int
+    event: asyncio.Event  # shared by the sub-requests of one call
+    out_list: list[Row] = field(default_factory=list)
+    dispatched: bool = False
+    abort_sent: bool = False
+    finished: bool = False
+    detached: bool = False  # its Generate call is gone; waiting for the final row
+    error: RequestError | None = None
+    # Non-stream accumulators: chunks are joined once, at the end.
+    text_chunks: list[str] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[tokenizer_pb2.TopLogprobs] = field(default_factory=list)
+    completion_tokens: int = 0
+    cached_tokens: int = 0

@@ -1,0 +1,166 @@
+"""A scripted in-test Tokenizer gRPC servicer and the gateway served by uvicorn in front of it.
+
+The fake yields the GenerateOutputs a test scripts and raises the gRPC statuses it scripts,
+so these tests check the gateway's own behaviour (framing, schema, error mapping,
+cancellation) with no model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import httpx
+import pytest_asyncio
+import uvicorn
+
+from ringserve import grpcutil
+from ringserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+from services.gateway.app import create_app
+from services.gateway.config import GatewayConfig
+
+MODEL = "smol"
+
+
+@dataclass
+class Fail:
+    """Script step: end the call with a gRPC status (and trailing metadata)."""
+
+    code: grpc.StatusCode
+    details: str
+    metadata: tuple[tuple[str, str], ...] = ()
+
+
+class Hang:
+    """Script step: wait until the call is cancelled."""
+
+
+def out(
+    text: str = "", index: int = 0, finish: str | None = None, completion: int = 1, **kw
+) -> tokenizer_pb2.GenerateOutput:
+    """A GenerateOutput; finish is None, "stop", "length" or "abort"; extra kw go to FinishReason."""
+    types = {None: common_pb2.FINISH_NONE, "stop": common_pb2.FINISH_STOP, "length": common_pb2.FINISH_LENGTH,
+             "abort": common_pb2.FINISH_ABORT}
+    return tokenizer_pb2.GenerateOutput(
+        rid="r", index=index, text=text, prompt_tokens=7, completion_tokens=completion, cached_tokens=3,
+        finish_reason=common_pb2.FinishReason(type=types[finish], **kw), output_ids=[100 + completion],
+    )
+
+
+class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
+    def __init__(self) -> None:
+        self.script: list = []
+        self.requests: list[tokenizer_pb2.GenerateReqInput] = []
+        self.cancelled = asyncio.Event()
+        self.tokenize_requests: list[tokenizer_pb2.TokenizeRequest] = []
+
+    def reset(self, *steps) -> None:
+        self.script = list(steps)
+        self.requests.clear()
+        self.cancelled = asyncio.Event()
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        try:
+            for step in list(self.script):
+                if isinstance(step, Fail):
+                    await context.abort(step.code, step.details, trailing_metadata=step.metadata)
+                elif isinstance(step, Hang):
+                    await asyncio.sleep(3600)
+                else:
+                    yield step
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+    async def GetModelInfo(self, request, context):
+        return tokenizer_pb2.ModelInfo(
+            model_path="/models/SmolLM2", served_model_name=MODEL, context_length=2048, vocab_size=49152
+        )
+
+    async def Tokenize(self, request, context):
+        self.tokenize_requests.append(request)
+        prompt = request.text if request.WhichOneof("input") == "text" else "<|im_start|>user\nhi<|im_end|>\n"
+        return tokenizer_pb2.TokenizeResponse(input_ids=[1, 2, 3], prompt=prompt, count=3, max_model_len=2048)
+
+    async def Detokenize(self, request, context):
+        return tokenizer_pb2.DetokenizeResponse(text="".join(f"<{i}>" for i in request.ids))
+
+    async def Abort(self, request, context):
+        return tokenizer_pb2.AbortResponse(found=request.rid == "known")
+
+    async def GetLoad(self, request, context):
+        return common_pb2.LoadReport(instance_id="tok-0", num_running_reqs=2, num_waiting_reqs=1)
+
+
+@dataclass
+class Stack:
+    """What a test gets: the fake, its gRPC server, an HTTP client on the gateway, and the
+    script helpers (test modules cannot import conftest under --import-mode=importlib)."""
+
+    fake: FakeTokenizer
+    server: grpcutil.ServingServer
+    client: httpx.AsyncClient
+    out = staticmethod(out)
+    Fail = Fail
+    Hang = Hang
+    model = MODEL
+
+
+async def _serve_gateway(config: GatewayConfig) -> tuple[uvicorn.Server, asyncio.Task, str]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(config), log_level="warning", lifespan="on"))
+    task = asyncio.ensure_future(server.serve(sockets=[sock]))
+    while not server.started:
+        await asyncio.sleep(0.01)
+    return server, task, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def tokenizer_server() -> AsyncIterator[tuple[FakeTokenizer, grpcutil.ServingServer]]:
+    fake = FakeTokenizer()
+    server = await grpcutil.start_server(
+        "127.0.0.1:0", [(tokenizer_pb2_grpc.add_TokenizerServicer_to_server, fake, "ringserve.v1.Tokenizer")]
+    )
+    await server.set_serving(True)
+    yield fake, server
+    await server.stop(0)
+
+
+async def _gateway(config: GatewayConfig) -> AsyncIterator[httpx.AsyncClient]:
+    server, task, url = await _serve_gateway(config)
+    async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+        yield client
+    server.should_exit = True
+    await task
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def stack(tokenizer_server) -> AsyncIterator[Stack]:
+    """The gateway in front of the fake tokenizer; each test scripts ``stack.fake``."""
+    fake, server = tokenizer_server
+    async for client in _gateway(GatewayConfig(tokenizer=f"127.0.0.1:{server.port}")):
+        yield Stack(fake, server, client)
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def keyed(tokenizer_server) -> AsyncIterator[httpx.AsyncClient]:
+    """A gateway started with --api-key sekrit."""
+    _, server = tokenizer_server
+    async for client in _gateway(GatewayConfig(tokenizer=f"127.0.0.1:{server.port}", api_key="sekrit")):
+        yield client
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def orphan() -> AsyncIterator[httpx.AsyncClient]:
+    """A gateway whose tokenizer address has nothing listening."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    async for client in _gateway(GatewayConfig(tokenizer=f"127.0.0.1:{port}")):
+        yield client

@@ -1,0 +1,176 @@
+"""Error objects and statuses: the gateway's own validation (C05), the mapping of the
+tokenizer's gRPC statuses, API keys, and a dead tokenizer."""
+
+from __future__ import annotations
+
+import grpc
+import orjson
+import pytest
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def assert_error(r, status: int, param=None, code=None, type_: str = "invalid_request_error") -> dict:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"] == "application/json"
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == type_ and isinstance(err["message"], str) and err["message"]
+    assert err["param"] == param, err
+    assert err["code"] == code, err
+    assert "Traceback" not in r.text
+    return err
+
+
+# (body overrides, param, code) for chat; each is checked with stream true and false.
+CHAT_INVALID = [
+    ({"max_tokens": 0}, "max_tokens", "invalid_value"),
+    ({"max_tokens": -5}, "max_tokens", "invalid_value"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens", "invalid_value"),
+    ({"temperature": -1}, "temperature", "invalid_value"),
+    ({"temperature": 3}, "temperature", "invalid_value"),
+    ({"top_p": 1.5}, "top_p", "invalid_value"),
+    ({"top_p": 0}, "top_p", "invalid_value"),
+    ({"n": 0}, "n", "invalid_value"),
+    ({"min_tokens": 10, "max_tokens": 5}, "min_tokens", "invalid_value"),
+    ({"frobnicate": 1}, "frobnicate", "unknown_parameter"),
+    ({"messages": []}, "messages", "invalid_value"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages", "invalid_value"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages", "unsupported_content_type"),
+    ({"continue_final_message": True, "add_generation_prompt": True,
+      "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
+     "continue_final_message", "invalid_value"),
+    ({"continue_final_message": True}, "continue_final_message", "invalid_value"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias", "invalid_value"),
+    ({"stop": ["", "x"]}, "stop", "invalid_value"),
+    ({"top_logprobs": 2}, "top_logprobs", "invalid_value"),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("override,param,code", CHAT_INVALID)
+async def test_chat_validation(stack, stream, override, param, code):
+    stack.fake.reset(stack.out("never", finish="stop"))
+    body = {"model": stack.model, "messages": MSG, "stream": stream, **override}
+    r = await stack.client.post("/v1/chat/completions", json=body)
+    err = assert_error(r, 400, param, code)
+    assert "-5" not in err["message"]
+    assert stack.fake.requests == [], "nothing may be sent to the tokenizer"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    "override,param",
+    [({"max_tokens": 0}, "max_tokens"), ({"temperature": 3}, "temperature"), ({"n": 0}, "n"),
+     ({"prompt": []}, "prompt"), ({"suffix": "x"}, "suffix"), ({"logprobs": 50}, "logprobs")],
+)
+async def test_completions_validation(stack, stream, override, param):
+    stack.fake.reset(stack.out("never", finish="stop"))
+    body = {"model": stack.model, "prompt": "hi", "stream": stream, **override}
+    assert_error(await stack.client.post("/v1/completions", json=body), 400, param, r_code(override))
+    assert stack.fake.requests == []
+
+
+def r_code(override: dict) -> str:
+    return "unknown_parameter" if "suffix" in override else "invalid_value"
+
+
+async def test_unknown_fields_are_all_named():
+    from services.gateway.errors import from_validation_errors
+
+    err = from_validation_errors([
+        {"type": "extra_forbidden", "loc": ("body", "foo")}, {"type": "extra_forbidden", "loc": ("body", "bar")}])
+    assert err.message == "Unrecognized request arguments supplied: foo, bar"
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/generate"])
+@pytest.mark.parametrize("raw", [b'{"model": "smol", "messages": [', b"", b"[1, 2]", b"null"])
+async def test_malformed_json(stack, path, raw):
+    r = await stack.client.post(path, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.headers["content-type"] == "application/json"
+    assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_unknown_model_is_404(stack, stream):
+    body = {"model": "gpt-9", "messages": MSG, "stream": stream}
+    err = assert_error(await stack.client.post("/v1/chat/completions", json=body), 404, "model", "model_not_found",
+                       "not_found_error")
+    assert "gpt-9" in err["message"]
+    r = await stack.client.post("/v1/completions", json={"model": "gpt-9", "prompt": "x", "stream": stream})
+    assert_error(r, 404, "model", "model_not_found", "not_found_error")
+
+
+GRPC_CASES = [
+    (grpc.StatusCode.INVALID_ARGUMENT, (("code", "context_length_exceeded"), ("param", "messages")),
+     400, "invalid_request_error", "messages", "context_length_exceeded", False),
+    (grpc.StatusCode.INVALID_ARGUMENT, (), 400, "invalid_request_error", None, None, False),
+    (grpc.StatusCode.ALREADY_EXISTS, (), 400, "invalid_request_error", "rid", "duplicate_request_id", False),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, (), 429, "rate_limit_error", None, "server_overloaded", True),
+    (grpc.StatusCode.UNAVAILABLE, (), 503, "service_unavailable_error", None, "service_unavailable", True),
+    (grpc.StatusCode.INTERNAL, (), 500, "server_error", None, "internal_error", False),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("code,metadata,status,type_,param,err_code,retry", GRPC_CASES)
+async def test_grpc_status_mapping(stack, stream, code, metadata, status, type_, param, err_code, retry):
+    details = "This model's maximum context length is 2048 tokens; the prompt has 2458 tokens"
+    stack.fake.reset(stack.Fail(code, details, metadata))
+    body = {"model": stack.model, "messages": MSG, "stream": stream}
+    r = await stack.client.post("/v1/chat/completions", json=body)
+    err = assert_error(r, status, param, err_code, type_)
+    assert err["message"] == details
+    assert (r.headers.get("retry-after") == "1") is retry
+
+
+async def test_api_key(keyed):
+    body = {"model": "smol", "messages": MSG}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}):
+        r = await keyed.post("/v1/chat/completions", json=body, headers=headers)
+        assert_error(r, 401, None, "invalid_api_key", "authentication_error")
+    # malformed JSON without a key is still a 401: the key is checked first
+    r = await keyed.post("/v1/chat/completions", content=b"{", headers={"content-type": "application/json"})
+    assert r.status_code == 401
+    r = await keyed.get("/v1/models", headers={"Authorization": "Bearer sekrit"})
+    assert r.status_code == 200 and r.json()["data"][0]["id"] == "smol"
+    assert (await keyed.get("/health")).status_code == 200
+
+
+async def test_tokenizer_down(orphan):
+    r = await orphan.get("/health")
+    assert_error(r, 503, None, "service_unavailable", "service_unavailable_error")
+    for stream in (False, True):
+        r = await orphan.post("/v1/chat/completions", json={"model": "smol", "messages": MSG, "stream": stream})
+        assert_error(r, 503, None, "service_unavailable", "service_unavailable_error")
+        assert r.headers["retry-after"] == "1"
+
+
+async def test_unknown_route_is_an_openai_error(stack):
+    r = await stack.client.get("/v1/nothing")
+    assert_error(r, 404, None, "not_found", "not_found_error")
+    r = await stack.client.get("/v1/chat/completions")
+    assert_error(r, 405, None, "method_not_allowed")
+
+
+async def test_health_follows_tokenizer_serving(stack):
+    assert (await stack.client.get("/health")).status_code == 200
+    await stack.server.set_serving(False)
+    try:
+        assert (await stack.client.get("/health")).status_code == 503
+    finally:
+        await stack.server.set_serving(True)
+    assert orjson.loads((await stack.client.get("/health")).content) == {"status": "ok"}
+
+
+async def test_form_content_type_is_read_as_json(stack):
+    """``curl -d`` sends JSON as application/x-www-form-urlencoded."""
+    stack.fake.reset(stack.out("ok", finish="stop"))
+    raw = orjson.dumps({"model": "smol", "messages": MSG})
+    r = await stack.client.post("/v1/chat/completions", content=raw,
+                                headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "ok"

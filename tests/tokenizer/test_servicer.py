@@ -1,0 +1,360 @@
+"""The tokenizer service over real gRPC on localhost, with small in-test scheduler and detokenizer peers.
+
+The fake scheduler answers each dispatched request by pushing a canned
+BatchStrOutput script for its rid to the fake detokenizer, which streams it to
+the subscribed tokenizer instance. In "hold" mode only the first row is sent and
+the request stays running until an AbortReq arrives, which is answered with a
+FINISH_ABORT row, as a real scheduler does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ringserve.grpcutil import ServingServer, insecure_channel, start_server
+from ringserve.v1 import (
+    common_pb2,
+    detokenizer_pb2,
+    detokenizer_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+    tokenizer_pb2,
+    tokenizer_pb2_grpc,
+)
+from services.tokenizer.main import TokenizerConfig, TokenizerService
+
+SCRIPT = [("Hello", [19556], None), (", world", [28, 905], None), ("!", [17], common_pb2.FinishReason(type=common_pb2.FINISH_STOP, matched_token_id=2))]
+TIMEOUT_S = 10
+
+
+def row_batch(rid: str, text: str, ids: list[int], finish: common_pb2.FinishReason | None, completion: int) -> detokenizer_pb2.BatchStrOutput:
+    return detokenizer_pb2.BatchStrOutput(
+        rids=[rid], texts=[text], new_token_counts=[len(ids)], output_ids=ids,
+        finish_reasons=[finish or common_pb2.FinishReason()], prompt_tokens=[0],
+        completion_tokens=[completion], cached_tokens=[0],
+    )
+
+
+class FakeDetokenizer(detokenizer_pb2_grpc.DetokenizerServicer):
+    def __init__(self) -> None:
+        self.subscribers: dict[str, asyncio.Queue[detokenizer_pb2.BatchStrOutput]] = {}
+
+    async def Subscribe(self, request, context):
+        queue: asyncio.Queue[detokenizer_pb2.BatchStrOutput] = asyncio.Queue()
+        self.subscribers[request.tokenizer_id] = queue
+        await context.send_initial_metadata(())  # "registered": the tokenizer may report SERVING
+        try:
+            while True:
+                yield await queue.get()
+        finally:
+            self.subscribers.pop(request.tokenizer_id, None)
+
+    def send(self, tokenizer_id: str, batch: detokenizer_pb2.BatchStrOutput) -> None:
+        if tokenizer_id in self.subscribers:  # rows for an instance that is not subscribed are dropped
+            self.subscribers[tokenizer_id].put_nowait(batch)
+
+
+class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self, detokenizer: FakeDetokenizer) -> None:
+        self.detokenizer = detokenizer
+        self.hellos: list[scheduler_pb2.AbortReq] = []
+        self.reqs: list[scheduler_pb2.TokenizedGenerateReqInput] = []
+        self.aborts: list[scheduler_pb2.AbortReq] = []
+        self.running: dict[str, tuple[str, int]] = {}  # rid -> (tokenizer_id, completion tokens)
+        self.hold = False
+
+    async def Connect(self, request_iterator, context):
+        async for msg in request_iterator:
+            if msg.WhichOneof("msg") == "req":
+                self._run(msg.req)
+            elif not msg.abort.rid:
+                self.hellos.append(msg.abort)
+            else:
+                self.aborts.append(msg.abort)
+                if msg.abort.rid in self.running:
+                    tid, done = self.running.pop(msg.abort.rid)
+                    fr = common_pb2.FinishReason(type=common_pb2.FINISH_ABORT, status="CANCELLED", message=msg.abort.reason)
+                    self.detokenizer.send(tid, row_batch(msg.abort.rid, "", [], fr, done))
+
+    def _run(self, req: scheduler_pb2.TokenizedGenerateReqInput) -> None:
+        self.reqs.append(req)
+        script = SCRIPT[:1] if self.hold else SCRIPT
+        for i, (text, ids, finish) in enumerate(script):
+            self.detokenizer.send(req.tokenizer_id, row_batch(req.rid, text, ids, finish, i + 1))
+        if self.hold:
+            self.running[req.rid] = (req.tokenizer_id, 1)
+
+
+class Ring:
+    """The tokenizer service under test plus its two fake peers, all in this event loop."""
+
+    def __init__(self, model: Path) -> None:
+        self.model = model
+        self.detok = FakeDetokenizer()
+        self.sched = FakeScheduler(self.detok)
+        self.servers: dict[str, ServingServer] = {}
+
+    async def start_peer(self, name: str, port: int = 0) -> None:
+        if name == "detokenizer":
+            reg = (detokenizer_pb2_grpc.add_DetokenizerServicer_to_server, self.detok, "ringserve.v1.Detokenizer")
+        else:
+            reg = (scheduler_pb2_grpc.add_SchedulerServicer_to_server, self.sched, "ringserve.v1.Scheduler")
+        self.servers[name] = await start_server(f"127.0.0.1:{port}", [reg])
+
+    async def start(self) -> None:
+        await self.start_peer("detokenizer")
+        await self.start_peer("scheduler")
+        self.service = TokenizerService(
+            TokenizerConfig(
+                model=self.model, port=0, instance_id="tok-under-test",
+                scheduler=f"127.0.0.1:{self.servers['scheduler'].port}",
+                detokenizer=f"127.0.0.1:{self.servers['detokenizer'].port}",
+            )
+        )
+        await self.service.start()
+        self.channel = insecure_channel(f"127.0.0.1:{self.service.port}")
+        self.stub = tokenizer_pb2_grpc.TokenizerStub(self.channel)
+        await self.wait_health(health_pb2.HealthCheckResponse.SERVING)
+
+    async def health(self) -> int:
+        resp = await health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(service=""))
+        return resp.status
+
+    async def wait_health(self, status: int) -> None:
+        async def poll():
+            while await self.health() != status:
+                await asyncio.sleep(0.02)
+
+        await asyncio.wait_for(poll(), TIMEOUT_S)
+
+    async def req_states(self) -> int:
+        return (await self.stub.GetLoad(common_pb2.Empty())).req_states
+
+    async def wait_req_states(self, n: int) -> None:
+        async def poll():
+            while await self.req_states() != n:
+                await asyncio.sleep(0.02)
+
+        await asyncio.wait_for(poll(), TIMEOUT_S)
+
+    async def stop(self) -> None:
+        await self.channel.close()
+        await self.service.stop()
+        for server in self.servers.values():
+            await server.stop(0)
+
+
+@pytest.fixture
+async def ring(smollm2_dir):
+    r = Ring(smollm2_dir)
+    await r.start()
+    yield r
+    await r.stop()
+
+
+def chat_req(rid: str = "", stream: bool = True, **sp) -> tokenizer_pb2.GenerateReqInput:
+    chat = tokenizer_pb2.ChatInput(messages=[tokenizer_pb2.ChatMessage(role="user", content="Say hi.")])
+    return tokenizer_pb2.GenerateReqInput(rid=rid, chat=chat, stream=stream, sampling_params=common_pb2.SamplingParams(**sp))
+
+
+async def collect(call) -> list[tokenizer_pb2.GenerateOutput]:
+    return await asyncio.wait_for(_collect(call), TIMEOUT_S)
+
+
+async def _collect(call) -> list[tokenizer_pb2.GenerateOutput]:
+    outs = []
+    while (out := await call.read()) is not grpc.aio.EOF:
+        outs.append(out)
+    return outs
+
+
+async def test_serving_hello_and_unary_calls(ring):
+    assert [(h.rid, h.abort_all, h.tokenizer_id) for h in ring.sched.hellos] == [("", False, "tok-under-test")]
+    info = await ring.stub.GetModelInfo(common_pb2.Empty())
+    assert (info.served_model_name, info.context_length, info.vocab_size, list(info.eos_token_ids)) == (
+        "SmolLM2-135M-Instruct", 8192, 49152, [2],
+    )
+    chat = tokenizer_pb2.ChatInput(messages=[
+        tokenizer_pb2.ChatMessage(role="system", content="Always answer in French."),
+        tokenizer_pb2.ChatMessage(role="user", content="What colour is the sky?"),
+    ])
+    tok = await ring.stub.Tokenize(tokenizer_pb2.TokenizeRequest(chat=chat))
+    assert tok.prompt.count("Always answer in French.") == 1
+    assert (tok.count, tok.max_model_len) == (len(tok.input_ids), 8192)
+    text = await ring.stub.Detokenize(tokenizer_pb2.DetokenizeRequest(ids=list(tok.input_ids), skip_special_tokens=False))
+    assert text.text == tok.prompt
+    assert await ring.req_states() == 0
+
+
+async def test_generate_streams_the_rows_back(ring):
+    outs = await collect(ring.stub.Generate(chat_req("s1", max_new_tokens=8)))
+    assert [o.text for o in outs] == ["Hello", ", world", "!"]
+    assert [list(o.output_ids) for o in outs] == [[19556], [28, 905], [17]]
+    assert [o.finish_reason.type for o in outs] == [common_pb2.FINISH_NONE, common_pb2.FINISH_NONE, common_pb2.FINISH_STOP]
+    assert [o.completion_tokens for o in outs] == [1, 2, 3]
+    req = ring.sched.reqs[0]
+    assert (req.rid, req.tokenizer_id, req.stream, req.sampling_params.max_new_tokens) == ("s1", "tok-under-test", True, 8)
+    assert all(o.prompt_tokens == len(req.input_ids) for o in outs)
+    assert await ring.req_states() == 0
+
+    final = await collect(ring.stub.Generate(chat_req("s2", stream=False, n=2)))
+    assert sorted((o.index, o.rid, o.text, tuple(o.output_ids)) for o in final) == [
+        (0, "s2", "Hello, world!", (19556, 28, 905, 17)),
+        (1, "s2", "Hello, world!", (19556, 28, 905, 17)),
+    ]
+    assert [r.rid for r in ring.sched.reqs[1:]] == ["s2-0", "s2-1"]
+    assert await ring.req_states() == 0
+
+
+@pytest.mark.parametrize(
+    "sp, message, code, param",
+    [
+        ({"temperature": 3.0}, "temperature must be in [0, 2], got 3", "invalid_value", "temperature"),
+        ({"max_new_tokens": 9000}, "This model's maximum context length is 8192 tokens.", "context_length_exceeded", "max_tokens"),
+    ],
+)
+async def test_invalid_request_has_status_message_and_metadata(ring, sp, message, code, param):
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await collect(ring.stub.Generate(chat_req(**sp)))
+    err = info.value
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details().startswith(message)
+    assert dict(err.trailing_metadata()) == {"code": code, "param": param}
+    assert ring.sched.reqs == [] and await ring.req_states() == 0
+
+
+async def test_duplicate_rid_is_rejected_and_the_first_call_is_untouched(ring):
+    ring.sched.hold = True
+    first = ring.stub.Generate(chat_req("dup"))
+    assert (await asyncio.wait_for(first.read(), TIMEOUT_S)).text == "Hello"
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await collect(ring.stub.Generate(chat_req("dup")))
+    assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert dict(info.value.trailing_metadata()) == {"code": "duplicate_request_id", "param": "rid"}
+    assert [r.rid for r in ring.sched.reqs] == ["dup"]
+    found = await ring.stub.Abort(tokenizer_pb2.AbortRequest(rid="dup"))
+    assert found.found
+    rest = await collect(first)
+    assert [o.finish_reason.type for o in rest] == [common_pb2.FINISH_ABORT]
+    assert await ring.req_states() == 0
+
+
+async def test_cancelled_generate_aborts_and_releases_the_state(ring):
+    ring.sched.hold = True
+    call = ring.stub.Generate(chat_req("c1", n=2))
+    assert (await asyncio.wait_for(call.read(), TIMEOUT_S)).finish_reason.type == common_pb2.FINISH_NONE
+    assert await ring.req_states() == 2
+    call.cancel()
+
+    async def aborted():
+        while sorted(a.rid for a in ring.sched.aborts) != ["c1-0", "c1-1"]:
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(aborted(), TIMEOUT_S)
+    assert all(a.tokenizer_id == "tok-under-test" for a in ring.sched.aborts)
+    await ring.wait_req_states(0)
+    assert ring.sched.running == {}
+
+
+@pytest.mark.parametrize("peer", ["detokenizer", "scheduler"])
+async def test_peer_loss_fails_in_flight_calls_then_reconnects(ring, peer):
+    ring.sched.hold = True
+    call = ring.stub.Generate(chat_req("p1"))
+    assert (await asyncio.wait_for(call.read(), TIMEOUT_S)).text == "Hello"
+    port = ring.servers[peer].port
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    await ring.servers[peer].stop(0)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await collect(call)
+    assert loop.time() - t0 < 2.0  # promptly, not after a keepalive timeout
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert info.value.details() == f"lost the connection to the {peer} at 127.0.0.1:{port}"
+    assert await ring.req_states() == 0
+    await ring.wait_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await collect(ring.stub.Generate(chat_req("p2")))
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert [r.rid for r in ring.sched.reqs] == ["p1"]  # p2 was refused before dispatch
+    if peer == "detokenizer":  # the scheduler is still there: it is told to drop the request
+        assert [a.rid for a in ring.sched.aborts] == ["p1"]
+
+    await ring.start_peer(peer, port)
+    await ring.wait_health(health_pb2.HealthCheckResponse.SERVING)
+    link = ring.service.scheduler if peer == "scheduler" else ring.service.detokenizer
+    assert link.sessions == 2
+    ring.sched.hold = False
+    outs = await collect(ring.stub.Generate(chat_req("p3")))
+    assert "".join(o.text for o in outs) == "Hello, world!"
+    assert await ring.req_states() == 0
+
+
+class SilentDetokenizer(FakeDetokenizer):
+    """A detokenizer that does not send initial metadata when a tokenizer subscribes."""
+
+    async def Subscribe(self, request, context):
+        queue: asyncio.Queue[detokenizer_pb2.BatchStrOutput] = asyncio.Queue()
+        self.subscribers[request.tokenizer_id] = queue
+        try:
+            while True:
+                yield await queue.get()
+        finally:
+            self.subscribers.pop(request.tokenizer_id, None)
+
+
+async def test_subscription_without_initial_metadata_counts_as_up(smollm2_dir):
+    r = Ring(smollm2_dir)
+    r.detok = SilentDetokenizer()
+    r.sched = FakeScheduler(r.detok)
+    await r.start()  # reaches SERVING after the grace period
+    try:
+        outs = await collect(r.stub.Generate(chat_req("q")))
+        assert "".join(o.text for o in outs) == "Hello, world!"
+    finally:
+        await r.stop()
+
+
+def test_main_serves_until_sigterm(smollm2_dir):
+    """The CLI entry: NOT_SERVING without peers, answers GetModelInfo, exits 0 on SIGTERM."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    port, dead = free_port(), free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ringserve.cli", "tokenizer", "--model", str(smollm2_dir), "--port", str(port),
+         "--scheduler", f"127.0.0.1:{dead}", "--detokenizer", f"127.0.0.1:{dead}", "--served-model-name", "smol",
+         "--context-length", "4096"],
+        cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+                try:
+                    info = tokenizer_pb2_grpc.TokenizerStub(ch).GetModelInfo(common_pb2.Empty(), timeout=1)
+                    health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
+                    break
+                except grpc.RpcError:
+                    time.sleep(0.2)
+        assert (info.served_model_name, info.context_length) == ("smol", 4096)
+        assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
