@@ -60,6 +60,8 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServicer):
         # A re-subscribing tokenizer (restart) takes over its id; the old stream ends.
         self.subscribers[request.tokenizer_id] = queue
         log.info("tokenizer %s subscribed", request.tokenizer_id)
+        # Tells the subscriber its stream is registered: rows routed to it from now on arrive.
+        await context.send_initial_metadata(())
         try:
             while True:
                 yield await queue.get()

@@ -10,6 +10,7 @@ FINISH_ABORT row, as a real scheduler does.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import grpc
@@ -90,6 +91,16 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
             self.running[req.rid] = (req.tokenizer_id, 1)
 
 
+async def wait_for_value(read: Callable[[], Awaitable[int]], want: int) -> None:
+    """Poll ``read`` until it returns ``want`` (TimeoutError after TIMEOUT_S)."""
+
+    async def poll() -> None:
+        while await read() != want:
+            await asyncio.sleep(0.02)
+
+    await asyncio.wait_for(poll(), TIMEOUT_S)
+
+
 class Ring:
     """The tokenizer service under test plus its two fake peers, all in this event loop."""
 
@@ -126,21 +137,13 @@ class Ring:
         return resp.status
 
     async def wait_health(self, status: int) -> None:
-        async def poll():
-            while await self.health() != status:
-                await asyncio.sleep(0.02)
-
-        await asyncio.wait_for(poll(), TIMEOUT_S)
+        await wait_for_value(self.health, status)
 
     async def req_states(self) -> int:
         return (await self.stub.GetLoad(common_pb2.Empty())).req_states
 
     async def wait_req_states(self, n: int) -> None:
-        async def poll():
-            while await self.req_states() != n:
-                await asyncio.sleep(0.02)
-
-        await asyncio.wait_for(poll(), TIMEOUT_S)
+        await wait_for_value(self.req_states, n)
 
     async def stop(self) -> None:
         await self.channel.close()
