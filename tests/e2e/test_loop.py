@@ -114,14 +114,66 @@ async def test_sse_stream_ends_with_done(stack):
 
 
 async def test_greedy_streaming_equals_non_streaming(stack):
-    async with httpx.AsyncClient(base_url=stack.base_url, timeout=120) as client:
-        for prompt in PROMPTS:
-            streamed, finish, _ = await _stream_text(client, _chat_body(stack.model_name, prompt, True))
-            full, data = await _full_text(client, _chat_body(stack.model_name, prompt, False))
-            assert streamed == full, prompt
-            assert finish == data["choices"][0]["finish_reason"]
-            assert streamed, prompt
-            assert "\ufffd" not in streamed
+    # All 20 at once: also exercises batching (fp32 greedy output does not depend on the batch).
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=300) as client:
+        streamed = await asyncio.gather(
+            *(_stream_text(client, _chat_body(stack.model_name, p, True)) for p in PROMPTS)
+        )
+        full = await asyncio.gather(
+            *(_full_text(client, _chat_body(stack.model_name, p, False)) for p in PROMPTS)
+        )
+    for prompt, (text, finish, _), (full_text, data) in zip(PROMPTS, streamed, full):
+        assert text == full_text, prompt
+        assert finish == data["choices"][0]["finish_reason"], prompt
+        assert text, prompt
+        assert "\ufffd" not in text, prompt
+    stack.wait_idle()
+
+
+async def _completion(client: httpx.AsyncClient, body: dict) -> tuple[str, str, object]:
+    """POST /v1/completions, streamed or not; return (text, finish_reason, matched_stop)."""
+    if not body["stream"]:
+        resp = await client.post("/v1/completions", json=body)
+        assert resp.status_code == 200, resp.text
+        choice = resp.json()["choices"][0]
+        return choice["text"], choice["finish_reason"], choice.get("matched_stop")
+    text, finish, matched = [], None, None
+    async with client.stream("POST", "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200, await resp.aread()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            import json
+
+            for choice in json.loads(line[len("data: "):])["choices"]:
+                text.append(choice["text"])
+                if choice["finish_reason"] is not None:
+                    finish, matched = choice["finish_reason"], choice.get("matched_stop")
+    return "".join(text), finish, matched
+
+
+async def test_greedy_streaming_equals_non_streaming_with_stop_strings(stack):
+    # Stop strings that end inside a token, span several tokens, or are single characters.
+    stops = [[" the"], ["e"], [", "], ["\n"], [" is a", "."]]
+    cases = [(p, stops[i % len(stops)]) for i, p in enumerate(PROMPTS)]
+
+    def body(prompt: str, stop: list[str], stream: bool) -> dict:
+        return {"model": stack.model_name, "prompt": prompt, "max_tokens": 40, "temperature": 0,
+                "stop": stop, "stream": stream}
+
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=300) as client:
+        unstopped = await asyncio.gather(*(_completion(client, {**body(p, [], False), "stop": None}) for p, _ in cases))
+        streamed = await asyncio.gather(*(_completion(client, body(p, s, True)) for p, s in cases))
+        full = await asyncio.gather(*(_completion(client, body(p, s, False)) for p, s in cases))
+    for (prompt, stop), (free_text, _, _), got_stream, got_full in zip(cases, unstopped, streamed, full):
+        assert got_stream == got_full, (prompt, stop)
+        text, finish, matched = got_full
+        hits = [(free_text.find(s), s) for s in stop if free_text.find(s) >= 0]
+        if hits:
+            first, which = min(hits)
+            assert (text, finish, matched) == (free_text[:first], "stop", which), (prompt, stop)
+        else:
+            assert text == free_text, (prompt, stop)
     stack.wait_idle()
 
 
