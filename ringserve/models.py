@@ -61,6 +61,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".convert-"))
     try:
