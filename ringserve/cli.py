@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "tokenizer": ("services.tokenizer.main", "the tokenizer service (public gRPC API)"),
     "scheduler": ("services.scheduler.main", "the scheduler service (model runner)"),
     "detokenizer": ("services.detokenizer.main", "the detokenizer service"),
+    "bench": ("ringserve.bench.cli", "serving benchmarks: bench serve, bench compare"),
 }
 
 

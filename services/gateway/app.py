@@ -6,7 +6,10 @@ service; nothing else is kept between requests.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import time
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -18,10 +21,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ringserve.v1 import common_pb2, tokenizer_pb2
 
-from . import convert, serving_chat, serving_completions, serving_native, sse
+from . import convert, schemas, serving_chat, serving_completions, serving_native, sse
 from .backend import TokenizerClient
 from .config import GatewayConfig
 from .errors import HANDLERS, GatewayError, invalid
+from .metrics import CONTENT_TYPE, GatewayMetrics
 from .protocol import (
     AbortRequest,
     ChatCompletionRequest,
@@ -31,8 +35,8 @@ from .protocol import (
     TokenizeRequest,
 )
 
-# Probes must work without the key.
-OPEN_PATHS = frozenset({"/health"})
+# Probes and Prometheus scrapes must work without the key (vLLM keys only the API routes).
+OPEN_PATHS = frozenset({"/health", "/health_generate", "/metrics"})
 
 
 class ApiKeyMiddleware:
@@ -95,18 +99,63 @@ def _model_entry(card_name: str, root: str, context_length: int) -> dict:
     }
 
 
+def _unhealthy(message: str) -> Response:
+    return GatewayError(
+        message, 503, "service_unavailable_error", code="service_unavailable", retry_after=True
+    ).response()
+
+
+async def _generate_one_token(client: TokenizerClient, timeout_s: float) -> dict:
+    """Generate exactly one token through the whole ring (tokenizer, scheduler, detokenizer).
+
+    The probe is a normal request (rid ``health-generate-<hex>``, greedy, ignore_eos) that
+    is not counted in /metrics. On timeout its call is cancelled, which aborts the rid.
+
+    Raises:
+        GatewayError: the ring reported an error or produced no token.
+        TimeoutError: no finished token within ``timeout_s``.
+    """
+    pb = tokenizer_pb2.GenerateReqInput(
+        rid=f"health-generate-{uuid.uuid4().hex}",
+        text="ping",
+        sampling_params=common_pb2.SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True),
+    )
+    started = time.monotonic()
+
+    async def run() -> tokenizer_pb2.GenerateOutput | None:
+        stream = await client.open_stream(pb, observe=False)
+        last = None
+        try:
+            async for out in stream:
+                last = out
+        finally:
+            stream.cancel()
+        return last
+
+    last = await asyncio.wait_for(run(), timeout_s)
+    if last is None or last.completion_tokens != 1 or last.finish_reason.type != common_pb2.FINISH_LENGTH:
+        raise GatewayError("the generation probe ended without its token", 503, "service_unavailable_error")
+    return {"status": "ok", "text": last.text, "completion_tokens": 1, "latency_s": time.monotonic() - started}
+
+
 def create_app(config: GatewayConfig) -> FastAPI:
-    """The gateway app for ``config``; its lifespan owns the tokenizer channel."""
+    """The gateway app for ``config``; its lifespan owns the tokenizer channel.
+
+    Its OpenAPI schema (``/openapi.json``) declares every request body and the 200 and
+    error responses of every route (see ``schemas``).
+    """
+    metrics = GatewayMetrics(config.served_model_name)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.client = TokenizerClient(config)
+        app.state.client = TokenizerClient(config, metrics)
         try:
             yield
         finally:
             await app.state.client.close()
 
-    app = FastAPI(title="ringserve gateway", lifespan=lifespan, strict_content_type=False)
+    app = FastAPI(title="ringserve gateway", version="1", lifespan=lifespan, strict_content_type=False)
+    app.openapi = lambda: schemas.openapi_schema(app)  # type: ignore[method-assign]
     for exc_type, handler in HANDLERS.items():
         app.add_exception_handler(exc_type, handler)
     app.add_exception_handler(sse.ClientDisconnected, lambda *_: Response(status_code=499))
@@ -117,59 +166,68 @@ def create_app(config: GatewayConfig) -> FastAPI:
     def client_of(request: Request) -> TokenizerClient:
         return request.app.state.client
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=schemas.ok(schemas.ChatCompletionResponse, stream=True))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await serving_chat.create_chat_completion(client_of(request), request, body)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=schemas.ok(schemas.CompletionResponse, stream=True))
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await serving_completions.create_completion(client_of(request), request, body)
 
-    @app.post("/generate")
+    @app.post("/generate", responses={200: {"description": "SGLang native result(s) or an SSE stream", "content": {"text/event-stream": {}}}, **schemas.ERRORS})
     async def generate(body: GenerateRequest, request: Request) -> Response:
         return await serving_native.generate(client_of(request), request, body)
 
-    @app.post("/abort_request")
+    @app.post("/abort_request", responses=schemas.ok(schemas.AbortResponse))
     async def abort_request(body: AbortRequest, request: Request) -> Response:
         return await serving_native.abort_request(client_of(request), body)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=schemas.ok(schemas.ModelList))
     async def list_models(request: Request) -> Response:
         card = await client_of(request).model_card()
         entry = _model_entry(card.served_model_name, card.model_path, card.context_length)
         return sse.json_response({"object": "list", "data": [entry]})
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses=schemas.ok(schemas.ModelEntry))
     async def retrieve_model(model_id: str, request: Request) -> Response:
         client = client_of(request)
         name = await client.check_model(model_id)
         card = await client.model_card()
         return sse.json_response(_model_entry(name, card.model_path, card.context_length))
 
-    @app.get("/get_model_info")
+    @app.get("/get_model_info", responses=schemas.ERRORS)
     async def get_model_info(request: Request) -> Response:
         card = await client_of(request).model_card()
         info = _proto_dict(card.info)
         return sse.json_response({**info, "served_model_name": card.served_model_name, "is_generation": True})
 
-    @app.get("/get_load")
+    @app.get("/get_load", responses=schemas.ERRORS)
     async def get_load(request: Request) -> Response:
         load = await client_of(request).unary("GetLoad", common_pb2.Empty())
         return sse.json_response(_proto_dict(load))
 
-    @app.get("/health")
+    @app.get("/health", responses=schemas.ok(schemas.HealthResponse))
     async def health(request: Request) -> Response:
         if await client_of(request).serving():
             return sse.json_response({"status": "ok"})
-        return GatewayError(
-            "the tokenizer service is not serving",
-            503,
-            "service_unavailable_error",
-            code="service_unavailable",
-            retry_after=True,
-        ).response()
+        return _unhealthy("the tokenizer service is not serving")
 
-    @app.post("/v1/tokenize")
+    @app.get("/health_generate", responses=schemas.ok(schemas.HealthGenerateResponse))
+    async def health_generate(request: Request) -> Response:
+        """200 once one token went through the whole ring; 503 (OpenAI error) otherwise."""
+        timeout_s = config.health_generate_timeout_s
+        try:
+            return sse.json_response(await _generate_one_token(client_of(request), timeout_s))
+        except TimeoutError:
+            return _unhealthy(f"no token generated within {timeout_s:g} s")
+        except GatewayError as exc:
+            return _unhealthy(f"generation failed: {exc.message}")
+
+    @app.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE: {}}}})
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE)
+
+    @app.post("/v1/tokenize", responses=schemas.ok(schemas.TokenizeResponse))
     async def tokenize(body: TokenizeRequest, request: Request) -> Response:
         client = client_of(request)
         await client.check_model(body.model)
@@ -198,7 +256,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             }
         )
 
-    @app.post("/v1/detokenize")
+    @app.post("/v1/detokenize", responses=schemas.ok(schemas.DetokenizeResponse))
     async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
         client = client_of(request)
         await client.check_model(body.model)

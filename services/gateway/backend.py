@@ -9,6 +9,7 @@ Cancelling a call (client disconnect) makes the tokenizer send AbortReq downstre
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
@@ -19,33 +20,61 @@ from ringserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 
 from .config import GatewayConfig
 from .errors import GatewayError, from_rpc_error
+from .metrics import GatewayMetrics, RequestMetrics
+
+# Bounds the per-id cache of logprob token pieces (a vocabulary is at most a few 100k ids).
+_MAX_CACHED_PIECES = 1 << 20
+
+
+@dataclass(frozen=True)
+class TokenPiece:
+    """One token id decoded alone (``text``) and its raw bytes."""
+
+    text: str
+    raw: bytes
 
 
 class GenerateStream:
     """One ``Generate`` call whose first output (or end) has already arrived."""
 
-    def __init__(self, call: grpc.aio.UnaryStreamCall, first: tokenizer_pb2.GenerateOutput | None) -> None:
+    def __init__(
+        self,
+        call: grpc.aio.UnaryStreamCall,
+        first: tokenizer_pb2.GenerateOutput | None,
+        metrics: RequestMetrics | None = None,
+    ) -> None:
         self._call = call
         self._first = first
+        self._metrics = metrics
 
     async def __aiter__(self) -> AsyncIterator[tokenizer_pb2.GenerateOutput]:
         """Yield every output; a gRPC error raises GatewayError."""
-        if self._first is None:
-            return
-        first, self._first = self._first, None
-        yield first
-        while True:
-            try:
-                out = await self._call.read()
-            except grpc.aio.AioRpcError as exc:
-                raise from_rpc_error(exc) from None
-            if out is grpc.aio.EOF:
+        try:
+            if self._first is None:
                 return
-            yield out
+            first, self._first = self._first, None
+            yield first
+            while True:
+                try:
+                    out = await self._call.read()
+                except grpc.aio.AioRpcError as exc:
+                    raise from_rpc_error(exc) from None
+                if out is grpc.aio.EOF:
+                    return
+                if self._metrics is not None:
+                    self._metrics.on_output(out)
+                yield out
+        finally:
+            self._close_metrics()
 
     def cancel(self) -> None:
         """Cancel the call (no-op once it has finished); the tokenizer aborts the rid."""
         self._call.cancel()
+        self._close_metrics()
+
+    def _close_metrics(self) -> None:
+        if self._metrics is not None:
+            self._metrics.close()
 
 
 @dataclass(frozen=True)
@@ -59,22 +88,24 @@ class ModelCard:
 class TokenizerClient:
     """Async client over one channel to the tokenizer service; caches the model info."""
 
-    def __init__(self, config: GatewayConfig) -> None:
+    def __init__(self, config: GatewayConfig, metrics: GatewayMetrics | None = None) -> None:
         self._config = config
         self._channel = grpcutil.insecure_channel(config.tokenizer)
         self.stub = tokenizer_pb2_grpc.TokenizerStub(self._channel)
+        self.metrics = metrics or GatewayMetrics(config.served_model_name)
         self._card: ModelCard | None = None
-        self._token_text: dict[int, str] = {}  # vocabulary cache for logprobs; bounded by the vocab size
+        self._pieces: dict[int, TokenPiece] = {}  # vocabulary cache for logprobs
 
     async def close(self) -> None:
         await self._channel.close()
 
-    async def open_stream(self, req: tokenizer_pb2.GenerateReqInput) -> GenerateStream:
-        """Start ``Generate`` and wait for its first output.
+    async def open_stream(self, req: tokenizer_pb2.GenerateReqInput, observe: bool = True) -> GenerateStream:
+        """Start ``Generate`` and wait for its first output; ``observe`` feeds /metrics.
 
         Raises:
             GatewayError: the status the tokenizer returned before its first output.
         """
+        started = time.monotonic()
         call = self.stub.Generate(req)
         try:
             first = await call.read()
@@ -83,7 +114,20 @@ class TokenizerClient:
         except BaseException:
             call.cancel()
             raise
-        return GenerateStream(call, None if first is grpc.aio.EOF else first)
+        if first is grpc.aio.EOF:
+            return GenerateStream(call, None)
+        tracker = None
+        if observe:
+            if not self.metrics.model_name:
+                try:
+                    self.metrics.model_name = (await self.model_card()).served_model_name
+                except BaseException:
+                    call.cancel()
+                    raise
+            n = req.sampling_params.n if req.sampling_params.HasField("n") else 1
+            tracker = self.metrics.request(n, req.stream, started)
+            tracker.on_output(first)
+        return GenerateStream(call, first, tracker)
 
     async def open_streams(self, reqs: Sequence[tokenizer_pb2.GenerateReqInput]) -> list[GenerateStream]:
         """``open_stream`` for each request, concurrently; on any error every call is cancelled."""
@@ -124,7 +168,7 @@ class TokenizerClient:
             raise GatewayError(
                 f"The model '{model}' does not exist; this server serves '{card.served_model_name}'",
                 404,
-                "not_found_error",
+                "invalid_request_error",  # OpenAI's type for an unknown model (C05)
                 "model",
                 "model_not_found",
             )
@@ -141,17 +185,20 @@ class TokenizerClient:
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from None
 
-    async def token_texts(self, ids: Sequence[int]) -> dict[int, str]:
-        """The text of each token id alone (special tokens kept), for logprobs.
+    async def token_pieces(self, ids: Sequence[int]) -> dict[int, TokenPiece]:
+        """The text and raw bytes of each token id alone (special tokens kept), for logprobs.
 
-        The tokenizer has no batch per-token decode, so unknown ids are decoded one call
-        each, concurrently, and cached for the life of the gateway.
+        Ids not seen before are fetched in one ``TokenPieces`` call and cached for the life
+        of the gateway (the cache is cleared if it ever outgrows any real vocabulary).
+
+        Raises:
+            GatewayError: the tokenizer's error (e.g. an id outside the vocabulary).
         """
-        missing = sorted({i for i in ids if i not in self._token_text})
+        missing = sorted({i for i in ids if i not in self._pieces})
         if missing:
-            texts = await asyncio.gather(
-                *(self.unary("Detokenize", tokenizer_pb2.DetokenizeRequest(ids=[i])) for i in missing)
-            )
-            for token_id, resp in zip(missing, texts):
-                self._token_text[token_id] = resp.text  # type: ignore[attr-defined]
-        return {i: self._token_text[i] for i in ids}
+            resp = await self.unary("TokenPieces", tokenizer_pb2.TokenIds(ids=missing))
+            if len(self._pieces) + len(missing) > _MAX_CACHED_PIECES:
+                self._pieces.clear()
+            for token_id, text, raw in zip(missing, resp.texts, resp.token_bytes):  # type: ignore[attr-defined]
+                self._pieces[token_id] = TokenPiece(text, raw)
+        return {i: self._pieces[i] for i in ids}

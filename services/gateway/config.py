@@ -14,3 +14,4 @@ class GatewayConfig:
     served_model_name: str | None = None  # overrides the tokenizer's served model name
     rpc_timeout_s: float = 5.0  # deadline of the unary calls (model info, tokenize, abort, load)
     health_timeout_s: float = 2.0
+    health_generate_timeout_s: float = 20.0  # /health_generate: one token through the ring, else 503

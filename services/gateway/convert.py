@@ -55,6 +55,8 @@ def _logit_bias(bias: dict[str, float] | None, out: common_pb2.SamplingParams) -
             token_id = int(key)
         except ValueError:
             raise invalid(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+        if not 0 <= token_id < 2**31:
+            raise invalid(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
         if not -100 <= value <= 100:
             raise invalid(f"logit_bias values must be in [-100, 100], got {value}", "logit_bias")
         out.logit_bias[token_id] = value

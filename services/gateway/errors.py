@@ -121,7 +121,7 @@ def _path(loc: Sequence[Any]) -> str:
     for seg in loc:
         if isinstance(seg, int):
             parts.append(f"[{seg}]")
-        elif seg in _TYPE_SEGMENTS or "[" in str(seg):
+        elif seg in _TYPE_SEGMENTS or "[" in str(seg) or str(seg).startswith(("constrained-", "function-")):
             continue
         else:
             parts.append(("." if parts else "") + str(seg))

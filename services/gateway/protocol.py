@@ -11,14 +11,29 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Unknown fields are rejected, and so are values of the wrong JSON type (``"true"`` for a
+    boolean, ``"5"`` for an integer): what is accepted is exactly what the OpenAPI schema
+    says. An integer is still accepted where a number is expected."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
-NonNegInt = Annotated[int, Field(ge=0)]
+# Token counts and ids travel as proto int32: a larger number is a 400 here, not a 500 later.
+INT32_MAX = 2**31 - 1
+
+
+def _integral(value: Any) -> Any:
+    """JSON Schema's integer: ``5.0`` is the integer 5 (strict mode would reject it)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+JsonInt = Annotated[int, BeforeValidator(_integral)]
+NonNegInt = Annotated[JsonInt, Field(ge=0, le=INT32_MAX)]
+NonEmptyStr = Annotated[str, Field(min_length=1)]
 
 
 class StreamOptions(Strict):
@@ -30,7 +45,7 @@ class ContentPart(BaseModel):
     """One part of a message's content. Only ``text`` parts are served (checked on conversion,
     so that an ``image_url`` part gets a clear 400 rather than a union-matching error)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     type: str
     text: str | None = None
 
@@ -44,7 +59,7 @@ class ToolCall(Strict):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
-    index: int | None = None
+    index: JsonInt | None = None
 
 
 class ChatMessage(Strict):
@@ -81,22 +96,22 @@ class SamplingFields(Strict):
     """Fields shared by chat and completions requests (OpenAI plus the SGLang/vLLM extensions)."""
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: JsonInt | None = Field(None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: JsonInt | None = Field(None, ge=-1, le=INT32_MAX)
     min_p: float | None = Field(None, ge=0, le=1)
-    n: int | None = Field(None, ge=1, le=128)
+    n: JsonInt | None = Field(None, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[NonNegInt] | None = None
-    seed: int | None = Field(None, ge=0, lt=2**64)
+    seed: JsonInt | None = Field(None, ge=0, lt=2**64)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0, le=2)
     logit_bias: dict[str, float] | None = None
-    min_tokens: int | None = Field(None, ge=0)
+    min_tokens: JsonInt | None = Field(None, ge=0, le=INT32_MAX)
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
@@ -109,9 +124,9 @@ class SamplingFields(Strict):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: JsonInt | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: JsonInt | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool | None = None
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -122,9 +137,9 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[list[int]] | list[str]
+    prompt: NonEmptyStr | list[NonNegInt] | list[list[NonNegInt]] | list[NonEmptyStr]
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: JsonInt | None = Field(None, ge=0, le=20)
 
 
 class NativeSamplingParams(Strict):
@@ -132,34 +147,34 @@ class NativeSamplingParams(Strict):
 
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: JsonInt | None = Field(None, ge=-1, le=INT32_MAX)
     min_p: float | None = Field(None, ge=0, le=1)
-    max_new_tokens: int | None = Field(None, ge=1)
-    min_new_tokens: int | None = Field(None, ge=0)
+    max_new_tokens: JsonInt | None = Field(None, ge=1, le=INT32_MAX)
+    min_new_tokens: JsonInt | None = Field(None, ge=0, le=INT32_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[NonNegInt] | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     no_stop_trim: bool | None = None
-    seed: int | None = Field(None, ge=0, lt=2**64)
+    seed: JsonInt | None = Field(None, ge=0, lt=2**64)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0, le=2)
     logit_bias: dict[str, float] | None = None
-    n: int | None = Field(None, ge=1, le=128)
+    n: JsonInt | None = Field(None, ge=1, le=128)
 
 
 class GenerateRequest(Strict):
     """``POST /generate`` (SGLang's native API): exactly one of text and input_ids."""
 
     text: str | None = None
-    input_ids: list[NonNegInt] | None = None
+    input_ids: Annotated[list[NonNegInt], Field(min_length=1)] | None = None
     sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
     stream: bool = False
     rid: str | None = Field(None, min_length=1)
     return_logprob: bool = False
-    top_logprobs_num: int = Field(0, ge=0, le=20)
+    top_logprobs_num: JsonInt = Field(0, ge=0, le=20)
 
 
 class TokenizeRequest(Strict):

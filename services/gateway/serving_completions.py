@@ -34,7 +34,7 @@ async def _echo_texts(client: TokenizerClient, reqs: Sequence[tokenizer_pb2.Gene
 
 
 def _text_choice(
-    client: TokenizerClient, echoes: Sequence[str], want_logprobs: bool
+    client: TokenizerClient, echoes: Sequence[str], want_logprobs: bool, want_top: bool
 ) -> Callable[[ChoiceUpdate], Awaitable[dict | None]]:
     sent: dict[int, int] = {}  # choice index -> characters sent, for text_offset
 
@@ -48,7 +48,7 @@ def _text_choice(
         return {
             "index": u.index,
             "text": text,
-            "logprobs": await completion_logprobs(client, u.out, offset) if want_logprobs else None,
+            "logprobs": await completion_logprobs(client, u.out, offset, want_top) if want_logprobs else None,
             "finish_reason": u.finish_reason,
             "matched_stop": u.matched_stop,
         }
@@ -68,13 +68,14 @@ async def create_completion(client: TokenizerClient, request: Request, req: Comp
     model = await client.check_model(req.model)
     echoes = await _echo_texts(client, pbs) if req.echo else [""] * len(pbs)
     want_logprobs = req.logprobs is not None
+    want_top = bool(req.logprobs)
 
     async def final_choice(c: FinalChoice) -> dict:
         echo = echoes[c.prompt_index]
         return {
             "index": c.index,
             "text": echo + c.text,
-            "logprobs": await completion_logprobs(client, c.out, len(echo)) if want_logprobs else None,
+            "logprobs": await completion_logprobs(client, c.out, len(echo), want_top) if want_logprobs else None,
             "finish_reason": c.finish_reason,
             "matched_stop": c.matched_stop,
         }
@@ -87,6 +88,6 @@ async def create_completion(client: TokenizerClient, request: Request, req: Comp
         response_head("cmpl", rid, model),
         ("text_completion", "text_completion"),
         req.stream_options,
-        _text_choice(client, echoes, want_logprobs),
+        _text_choice(client, echoes, want_logprobs, want_top),
         final_choice,
     )

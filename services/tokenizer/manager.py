@@ -59,6 +59,33 @@ _ERROR_STATUS_CODES = {
 }
 
 
+def _gpt2_byte_of_char() -> dict[str, int]:
+    """Inverse of GPT-2's byte -> printable character map (openai/gpt-2 encoder.py)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars = [chr(b) for b in bs]
+    extra = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            chars.append(chr(256 + extra))
+            extra += 1
+    return dict(zip(chars, bs))
+
+
+_BYTE_OF_CHAR = _gpt2_byte_of_char()
+
+
+def _token_bytes(text: str, piece: str) -> bytes:
+    """The raw bytes of one token: ``text`` when it decoded cleanly, else from its piece."""
+    if "\ufffd" not in text:
+        return text.encode()
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        return bytes([int(piece[3:5], 16)])
+    if all(c in _BYTE_OF_CHAR for c in piece):
+        return bytes(_BYTE_OF_CHAR[c] for c in piece)
+    return text.encode()
+
+
 class Dispatcher(Protocol):
     """The tokenizer's side of the scheduler stream. Both methods are synchronous (queue puts).
 
@@ -433,6 +460,23 @@ class TokenizerManager:
         return tokenizer_pb2.DetokenizeResponse(
             text=self.tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens)
         )
+
+    def token_pieces(self, req: tokenizer_pb2.TokenIds) -> tokenizer_pb2.TokenPiecesResponse:
+        """Each id decoded alone (special tokens kept) and its raw bytes, for logprobs.
+
+        Bytes follow the vocabulary: byte-level BPE pieces map back through GPT-2's byte
+        alphabet and ``<0xNN>`` byte-fallback pieces are that byte, so the bytes of a
+        multi-byte character's pieces concatenate to the character even where each text
+        is U+FFFD; otherwise the UTF-8 of the text.
+
+        Raises:
+            RequestError: INVALID_ARGUMENT for ids outside the vocabulary.
+        """
+        ids = self.check_ids(req.ids, "ids") if req.ids else []
+        texts = self.tokenizer.backend_tokenizer.decode_batch([[i] for i in ids], skip_special_tokens=False)
+        pieces = self.tokenizer.convert_ids_to_tokens(ids)
+        out = [_token_bytes(text, piece) for text, piece in zip(texts, pieces)]
+        return tokenizer_pb2.TokenPiecesResponse(texts=texts, token_bytes=out)
 
     def model_info(self) -> tokenizer_pb2.ModelInfo:
         f = self.facts

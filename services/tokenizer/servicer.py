@@ -57,5 +57,13 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         except RequestError as err:
             await _fail(context, err)
 
+    async def TokenPieces(
+        self, request: tokenizer_pb2.TokenIds, context: grpc.aio.ServicerContext
+    ) -> tokenizer_pb2.TokenPiecesResponse:
+        try:
+            return self.manager.token_pieces(request)
+        except RequestError as err:
+            await _fail(context, err)
+
     async def GetLoad(self, request: common_pb2.Empty, context: grpc.aio.ServicerContext) -> common_pb2.LoadReport:
         return self.manager.load()

@@ -56,6 +56,7 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
         self.requests: list[tokenizer_pb2.GenerateReqInput] = []
         self.cancelled = asyncio.Event()
         self.tokenize_requests: list[tokenizer_pb2.TokenizeRequest] = []
+        self.pieces_requests: list[list[int]] = []
 
     def reset(self, *steps) -> None:
         self.script = list(steps)
@@ -88,6 +89,11 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
 
     async def Detokenize(self, request, context):
         return tokenizer_pb2.DetokenizeResponse(text="".join(f"<{i}>" for i in request.ids))
+
+    async def TokenPieces(self, request, context):
+        self.pieces_requests.append(list(request.ids))
+        texts = [f"<{i}>" for i in request.ids]
+        return tokenizer_pb2.TokenPiecesResponse(texts=texts, token_bytes=[t.encode() for t in texts])
 
     async def Abort(self, request, context):
         return tokenizer_pb2.AbortResponse(found=request.rid == "known")
@@ -152,6 +158,15 @@ async def keyed(tokenizer_server) -> AsyncIterator[httpx.AsyncClient]:
     """A gateway started with --api-key sekrit."""
     _, server = tokenizer_server
     async for client in _gateway(GatewayConfig(tokenizer=f"127.0.0.1:{server.port}", api_key="sekrit")):
+        yield client
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def quick_probe(tokenizer_server) -> AsyncIterator[httpx.AsyncClient]:
+    """A gateway whose /health_generate gives up after 0.3 s."""
+    _, server = tokenizer_server
+    config = GatewayConfig(tokenizer=f"127.0.0.1:{server.port}", health_generate_timeout_s=0.3)
+    async for client in _gateway(config):
         yield client
 
 

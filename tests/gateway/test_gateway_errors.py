@@ -99,10 +99,10 @@ async def test_malformed_json(stack, path, raw):
 async def test_unknown_model_is_404(stack, stream):
     body = {"model": "gpt-9", "messages": MSG, "stream": stream}
     err = assert_error(await stack.client.post("/v1/chat/completions", json=body), 404, "model", "model_not_found",
-                       "not_found_error")
+                       "invalid_request_error")
     assert "gpt-9" in err["message"]
     r = await stack.client.post("/v1/completions", json={"model": "gpt-9", "prompt": "x", "stream": stream})
-    assert_error(r, 404, "model", "model_not_found", "not_found_error")
+    assert_error(r, 404, "model", "model_not_found", "invalid_request_error")
 
 
 GRPC_CASES = [

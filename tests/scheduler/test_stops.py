@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.scheduler.engine.req import FinishType
+from services.scheduler.engine.req import FinishReason, FinishType, Req, ReqInput, SamplingParams
+from services.scheduler.engine.stops import StopChecker
 
 
 @pytest.fixture(scope="module")
@@ -64,3 +65,46 @@ def test_eos_and_ignore_eos_and_min_tokens(make_engine, run_all, greedy_req, cha
     assert ignored.finish.type == FinishType.LENGTH and ignored.output_ids[:n] == res.output_ids
     held = run_one(make_engine, run_all, greedy_req("s", prompt, n + 6, min_new_tokens=n + 3))
     assert 2 not in held.output_ids[: n + 3] and held.completion_tokens >= n + 3
+
+
+def feed_until_finished(checker, tokenizer, text: str, **sampling) -> tuple[Req, int]:
+    """Append ``text``'s ids one at a time, checking after each; (req, tokens appended)."""
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    req = Req(ReqInput(rid="r", input_ids=[1], sampling=SamplingParams(max_new_tokens=len(ids) + 1, **sampling)))
+    for n, token in enumerate(ids, 1):
+        req.append_output(token)
+        checker.check([req])
+        if req.finished:
+            return req, n
+    return req, len(ids)
+
+
+@pytest.fixture(scope="module")
+def checker(tokenizer):
+    return StopChecker(tokenizer, frozenset({2}), context_length=8192)
+
+
+def test_stop_string_of_multi_token_characters(checker, tokenizer):
+    # 12 CJK characters take ~28 byte-level tokens: a window counted in characters misses it.
+    stop = "社区非常活跃社区非常活跃"
+    text = "前言：" + stop + "。后记"
+    req, n = feed_until_finished(checker, tokenizer, text, stop=(stop,))
+    assert req.finish_reason == FinishReason(FinishType.STOP, matched_str=stop)
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    assert n == next(k for k in range(1, len(ids) + 1) if stop in tokenizer.decode(ids[:k]))
+
+
+def test_stop_string_before_min_tokens_is_not_matched_later(checker, tokenizer):
+    # " 4" appears at the first token, below min_new_tokens: it is not a stop then, and it
+    # must not end the request later either; the next occurrence does.
+    text = " 4 5 6 7 8 9 4 5"
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    req, n = feed_until_finished(checker, tokenizer, text, stop=(" 4",), min_new_tokens=3)
+    assert req.finish_reason == FinishReason(FinishType.STOP, matched_str=" 4")
+    assert tokenizer.decode(ids[:n]) == " 4 5 6 7 8 9 4"
+
+
+def test_stop_string_earliest_new_occurrence_wins(checker, tokenizer):
+    # Both stops complete at " world"; "lo wor" starts first in the text.
+    req, _ = feed_until_finished(checker, tokenizer, "Hello world again", stop=("world", "lo wor"))
+    assert req.finish_reason == FinishReason(FinishType.STOP, matched_str="lo wor")

@@ -6,7 +6,10 @@ before length so a final EOS reports STOP):
      ``eos_token_id`` (int or list); skipped when ``ignore_eos``.
   2. ``stop_token_ids``.
   3. stop strings, matched on the decoded text of a bounded tail of the output ids, so a
-     stop spanning token boundaries is found however it is tokenized. The scheduler only
+     stop spanning token boundaries is found however it is tokenized. Only an occurrence
+     that ends in the newest token's text counts (vLLM's ``check_stop_strings`` searches
+     the new characters likewise): an older one was matched when it appeared, or appeared
+     before ``min_new_tokens``, when stop strings do not apply. The scheduler only
      decodes; it never re-tokenizes text.
   4. ``max_new_tokens`` reached, or the context window full -> LENGTH.
 Nothing but length stops a request before ``min_new_tokens`` outputs.
@@ -21,9 +24,12 @@ from tokenizers import Tokenizer
 
 from services.scheduler.engine.req import FinishReason, FinishType, Req
 
-# Extra tokens decoded beyond the longest stop string: a character can take up to four
-# byte-level tokens, and the window's first token may start mid-character.
+# Every token decodes to at least one byte, so a stop string of B UTF-8 bytes lies within
+# the last B tokens (a CJK character or an emoji takes 2-4 byte-level tokens: counting
+# characters would miss it). The slack covers a window whose first token starts
+# mid-character.
 _TAIL_SLACK = 8
+_REPLACEMENT = "\ufffd"
 
 
 def load_eos_ids(model_dir: Path, tokenizer: Tokenizer) -> frozenset[int]:
@@ -81,20 +87,29 @@ class StopChecker:
             req.finish_reason = FinishReason(FinishType.LENGTH)
 
     def _check_stop_strings(self, reqs: list[Req]) -> None:
+        """Finish the rows whose newest token completes a stop string.
+
+        Each row's output tail is decoded twice, with and without the newest token (one
+        batched decode per skip_special_tokens group); a stop string counts only where it
+        ends past the complete text of the shorter window.
+        """
         windows = []
         for req in reqs:
-            width = max(len(s) for s in req.sampling.stop) + _TAIL_SLACK
+            width = max(len(s.encode()) for s in req.sampling.stop) + _TAIL_SLACK
             out = req.output_ids
             windows.append(list(out[max(0, len(out) - width) :]))
-        # Rows are grouped by skip_special_tokens so each group is one batched decode.
         for skip in (True, False):
             idx = [i for i, r in enumerate(reqs) if r.sampling.skip_special_tokens == skip]
             if not idx:
                 continue
-            texts = self.tokenizer.decode_batch([windows[i] for i in idx], skip_special_tokens=skip)
-            for i, text in zip(idx, texts):
+            texts = self.tokenizer.decode_batch(
+                [windows[i] for i in idx] + [windows[i][:-1] for i in idx], skip_special_tokens=skip
+            )
+            for i, text, before in zip(idx, texts, texts[len(idx) :]):
                 req = reqs[i]
-                hits = [(text.find(s), s) for s in req.sampling.stop if s in text]
+                # Trailing U+FFFD is an incomplete character that the newest token may complete.
+                seen = len(before.rstrip(_REPLACEMENT))
+                hits = [(at, s) for s in req.sampling.stop if (at := text.find(s, max(0, seen - len(s) + 1))) >= 0]
                 if hits:
                     # The earliest occurrence in the text is the one the client would see first.
                     req.finish_reason = FinishReason(FinishType.STOP, matched_str=min(hits)[1])

@@ -1,0 +1,224 @@
+"""``ringserve bench compare`` (``make bench``): ringserve against the baselines, one table.
+
+Servers run one after another on the same machine, each fed the same random-ids prompts
+(``--input-len`` tokens, ``--output-len`` output tokens, ignore_eos) at each concurrency of
+``--concurrency``: the transformers one-request-at-a-time server
+(``bench/baselines/hf_server.py``), ringserve (``ringserve launch``), and llama.cpp's
+``llama-server`` when ``--llama-server-bin`` and ``--llama-gguf`` are given. Prints medians
+per server and level, ringserve's ratios, each process's peak RSS (VmHWM) and the
+memory-bandwidth floor of a decode step; ``--json`` keeps every figure.
+
+A level runs ``max(--min-prompts, concurrency * --waves)`` prompts; the transformers server
+serializes requests, so its throughput does not depend on concurrency and it runs at most
+``--baseline-max-prompts`` per level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ringserve.bench.dataset import local_tokenizer_info, random_requests
+from ringserve.bench.floor import copy_bandwidth_gbps, decode_floor_ms
+from ringserve.bench.serve import ServeConfig, run_benchmark
+from ringserve.launch import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+HF_SERVER = REPO / "bench" / "baselines" / "hf_server.py"
+START_TIMEOUT_S = 600.0
+RINGSERVE_SERVICES = ("gateway", "tokenizer", "scheduler", "detokenizer")
+
+
+@dataclass
+class Server:
+    """A benchmarked server process; ``rss`` maps process name → peak RSS (MiB)."""
+
+    name: str
+    cmd: list[str]
+    port: int
+    proc: subprocess.Popen | None = None
+    rss: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(self.cmd, start_new_session=True, env=env, stdout=subprocess.DEVNULL)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with status {self.proc.returncode}: {' '.join(self.cmd)}")
+            try:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.name} not healthy within {START_TIMEOUT_S:.0f} s")
+
+    def read_peak_rss(self) -> None:
+        """VmHWM (MiB) of the server process, or of each ringserve service under the launcher."""
+        import psutil
+
+        procs = {self.name: psutil.Process(self.proc.pid)}
+        if self.name == "ringserve":
+            procs = {}
+            for child in psutil.Process(self.proc.pid).children():
+                args = child.cmdline()
+                name = next((a for a in args if a in RINGSERVE_SERVICES), child.name())
+                procs[name] = child
+        self.rss = {name: vm_hwm_mib(p.pid) for name, p in procs.items()}
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def vm_hwm_mib(pid: int) -> float:
+    """Peak resident set size (MiB) of ``pid``, from ``/proc/<pid>/status`` VmHWM (Linux)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"/proc/{pid}/status has no VmHWM")
+
+
+def build_servers(args: argparse.Namespace) -> list[Server]:
+    py, model = sys.executable, str(args.model)
+    servers = []
+    if not args.skip_hf:
+        port = free_port()
+        servers.append(Server("transformers", [py, str(HF_SERVER), "--model", model, "--port", str(port), "--dtype", args.dtype], port))
+    if args.llama_server_bin:
+        if not args.llama_gguf:
+            raise SystemExit("bench compare: --llama-server-bin needs --llama-gguf (the same model as a GGUF)")
+        port = free_port()
+        ctx = args.llama_parallel * (args.input_len + args.output_len + 16)
+        servers.append(Server("llama-server", [
+            args.llama_server_bin, "-m", args.llama_gguf, "--host", "127.0.0.1", "--port", str(port),
+            "-np", str(args.llama_parallel), "-c", str(ctx), "-t", str(args.threads), "--no-repack",
+        ], port))
+    port = free_port()
+    servers.append(Server("ringserve", [
+        py, "-m", "ringserve.cli", "launch", "--model", model, "--port", str(port), "--dtype", args.dtype,
+        *args.ringserve_arg,
+    ], port))
+    return servers
+
+
+def prompts_for(args: argparse.Namespace, server: str, concurrency: int) -> int:
+    n = max(args.min_prompts, concurrency * args.waves)
+    return min(n, args.baseline_max_prompts) if server == "transformers" else n
+
+
+def run_server(server: Server, args: argparse.Namespace, vocab: int, specials: frozenset[int]) -> dict[int, dict]:
+    """Start ``server``, run every level, read peak RSS, stop it. Returns level → summary."""
+    out: dict[int, dict] = {}
+    server.start()
+    try:
+        for i, c in enumerate(args.concurrency):
+            n = prompts_for(args, server.name, c)
+            reqs = random_requests(n, args.input_len, args.output_len, vocab, 1.0, args.seed, specials)
+            cfg = ServeConfig(base_url=server.base_url, max_concurrency=c, input_len=args.input_len,
+                              output_len=args.output_len, num_prompts=n, seed=args.seed,
+                              warmup_requests=1 if i == 0 else 0, progress=not args.disable_progress)
+            print(f"bench: {server.name} concurrency {c}, {n} prompts", file=sys.stderr, flush=True)
+            out[c], _ = asyncio.run(run_benchmark(cfg, reqs))
+        server.read_peak_rss()
+    finally:
+        server.stop()
+    return out
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b else "-"
+
+
+def format_table(results: dict[str, dict[int, dict]], levels: list[int]) -> str:
+    """Markdown table: per level and server, completed/failed, output tok/s, medians (ms),
+    and ringserve's output-throughput ratio and median-ITL ratio against each baseline."""
+    baselines = [s for s in results if s != "ringserve"]
+    head = ["conc", "server", "ok/failed", "out tok/s", "med TTFT ms", "med ITL ms", "med TPOT ms", "med E2E ms"]
+    head += [f"rs/{b} tok/s" for b in baselines]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for c in levels:
+        rs = results.get("ringserve", {}).get(c)
+        for name, by_level in results.items():
+            s = by_level.get(c)
+            if s is None:
+                continue
+            row = [str(c), name, f"{s['completed']}/{s['failed']}", f"{s['output_throughput']:.1f}",
+                   f"{s['median_ttft_ms']:.0f}", f"{s['median_itl_ms']:.1f}", f"{s['median_tpot_ms']:.1f}",
+                   f"{s['median_e2e_latency_ms']:.0f}"]
+            for b in baselines:
+                base = results[b].get(c)
+                row.append(_ratio(rs["output_throughput"], base["output_throughput"]) if name == "ringserve" and rs and base else "")
+            lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from ringserve.models import DEFAULT_CACHE, SMOLLM2_DIR
+
+    p = argparse.ArgumentParser(prog="ringserve bench compare", description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, default=DEFAULT_CACHE / "models" / SMOLLM2_DIR)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 64])
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--waves", type=int, default=1, help="prompts per level = concurrency * waves")
+    p.add_argument("--min-prompts", type=int, default=4)
+    p.add_argument("--baseline-max-prompts", type=int, default=8, help="cap for the serializing transformers server")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--llama-server-bin", default=None, help="llama.cpp llama-server binary (issue 5 says how to build it)")
+    p.add_argument("--llama-gguf", default=None)
+    p.add_argument("--llama-parallel", type=int, default=32, help="llama-server -np slots")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--ringserve-arg", action="append", default=[], help="extra flag for ringserve launch (repeat)")
+    p.add_argument("--json", default=None)
+    p.add_argument("--disable-progress", action="store_true")
+    args = p.parse_args(argv)
+
+    _, vocab, specials = local_tokenizer_info(str(args.model))
+    results: dict[str, dict[int, dict]] = {}
+    rss: dict[str, dict[str, float]] = {}
+    for server in build_servers(args):
+        results[server.name] = run_server(server, args, vocab, specials)
+        rss[server.name] = server.rss
+    bandwidth = copy_bandwidth_gbps()
+    floor = decode_floor_ms(args.model, args.dtype, bandwidth)
+
+    print(f"\n{args.model.name}, {args.dtype}, input {args.input_len}, output {args.output_len} tokens\n")
+    print(format_table(results, args.concurrency))
+    print("\npeak RSS (VmHWM, MiB): " + "; ".join(
+        f"{srv}: " + ", ".join(f"{k} {v:.0f}" for k, v in procs.items()) for srv, procs in rss.items()))
+    print(f"decode-step floor at batch 1: {floor:.1f} ms ({args.dtype} weights / {bandwidth:.1f} GB/s copy bandwidth)")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                       "results": results, "peak_rss_mib": rss, "copy_bandwidth_gbps": bandwidth,
+                       "decode_floor_ms": floor}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""The memory-bandwidth floor of one decode step: every weight byte is read once per step,
+so at batch 1 a step cannot take less than ``weight bytes / memory bandwidth``."""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+from pathlib import Path
+
+BYTES_PER_ELEMENT = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def param_count(model_dir: Path) -> int:
+    """Number of weight elements in ``model_dir/*.safetensors`` (read from the headers only)."""
+    total = 0
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        for name, meta in header.items():
+            if name != "__metadata__":
+                count = 1
+                for d in meta["shape"]:
+                    count *= d
+                total += count
+    return total
+
+
+def copy_bandwidth_gbps(size_mib: int = 256, repeats: int = 5) -> float:
+    """Best-of-``repeats`` bandwidth (GB/s, 1e9 B/s) of copying ``size_mib`` MiB with numpy,
+    counting bytes read plus bytes written (the STREAM "copy" convention)."""
+    import numpy as np
+
+    src = np.ones(size_mib * 2**20, dtype=np.uint8)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.nbytes / best / 1e9
+
+
+def decode_floor_ms(model_dir: Path, dtype: str, bandwidth_gbps: float) -> float:
+    """Lower bound (ms) of one batch-1 decode step: weight bytes in ``dtype`` / bandwidth.
+
+    Tied embeddings are counted once: the LM head reads the whole matrix each step, the
+    embedding lookup only one row.
+    """
+    return param_count(model_dir) * BYTES_PER_ELEMENT[dtype] / (bandwidth_gbps * 1e9) * 1000

@@ -1,0 +1,57 @@
+"""The transformers baseline server streams one completion with the exact token count."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from ringserve.bench.client import send_request
+from ringserve.launch import free_port
+
+HF_SERVER = Path(__file__).resolve().parents[2] / "bench" / "baselines" / "hf_server.py"
+
+
+def test_hf_server_streams_exact_token_count(smollm2_dir):
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, str(HF_SERVER), "--model", str(smollm2_dir), "--port", str(port), "--dtype", "float32"],
+        start_new_session=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, "hf_server exited"
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "hf_server not up in 120 s"
+            time.sleep(0.3)
+        assert httpx.get(base + "/v1/models").json()["data"][0]["id"] == smollm2_dir.name
+        body = {"model": smollm2_dir.name, "prompt": [1, 504, 3458, 314], "max_tokens": 12, "temperature": 0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+
+        async def one():
+            async with httpx.AsyncClient(timeout=60) as client:
+                streamed = await send_request(client, base, "completions", body, prompt_len=4)
+                whole = (await client.post(base + "/v1/completions", json={**body, "stream": False})).json()
+                return streamed, whole
+
+        streamed, whole = asyncio.run(one())
+        assert streamed.success, streamed.error
+        assert (streamed.prompt_len, streamed.output_tokens) == (4, 12)
+        assert whole["usage"]["completion_tokens"] == 12
+        assert whole["choices"][0]["finish_reason"] == "length"
+        assert streamed.generated_text == whole["choices"][0]["text"]  # greedy: same text either way
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
