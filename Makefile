@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 
 PROTOS := $(wildcard protos/ringserve/v1/*.proto)
 
-.PHONY: setup proto model run test bench-detok clean
+.PHONY: setup proto model run test bench bench-detok clean
 
 setup: $(STAMPS)/venv $(STAMPS)/proto model
 
@@ -38,6 +38,13 @@ run: setup
 
 test: setup
 	RINGSERVE_CACHE_DIR=$(CACHE_DIR) $(PY) -m pytest -q $(PYTEST_ARGS)
+
+# ringserve against the transformers baseline (and llama-server, given
+# BENCH_ARGS='--llama-server-bin PATH --llama-gguf FILE') at concurrency 1, 8, 32, 64;
+# shrink it with e.g. BENCH_ARGS='--concurrency 1,8 --output-len 64'.
+BENCH_ARGS ?=
+bench: setup
+	$(VENV)/bin/ringserve bench compare --model $(MODEL) --json bench/results/compare.json $(BENCH_ARGS)
 
 bench-detok: setup
 	$(PY) -m services.detokenizer.bench --cache-dir $(CACHE_DIR)

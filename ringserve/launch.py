@@ -3,9 +3,16 @@
 Starts the detokenizer, the scheduler, the tokenizer and the gateway as
 separate processes on loopback, in that order (each one connects only to
 services already started), waits until each reports SERVING on the standard
-gRPC health service (the gateway: ``GET /health`` = 200), prints the URL,
-and stops them all on Ctrl-C or SIGTERM. If any service exits, the others are
-stopped and the launcher exits with status 1.
+gRPC health service (the gateway: ``GET /health`` = 200), prints the URL and
+each service's address and PID, and stops them all on Ctrl-C or SIGTERM.
+
+Stopping is graceful and follows the request path: the gateway first (it stops
+accepting and finishes its open responses), then the tokenizer, the scheduler
+and the detokenizer, each given ``--grace-period`` seconds (plus a margin) to
+exit before it is killed. If a service exits on its own, the others are stopped
+and the launcher exits with status 1 — unless ``--restart-on-failure``, which
+starts it again with the same flags and port (the tokenizer and the scheduler
+reconnect to it with backoff).
 """
 
 from __future__ import annotations
@@ -26,7 +33,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 STARTUP_TIMEOUT_S = 600.0
-STOP_GRACE_S = 10.0
+RESTART_DELAY_S = 0.5  # before restarting a service that exited (a crash loop stays slow)
+STOP_MARGIN_S = 5.0  # beyond --grace-period, before a service that did not exit is killed
 
 
 @dataclass(frozen=True)
@@ -43,6 +51,11 @@ class LaunchConfig:
     context_length: int | None = None
     max_running_requests: int | None = None
     max_total_tokens: int | None = None
+    max_queued_requests: int | None = None
+    grace_period_s: float = 5.0
+    watchdog_timeout_s: float | None = None
+    restart_on_failure: bool = False
+    allow_special_tokens_in_messages: bool = False
     extra_scheduler_args: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -88,13 +101,16 @@ class Launcher:
         self.config = config
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.addresses: dict[str, str] = {}
+        self._args: dict[str, list[str]] = {}
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "ringserve.cli", name, *args]
         # Idle OpenMP workers must not spin: the services share the cores.
         env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
         proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent, env=env)
-        self.procs.append((name, proc))
+        self.procs = [(n, p) for n, p in self.procs if n != name] + [(name, proc)]
+        self._args[name] = args
+        print(f"ringserve: {name} pid {proc.pid}", flush=True)
         return proc
 
     def _wait(self, name: str, ready) -> None:
@@ -118,7 +134,8 @@ class Launcher:
         self.addresses = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
         model = str(c.model)
 
-        self._spawn("detokenizer", ["--model", model, "--port", str(ports["detokenizer"])])
+        self._spawn("detokenizer", ["--model", model, "--port", str(ports["detokenizer"]),
+                                    "--grace-period", str(c.grace_period_s)])
         self._wait("detokenizer", lambda: _grpc_serving(self.addresses["detokenizer"]))
 
         sched_args = [
@@ -131,6 +148,11 @@ class Launcher:
             sched_args += ["--max-total-tokens", str(c.max_total_tokens)]
         if c.context_length:
             sched_args += ["--context-length", str(c.context_length)]
+        if c.max_queued_requests is not None:
+            sched_args += ["--max-queued-requests", str(c.max_queued_requests)]
+        if c.watchdog_timeout_s is not None:
+            sched_args += ["--watchdog-timeout", str(c.watchdog_timeout_s)]
+        sched_args += ["--grace-period", str(c.grace_period_s)]
         self._spawn("scheduler", sched_args + list(c.extra_scheduler_args))
         self._wait("scheduler", lambda: _grpc_serving(self.addresses["scheduler"]))
 
@@ -143,6 +165,9 @@ class Launcher:
             tok_args += ["--served-model-name", c.served_model_name]
         if c.context_length:
             tok_args += ["--context-length", str(c.context_length)]
+        tok_args += ["--grace-period", str(c.grace_period_s)]
+        if c.allow_special_tokens_in_messages:
+            tok_args.append("--allow-special-tokens-in-messages")
         self._spawn("tokenizer", tok_args)
         self._wait("tokenizer", lambda: _grpc_serving(self.addresses["tokenizer"]))
 
@@ -156,26 +181,41 @@ class Launcher:
         self._wait("gateway", lambda: _http_ok(f"http://{health_host}:{c.port}/health"))
 
     def stop(self) -> None:
-        """SIGTERM every service in reverse start order, then SIGKILL what is left."""
-        for _, proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
-        for _, proc in reversed(self.procs):
+        """Stop the services one by one along the request path (gateway first).
+
+        Each gets SIGTERM and ``grace_period_s + STOP_MARGIN_S`` to finish its in-flight
+        requests and exit; one still running then is killed.
+        """
+        order = ("gateway", "tokenizer", "scheduler", "detokenizer")
+        procs = dict(self.procs)
+        for name in order:
+            proc = procs.get(name)
+            if proc is None or proc.poll() is not None:
+                continue
+            proc.send_signal(signal.SIGTERM)
             try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
+                proc.wait(self.config.grace_period_s + STOP_MARGIN_S)
             except subprocess.TimeoutExpired:
+                print(f"ringserve: {name} did not stop in time; killing it", file=sys.stderr)
                 proc.kill()
                 proc.wait()
 
     def watch(self) -> int:
-        """Block until a service exits; return the exit status the launcher should use."""
+        """Block until a service exits; return the exit status the launcher should use.
+
+        With ``restart_on_failure`` a service that exited is started again with the same
+        flags (and port) instead, and watching goes on.
+        """
         while True:
-            for name, proc in self.procs:
-                if proc.poll() is not None:
-                    print(f"ringserve: {name} exited with status {proc.returncode}", file=sys.stderr)
+            for name, proc in list(self.procs):
+                if proc.poll() is None:
+                    continue
+                print(f"ringserve: {name} exited with status {proc.returncode}", file=sys.stderr, flush=True)
+                if not self.config.restart_on_failure:
                     return 1
-            time.sleep(0.5)
+                time.sleep(RESTART_DELAY_S)
+                self._spawn(name, self._args[name])
+            time.sleep(0.2)
 
 
 def parse_args(argv: list[str] | None) -> LaunchConfig:
@@ -197,6 +237,16 @@ def parse_args(argv: list[str] | None) -> LaunchConfig:
     parser.add_argument("--context-length", type=int, default=None)
     parser.add_argument("--max-running-requests", type=int, default=None)
     parser.add_argument("--max-total-tokens", type=int, default=None)
+    parser.add_argument("--max-queued-requests", type=int, default=None,
+                        help="scheduler: requests allowed to wait for a slot; beyond it refuse (HTTP 429)")
+    parser.add_argument("--grace-period", type=float, default=LaunchConfig.grace_period_s,
+                        help="seconds each service gets on SIGTERM to finish in-flight requests")
+    parser.add_argument("--watchdog-timeout", type=float, default=None,
+                        help="scheduler: NOT_SERVING after this many seconds of work pending and no step done")
+    parser.add_argument("--restart-on-failure", action="store_true",
+                        help="restart a service that exits (same flags and port) instead of stopping all")
+    parser.add_argument("--allow-special-tokens-in-messages", action="store_true",
+                        help="tokenizer: parse control tokens spelled in chat messages as those tokens")
     args = parser.parse_args(argv)
     return LaunchConfig(
         model=args.model, host=args.host, port=args.port,
@@ -204,7 +254,10 @@ def parse_args(argv: list[str] | None) -> LaunchConfig:
         detokenizer_port=args.detokenizer_port, dtype=args.dtype,
         served_model_name=args.served_model_name, api_key=args.api_key,
         context_length=args.context_length, max_running_requests=args.max_running_requests,
-        max_total_tokens=args.max_total_tokens,
+        max_total_tokens=args.max_total_tokens, max_queued_requests=args.max_queued_requests,
+        grace_period_s=args.grace_period, watchdog_timeout_s=args.watchdog_timeout,
+        restart_on_failure=args.restart_on_failure,
+        allow_special_tokens_in_messages=args.allow_special_tokens_in_messages,
     )
 
 

@@ -22,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -53,8 +54,12 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
+        """Start the process (its output goes to a log file) and wait for ``GET /health`` = 200."""
         env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(self.cmd, start_new_session=True, env=env, stdout=subprocess.DEVNULL)
+        log = tempfile.NamedTemporaryFile("wb", prefix=f"bench-{self.name}-", suffix=".log", delete=False)
+        print(f"bench: starting {self.name} (log: {log.name})", file=sys.stderr, flush=True)
+        self.proc = subprocess.Popen(self.cmd, start_new_session=True, env=env, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

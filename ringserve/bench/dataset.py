@@ -16,6 +16,7 @@ the true prompt length.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from dataclasses import dataclass
@@ -94,8 +95,9 @@ def arrival_offsets(num_requests: int, request_rate: float, seed: int = 0) -> li
     return out
 
 
+@functools.lru_cache(maxsize=4)
 def local_tokenizer_info(tokenizer_dir: str):
-    """``(tokenizer, vocab_size, special_ids)`` from ``tokenizer_dir/tokenizer.json``.
+    """``(tokenizer, vocab_size, special_ids)`` from ``tokenizer_dir/tokenizer.json``, loaded once.
 
     Uses the Rust ``tokenizers`` library only (no transformers import).
     """

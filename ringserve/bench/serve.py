@@ -191,19 +191,21 @@ def write_json(path: str, summary: dict, results: list[RequestResult]) -> None:
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     """The flags of ``bench serve`` whose defaults come from ``ServeConfig``."""
     d = ServeConfig()
-    p.add_argument("--base-url", default=d.base_url)
+    p.add_argument("--base-url", default=d.base_url, help="server root, without /v1")
     p.add_argument("--model", default=d.model, help="default: the first of GET /v1/models")
     p.add_argument("--endpoint", choices=["completions", "chat"], default=d.endpoint)
     p.add_argument("--prompt-format", choices=["ids", "text"], default=d.prompt_format,
                    help="ids: prompt as a list of token ids (completions only; chat always sends text)")
     p.add_argument("--tokenizer", default=d.tokenizer, help="dir with tokenizer.json (vocab, and text decoding when the server has no /v1/detokenize)")
-    p.add_argument("--vocab-size", type=int, default=d.vocab_size)
-    p.add_argument("--input-len", type=int, default=d.input_len)
-    p.add_argument("--output-len", type=int, default=d.output_len)
+    p.add_argument("--vocab-size", type=int, default=d.vocab_size,
+                   help="ids are drawn from [0, N) (default: --tokenizer's, else the server's /get_model_info)")
+    p.add_argument("--input-len", type=int, default=d.input_len, help="prompt tokens (the maximum when --range-ratio < 1)")
+    p.add_argument("--output-len", type=int, default=d.output_len, help="max_tokens, with ignore_eos")
     p.add_argument("--num-prompts", type=int, default=d.num_prompts)
-    p.add_argument("--range-ratio", type=float, default=d.range_ratio)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--max-concurrency", type=int, default=d.max_concurrency)
+    p.add_argument("--range-ratio", type=float, default=d.range_ratio,
+                   help="lengths uniform in [len * ratio, len] (SGLang's rule); 1 = fixed")
+    p.add_argument("--seed", type=int, default=d.seed, help="seeds the prompts and the arrival times")
+    p.add_argument("--max-concurrency", type=int, default=d.max_concurrency, help="requests in flight at most (default: no cap)")
     p.add_argument("--request-rate", type=float, default=d.request_rate, help="req/s, Poisson; inf = all at once")
     p.add_argument("--warmup-requests", type=int, default=d.warmup_requests)
     p.add_argument("--disable-progress", action="store_true")
@@ -222,7 +224,11 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="ringserve bench serve", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="ringserve bench serve",
+        description="Load an OpenAI-compatible server (random-ids prompts, streamed, ignore_eos) and "
+        "report TTFT, ITL, TPOT, E2E latency (mean, median, p99 in ms) and throughput.",
+    )
     add_serve_args(p)
     p.add_argument("--json", default=None, help="write every figure and per-request data here")
     p.add_argument("--plot", default=None, help="write a PNG of latency percentiles and throughput here")

@@ -27,6 +27,7 @@ class DetokenizerConfig:
     host: str = "127.0.0.1"
     port: int = 30030
     max_decode_states: int = DEFAULT_MAX_DECODE_STATES
+    grace_period_s: float = 5.0  # on SIGTERM, how long live decode states may run on
 
     @property
     def address(self) -> str:
@@ -41,8 +42,11 @@ def parse_args(argv: list[str] | None = None) -> DetokenizerConfig:
     p.add_argument("--port", type=int, default=d.port, help="0 picks a free port")
     p.add_argument("--max-decode-states", type=int, default=d.max_decode_states,
                    help="live per-request decode states kept at most; a request beyond it is aborted")
+    p.add_argument("--grace-period", type=float, default=d.grace_period_s,
+                   help="seconds in-flight requests get to finish on SIGTERM")
     a = p.parse_args(argv)
-    return DetokenizerConfig(model=a.model, host=a.host, port=a.port, max_decode_states=a.max_decode_states)
+    return DetokenizerConfig(model=a.model, host=a.host, port=a.port, max_decode_states=a.max_decode_states,
+                             grace_period_s=a.grace_period)
 
 
 async def start(config: DetokenizerConfig) -> tuple[grpcutil.ServingServer, DetokenizerServicer]:
@@ -68,14 +72,19 @@ async def start(config: DetokenizerConfig) -> tuple[grpcutil.ServingServer, Deto
 
 
 async def serve(config: DetokenizerConfig) -> None:
-    """Serve until SIGTERM or SIGINT, then stop gracefully (health NOT_SERVING first)."""
+    """Serve until SIGTERM or SIGINT, then stop gracefully: health NOT_SERVING, requests with
+    a live decode state get up to ``grace_period_s`` to finish, then the server stops."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    server, _ = await start(config)
+    server, servicer = await start(config)
     await stop.wait()
     log.info("detokenizer stopping")
+    await server.set_serving(False)
+    deadline = loop.time() + config.grace_period_s
+    while servicer.manager.num_decode_states and loop.time() < deadline:
+        await asyncio.sleep(0.05)
     await server.stop(1.0)
 
 

@@ -97,6 +97,16 @@ class DetokenizerManager:
     def num_decode_states(self) -> int:
         return len(self.states)
 
+    def drop_all(self) -> int:
+        """Forget every decode state (their scheduler is gone: no final row will come); return how many."""
+        n = len(self.states)
+        self.states.clear()
+        self._watched.clear()
+        self._pend.clear()
+        self._open.clear()
+        self._refused.clear()
+        return n
+
     @property
     def fast(self) -> bool:
         return self.table is not None

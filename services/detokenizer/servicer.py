@@ -18,18 +18,57 @@ log = logging.getLogger(__name__)
 LOAD_REPORT_INTERVAL_S = 1.0
 
 
+_ROW_COLUMNS = ("tokenizer_ids", "new_token_counts", "finish_reasons", "prompt_tokens", "completion_tokens",
+                "cached_tokens", "logprob_counts")
+
+
+def check_batch(batch: detokenizer_pb2.BatchTokenIDOutput, vocab_size: int) -> str | None:
+    """Why ``batch`` breaks the columnar layout of detokenizer.proto, or None when it is sound.
+
+    Checked before any state changes, so a malformed batch (a bug or a hostile peer) is
+    refused whole instead of failing half-way through a step.
+    """
+    n = len(batch.rids)
+    for name in _ROW_COLUMNS:
+        got = len(getattr(batch, name))
+        if got not in (0, n):
+            return f"{name} has {got} entries for {n} rows"
+    counts = batch.new_token_counts
+    if (counts and min(counts) < 0) or sum(counts) != len(batch.output_ids):
+        return f"new_token_counts (sum {sum(counts)}) do not cover output_ids ({len(batch.output_ids)} ids)"
+    for name in ("output_ids", "top_logprob_ids"):
+        ids = getattr(batch, name)
+        if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+            return f"{name} hold ids outside the vocabulary [0, {vocab_size})"
+    lp = batch.logprob_counts
+    if (lp and min(lp) < 0) or sum(lp) != len(batch.output_token_logprobs):
+        return "logprob_counts do not cover output_token_logprobs"
+    for init in batch.inits:
+        if not 0 <= init.row < n:
+            return f"a RowInit names row {init.row} of {n}"
+        if init.top_logprobs_num < 0:
+            return f"a RowInit has top_logprobs_num {init.top_logprobs_num}"
+        tail = init.prompt_tail_ids
+        if tail and (min(tail) < 0 or max(tail) >= vocab_size):
+            return f"prompt_tail_ids hold ids outside the vocabulary [0, {vocab_size})"
+    return None
+
+
 class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServicer):
     """``Detokenizer`` service: Stream (from the scheduler), Subscribe (per tokenizer), GetLoad.
 
     Each step's BatchStrOutput for a tokenizer goes to that tokenizer's Subscribe queue;
     rows for a tokenizer that has no subscription are dropped (their states are still
-    deleted when they finish, so nothing leaks).
+    deleted when they finish, so nothing leaks). When the last scheduler stream ends, every
+    decode state is dropped: the scheduler that would finish them is gone (a scheduler that
+    only lost its stream reconnects and aborts what it runs, resending each RowInit).
     """
 
     def __init__(self, manager: DetokenizerManager, instance_id: str) -> None:
         self.manager = manager
         self.instance_id = instance_id
         self.subscribers: dict[str, asyncio.Queue[detokenizer_pb2.BatchStrOutput]] = {}
+        self.streams = 0  # open scheduler streams
 
     def load(self) -> common_pb2.LoadReport:
         return common_pb2.LoadReport(instance_id=self.instance_id,
@@ -45,12 +84,24 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServicer):
     async def Stream(self, request_iterator: AsyncIterator[detokenizer_pb2.BatchTokenIDOutput],
                      context: grpc.aio.ServicerContext) -> AsyncIterator[detokenizer_pb2.DetokenizerEvent]:
         last = 0.0
-        async for batch in request_iterator:
-            self.route(batch)
-            now = time.monotonic()
-            if now - last >= LOAD_REPORT_INTERVAL_S:
-                last = now
-                yield detokenizer_pb2.DetokenizerEvent(load=self.load())
+        self.streams += 1
+        try:
+            async for batch in request_iterator:
+                error = check_batch(batch, self.manager.vocab_size)
+                if error is not None:
+                    log.error("refusing a malformed BatchTokenIDOutput: %s", error)
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed BatchTokenIDOutput: {error}")
+                self.route(batch)
+                now = time.monotonic()
+                if now - last >= LOAD_REPORT_INTERVAL_S:
+                    last = now
+                    yield detokenizer_pb2.DetokenizerEvent(load=self.load())
+        finally:
+            self.streams -= 1
+            if not self.streams:
+                dropped = self.manager.drop_all()
+                if dropped:
+                    log.warning("scheduler stream ended; dropped %d decode states", dropped)
 
     async def Subscribe(self, request: detokenizer_pb2.SubscribeRequest,
                         context: grpc.aio.ServicerContext) -> AsyncIterator[detokenizer_pb2.BatchStrOutput]:

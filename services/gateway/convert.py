@@ -8,10 +8,10 @@ tokenizer's defaults apply to the rest. Cross-field checks that need no model kn
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Sequence
 
-import orjson
 
 from ringserve.v1 import common_pb2, tokenizer_pb2
 
@@ -196,8 +196,9 @@ def chat_input(
     chat = tokenizer_pb2.ChatInput(
         messages=chat_messages(messages),
         continue_final_message=continue_final_message,
-        tools_json=orjson.dumps([t.model_dump(exclude_none=True) for t in tools]).decode() if tools else "",
-        chat_template_kwargs_json=orjson.dumps(chat_template_kwargs).decode() if chat_template_kwargs else "",
+        # stdlib json: client JSON may hold integers beyond 64 bits, which orjson refuses.
+        tools_json=json.dumps([t.model_dump(exclude_none=True) for t in tools]) if tools else "",
+        chat_template_kwargs_json=json.dumps(chat_template_kwargs) if chat_template_kwargs else "",
     )
     if add_generation_prompt is not None:
         chat.add_generation_prompt = add_generation_prompt

@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("auto", "float32", "bfloat16")
+SCHEDULE_POLICIES = ("fcfs", "lpm")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass(frozen=True)
@@ -19,15 +21,24 @@ class EngineConfig:
         max_prefill_tokens: token budget of one extend batch.
         context_length: None = the model's max_position_embeddings.
         seed: seed of the shared generator for unseeded requests; None = nondeterministic.
+        dtype: "auto" = bfloat16 on CPUs with AMX / AVX-512-BF16, float32 elsewhere.
+        chunked_prefill_size: most prompt tokens one step prefills; <= 0 disables chunking.
+        disable_radix_cache: run without the prefix cache.
+        schedule_policy: admission order, "fcfs" or "lpm" (longest cached prefix first).
+        load_format: "auto" (safetensors) or "dummy" (random weights for config.json).
     """
 
     model: Path
-    dtype: str = "float32"
+    dtype: str = "auto"
     max_running_requests: int = 64
     max_total_tokens: int = 65536
     max_prefill_tokens: int = 8192
     context_length: int | None = None
     seed: int | None = None
+    chunked_prefill_size: int = 2048
+    disable_radix_cache: bool = False
+    schedule_policy: str = "fcfs"
+    load_format: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -41,6 +52,9 @@ class SchedulerConfig:
     instance_id: str = "scheduler-0"
     load_report_interval_s: float = 1.0
     torch_threads: int | None = field(default=None)
+    max_queued_requests: int | None = None  # None: no limit; beyond it RESOURCE_EXHAUSTED
+    grace_period_s: float = 5.0  # on SIGTERM: refuse new requests, let in-flight ones finish this long
+    watchdog_timeout_s: float | None = None  # NOT_SERVING after this long with work and no step done
 
     @property
     def address(self) -> str:

@@ -1,4 +1,11 @@
-"""``ringserve scheduler``: load the model, connect to the detokenizer, serve Scheduler over gRPC."""
+"""``ringserve scheduler``: load the model, connect to the detokenizer, serve Scheduler over gRPC.
+
+Health is SERVING once the model is loaded and the detokenizer stream is up. A watchdog
+(``--watchdog-timeout``) turns it NOT_SERVING while the engine thread has work pending and
+has not finished a step for that long, and back when it moves again. On SIGTERM the
+service turns NOT_SERVING, refuses new requests (UNAVAILABLE), lets the ones in flight
+finish for up to ``--grace-period`` seconds, aborts what is left and exits 0.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +15,11 @@ import gc
 import logging
 import os
 import signal
-from collections.abc import Callable
+import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from services.scheduler.config import DTYPES, EngineConfig, SchedulerConfig
+from services.scheduler.config import DTYPES, LOAD_FORMATS, SCHEDULE_POLICIES, EngineConfig, SchedulerConfig
 
 log = logging.getLogger("ringserve.scheduler")
 
@@ -25,20 +33,84 @@ def parse_args(argv: list[str] | None) -> SchedulerConfig:
     p.add_argument("--port", type=int, default=s.port, help="gRPC port (0 = any free port)")
     p.add_argument("--detokenizer", default=s.detokenizer, help="detokenizer gRPC address host:port")
     p.add_argument("--instance-id", default=s.instance_id)
-    p.add_argument("--dtype", choices=DTYPES, default=e.dtype, help="weights and KV cache dtype (attention, softmax and sampling run in fp32)")
+    p.add_argument("--dtype", choices=DTYPES, default=e.dtype, help="weights and KV cache dtype (attention, softmax and sampling run in fp32); "
+                   "auto = bfloat16 on CPUs with AMX / AVX-512-BF16, else float32")
     p.add_argument("--max-running-requests", type=int, default=e.max_running_requests, help="req slots")
     p.add_argument("--max-total-tokens", type=int, default=e.max_total_tokens, help="KV pool size in tokens")
     p.add_argument("--max-prefill-tokens", type=int, default=e.max_prefill_tokens, help="token budget of one prefill batch")
     p.add_argument("--context-length", type=int, default=None, help="default: the model's max_position_embeddings")
     p.add_argument("--seed", type=int, default=None, help="seed for requests that give none")
+    p.add_argument("--chunked-prefill-size", type=int, default=e.chunked_prefill_size,
+                   help="most prompt tokens prefilled per step, mixed with running decodes (<= 0: no chunking)")
+    p.add_argument("--disable-radix-cache", action="store_true", help="run without the prefix (radix) cache")
+    p.add_argument("--schedule-policy", choices=SCHEDULE_POLICIES, default=e.schedule_policy,
+                   help="admission order: first come first served, or longest cached prefix first")
+    p.add_argument("--load-format", choices=LOAD_FORMATS, default=e.load_format,
+                   help="dummy = random weights of config.json's shapes (benchmarks)")
     p.add_argument("--torch-threads", type=int, default=None, help="default: the number of usable cores")
+    p.add_argument("--max-queued-requests", type=int, default=s.max_queued_requests,
+                   help="requests allowed to wait for a request slot; beyond it refuse with RESOURCE_EXHAUSTED")
+    p.add_argument("--grace-period", type=float, default=s.grace_period_s,
+                   help="seconds in-flight requests get to finish on SIGTERM")
+    p.add_argument("--watchdog-timeout", type=float, default=s.watchdog_timeout_s,
+                   help="health NOT_SERVING after this many seconds with work pending and no step finished")
     a = p.parse_args(argv)
+    if a.max_queued_requests is not None and a.max_queued_requests < 0:
+        p.error("--max-queued-requests must be >= 0")
     engine = EngineConfig(
         model=a.model, dtype=a.dtype, max_running_requests=a.max_running_requests, max_total_tokens=a.max_total_tokens,
         max_prefill_tokens=a.max_prefill_tokens, context_length=a.context_length, seed=a.seed,
+        chunked_prefill_size=a.chunked_prefill_size, disable_radix_cache=a.disable_radix_cache,
+        schedule_policy=a.schedule_policy, load_format=a.load_format,
     )
     return SchedulerConfig(engine=engine, host=a.host, port=a.port, detokenizer=a.detokenizer,
-                           instance_id=a.instance_id, torch_threads=a.torch_threads)
+                           instance_id=a.instance_id, torch_threads=a.torch_threads,
+                           max_queued_requests=a.max_queued_requests, grace_period_s=a.grace_period,
+                           watchdog_timeout_s=a.watchdog_timeout)
+
+
+class Watchdog:
+    """Health follows the engine thread: NOT_SERVING while it is stalled, SERVING again after.
+
+    Args:
+        stalled_s: seconds the engine has had work and not finished a step (``EngineLoop.stalled_s``).
+        set_serving: the health setter (``ServingServer.set_serving``).
+        timeout_s: stalled this long -> NOT_SERVING.
+        ready: whether the service would otherwise be SERVING (the detokenizer stream is up).
+    """
+
+    def __init__(self, stalled_s: Callable[[], float], set_serving: Callable[[bool], Awaitable[None]],
+                 timeout_s: float, ready: Callable[[], bool]):
+        self.stalled_s = stalled_s
+        self.set_serving = set_serving
+        self.timeout_s = timeout_s
+        self.ready = ready
+        self.tripped = False
+
+    async def check(self) -> None:
+        stalled = self.stalled_s() >= self.timeout_s
+        if stalled != self.tripped:
+            self.tripped = stalled
+            if stalled:
+                log.error("watchdog: the engine has had work and made no progress for %.1f s; NOT_SERVING",
+                          self.stalled_s())
+            else:
+                log.warning("watchdog: the engine is making progress again")
+            await self.set_serving(self.ready() and not stalled)
+
+    async def run(self) -> None:
+        while True:
+            await self.check()
+            await asyncio.sleep(min(1.0, self.timeout_s / 4))
+
+
+async def drain(loop, timeout_s: float) -> bool:
+    """Refuse new requests and wait up to ``timeout_s`` for the engine to go idle; True if it did."""
+    loop.drain()
+    deadline = time.monotonic() + timeout_s
+    while not loop.idle and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    return loop.idle
 
 
 async def serve(cfg: SchedulerConfig, stop: asyncio.Event | None = None,
@@ -60,7 +132,8 @@ async def serve(cfg: SchedulerConfig, stop: asyncio.Event | None = None,
 
     torch.set_num_threads(cfg.torch_threads or len(os.sched_getaffinity(0)))
     engine = Engine.from_config(cfg.engine)
-    loop = EngineLoop(engine, lambda out: link.send_threadsafe(step_output_to_proto(out)))
+    loop = EngineLoop(engine, lambda out: link.send_threadsafe(step_output_to_proto(out)),
+                      max_queued_requests=cfg.max_queued_requests)
     link = DetokenizerLink(
         cfg.detokenizer,
         on_reconnect=lambda: loop.abort(message="detokenizer reconnected; its decode state was lost",
@@ -76,6 +149,7 @@ async def serve(cfg: SchedulerConfig, stop: asyncio.Event | None = None,
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     loop.start()
     log.info("scheduler %s listening on %s:%d, waiting for detokenizer %s", cfg.instance_id, cfg.host, server.port, cfg.detokenizer)
+    watchdog_task = None
     try:
         waiter = asyncio.create_task(link.connected.wait())
         await asyncio.wait({waiter, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
@@ -84,8 +158,25 @@ async def serve(cfg: SchedulerConfig, stop: asyncio.Event | None = None,
             log.info("scheduler SERVING")
             if on_serving is not None:
                 on_serving(server.port)
+            if cfg.watchdog_timeout_s:
+                watchdog = Watchdog(loop.stalled_s, server.set_serving, cfg.watchdog_timeout_s,
+                                    link.connected.is_set)
+                watchdog_task = asyncio.create_task(watchdog.run())
         await stop.wait()
+        if watchdog_task is not None:
+            watchdog_task.cancel()
+        await server.set_serving(False)
+        if not await drain(loop, cfg.grace_period_s):
+            log.warning("grace period (%.1f s) over; aborting what is still in flight", cfg.grace_period_s)
+            loop.abort(message="the scheduler is shutting down", status="UNAVAILABLE")
+            await drain(loop, 1.0)
+        for _ in range(20):  # up to 1 s for the last rows to leave on the detokenizer stream
+            if link.queue.empty() or not link.connected.is_set():
+                break
+            await asyncio.sleep(0.05)
     finally:
+        if watchdog_task is not None:
+            watchdog_task.cancel()
         await server.stop(1.0)
         loop.stop()
         link_task.cancel()

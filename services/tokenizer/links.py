@@ -26,7 +26,7 @@ import grpc
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential, wait_random
 
 from ringserve.grpcutil import insecure_channel
-from ringserve.v1 import detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from ringserve.v1 import common_pb2, detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.tokenizer.errors import unavailable
 
 logger = logging.getLogger(__name__)
@@ -120,6 +120,8 @@ class SchedulerLink(Link):
         super().__init__("scheduler", target, on_change)
         self.instance_id = instance_id
         self._queue: asyncio.Queue[scheduler_pb2.SchedulerInput] = asyncio.Queue()
+        # The scheduler's latest LoadReport event (sent about once a second); None while down.
+        self.last_load: common_pb2.LoadReport | None = None
 
     def _put(self, msg: scheduler_pb2.SchedulerInput) -> None:
         if not self.up:
@@ -155,8 +157,9 @@ class SchedulerLink(Link):
                 await call.write(await self._queue.get())
 
         async def read() -> None:
-            while await call.read() is not grpc.aio.EOF:  # LoadReport events; nothing to route yet
-                pass
+            while (event := await call.read()) is not grpc.aio.EOF:
+                if event.HasField("load"):
+                    self.last_load = event.load
 
         tasks = [asyncio.create_task(write()), asyncio.create_task(read())]
         try:
@@ -164,6 +167,7 @@ class SchedulerLink(Link):
             for task in done:
                 task.result()
         finally:
+            self.last_load = None
             # No await here: the loss must reach the manager before anything else runs.
             for task in tasks:
                 task.cancel()

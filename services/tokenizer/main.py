@@ -3,8 +3,10 @@
 Flags are parsed once into ``TokenizerConfig``. Health reports SERVING once the
 tokenizer is loaded and both the scheduler stream and the detokenizer
 subscription are up, and NOT_SERVING while either is reconnecting. SIGTERM and
-SIGINT stop the server (in-flight calls are cancelled, which aborts them at the
-scheduler), flush the pending aborts and close both links.
+SIGINT turn health NOT_SERVING and stop accepting calls; in-flight calls get
+``--grace-period`` seconds to finish (both links stay up meanwhile), then the rest
+are cancelled (which aborts them at the scheduler), pending aborts are flushed and
+both links closed.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ from services.tokenizer.servicer import SERVICE_NAME, TokenizerServicer
 
 logger = logging.getLogger(__name__)
 
-SHUTDOWN_GRACE_S = 1.0
 ABORT_FLUSH_S = 0.5
 
 
@@ -48,6 +49,8 @@ class TokenizerConfig:
     instance_id: str = field(default_factory=default_instance_id)
     served_model_name: str | None = None  # default: the model directory's name
     context_length: int | None = None  # default: config.json max_position_embeddings
+    grace_period_s: float = 5.0  # on SIGTERM, how long in-flight calls may run on
+    allow_special_tokens_in_messages: bool = False  # control tokens spelled in messages stay text
 
     @property
     def address(self) -> str:
@@ -61,7 +64,10 @@ class TokenizerService:
         self.config = config
         tokenizer = load_tokenizer(config.model)
         facts = model_facts(config.model, tokenizer, config.served_model_name, config.context_length)
-        self.manager = TokenizerManager(tokenizer, facts, config.instance_id, outputs_up=False)
+        self.manager = TokenizerManager(
+            tokenizer, facts, config.instance_id, outputs_up=False,
+            allow_special_tokens_in_messages=config.allow_special_tokens_in_messages,
+        )
         self.scheduler = SchedulerLink(config.scheduler, config.instance_id, self._on_link)
         self.detokenizer = DetokenizerLink(
             config.detokenizer, config.instance_id, self.manager.handle_batch, self._on_link
@@ -96,9 +102,9 @@ class TokenizerService:
             await self.server.set_serving(self.ready)
 
     async def start(self) -> None:
+        servicer = TokenizerServicer(self.manager, lambda: self.scheduler.last_load)
         self.server = await start_server(
-            self.config.address,
-            [(tokenizer_pb2_grpc.add_TokenizerServicer_to_server, TokenizerServicer(self.manager), SERVICE_NAME)],
+            self.config.address, [(tokenizer_pb2_grpc.add_TokenizerServicer_to_server, servicer, SERVICE_NAME)]
         )
         self.scheduler.start()
         self.detokenizer.start()
@@ -107,7 +113,7 @@ class TokenizerService:
     async def stop(self) -> None:
         if self.server is not None:
             await self.server.set_serving(False)
-            await self.server.stop(SHUTDOWN_GRACE_S)
+            await self.server.stop(self.config.grace_period_s)
         await self.scheduler.flush(ABORT_FLUSH_S)
         await self.detokenizer.stop()
         await self.scheduler.stop()
@@ -123,6 +129,11 @@ def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
     p.add_argument("--instance-id", default=None, help="default: tok-<hostname>-<pid>")
     p.add_argument("--served-model-name", default=None, help="default: the model directory's name")
     p.add_argument("--context-length", type=int, default=None, help="default: config.json max_position_embeddings")
+    p.add_argument("--grace-period", type=float, default=TokenizerConfig.grace_period_s,
+                   help="seconds in-flight calls get to finish on SIGTERM")
+    p.add_argument("--allow-special-tokens-in-messages", action="store_true",
+                   help="parse control tokens spelled in chat message text (e.g. <|im_end|>) as those "
+                        "tokens; by default they are tokenized as plain text")
     a = p.parse_args(argv)
     return TokenizerConfig(
         model=a.model,
@@ -133,6 +144,8 @@ def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
         instance_id=a.instance_id or default_instance_id(),
         served_model_name=a.served_model_name,
         context_length=a.context_length,
+        grace_period_s=a.grace_period,
+        allow_special_tokens_in_messages=a.allow_special_tokens_in_messages,
     )
 
 

@@ -44,6 +44,7 @@ from services.tokenizer.errors import (
     unavailable,
 )
 from services.tokenizer.model import ModelFacts
+from services.tokenizer.special import SpecialTokenGuard
 from services.tokenizer.sampling import check_top_logprobs_num, resolve_sampling_params, seed_for_choice
 from services.tokenizer.state import ReqState, Row, split_rows
 
@@ -120,6 +121,9 @@ class TokenizerManager:
         instance_id: this tokenizer instance's id, sent with every request.
         dispatcher: the scheduler link; set later with ``attach`` when None.
         outputs_up: whether the detokenizer subscription is up (the service keeps it current).
+        allow_special_tokens_in_messages: parse control tokens that chat message text
+            spells (``<|im_end|>``) as those tokens; by default they stay text (see
+            ``services.tokenizer.special``).
     """
 
     def __init__(
@@ -129,8 +133,10 @@ class TokenizerManager:
         instance_id: str,
         dispatcher: Dispatcher | None = None,
         outputs_up: bool = True,
+        allow_special_tokens_in_messages: bool = False,
     ):
         self.tokenizer = tokenizer
+        self.guard = None if allow_special_tokens_in_messages else SpecialTokenGuard(tokenizer)
         self.facts = facts
         self.instance_id = instance_id
         self.dispatcher = dispatcher
@@ -163,6 +169,26 @@ class TokenizerManager:
             raise invalid(f"{param}: token id {bad} is outside the vocabulary [0, {vocab})", param)
         return ids
 
+    def _added_special_tokens(self) -> tuple[list[int], list[int]]:
+        """The ids ``encode(add_special_tokens=True)`` puts before and after a text (BOS, EOS)."""
+        plain = self.encode("a", add_special_tokens=False)
+        full = self.encode("a", add_special_tokens=True)
+        at = next(i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain)
+        return full[:at], full[at + len(plain) :]
+
+    def render_chat_ids(self, chat: tokenizer_pb2.ChatInput) -> tuple[str, list[int]]:
+        """(rendered prompt, its ids without added special tokens); control tokens that the
+        messages spell stay text unless ``allow_special_tokens_in_messages``.
+
+        Raises:
+            RequestError: INVALID_ARGUMENT (see ``render_chat``).
+        """
+        if self.guard is None:
+            prompt = render_chat(self.tokenizer, chat)
+            return prompt, self.encode(prompt, add_special_tokens=False)
+        masked, nonce, found = self.guard.mask(chat)
+        return self.guard.encode(render_chat(self.tokenizer, masked), nonce, found)
+
     def prompt_ids(self, req: tokenizer_pb2.GenerateReqInput) -> tuple[list[int], str | None, str]:
         """(input ids, prompt text or None, OpenAI param name) of a GenerateReqInput.
 
@@ -181,8 +207,7 @@ class TokenizerManager:
         if which == "input_ids":
             return self.check_ids(req.input_ids.ids, "input_ids"), None, "prompt"
         if which == "chat":
-            prompt = render_chat(self.tokenizer, req.chat)
-            ids = self.encode(prompt, add_special_tokens=False)
+            prompt, ids = self.render_chat_ids(req.chat)
             if not ids:
                 raise invalid("the rendered chat prompt is empty (0 tokens)", "messages")
             return ids, prompt, "messages"
@@ -443,11 +468,14 @@ class TokenizerManager:
         which = req.WhichOneof("input")
         if which == "text":
             prompt = req.text
+            ids = self.encode(prompt, add_special_tokens=req.add_special_tokens)
         elif which == "chat":
-            prompt = render_chat(self.tokenizer, req.chat)
+            prompt, ids = self.render_chat_ids(req.chat)
+            if req.add_special_tokens:
+                prefix, suffix = self._added_special_tokens()
+                ids = prefix + ids + suffix
         else:
             raise invalid("one of text or chat is required", "prompt", INVALID_REQUEST)
-        ids = self.encode(prompt, add_special_tokens=req.add_special_tokens)
         return tokenizer_pb2.TokenizeResponse(
             input_ids=ids, prompt=prompt, count=len(ids), max_model_len=self.facts.context_length
         )

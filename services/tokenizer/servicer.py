@@ -6,6 +6,7 @@ Every ``RequestError`` becomes a gRPC status with its message as details and
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NoReturn
 
 import grpc
@@ -22,9 +23,22 @@ async def _fail(context: grpc.aio.ServicerContext, err: RequestError) -> NoRetur
     raise AssertionError("context.abort returned")
 
 
+# Occupancy copied from the scheduler's latest LoadReport into the tokenizer's own, so one
+# GetLoad (the gateway's /get_load) shows capacity: running and waiting requests, slots, KV.
+_SCHEDULER_LOAD_FIELDS = (
+    "num_running_reqs", "num_waiting_reqs", "req_slots_used", "kv_used_tokens", "kv_cached_tokens", "kv_total_tokens",
+)
+
+
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
-    def __init__(self, manager: TokenizerManager):
+    """Args:
+        scheduler_load: the scheduler's latest LoadReport (about 1 s old at most), or None.
+    """
+
+    def __init__(self, manager: TokenizerManager,
+                 scheduler_load: Callable[[], common_pb2.LoadReport | None] = lambda: None):
         self.manager = manager
+        self.scheduler_load = scheduler_load
 
     async def Generate(self, request: tokenizer_pb2.GenerateReqInput, context: grpc.aio.ServicerContext) -> None:
         """Stream GenerateOutputs; a cancelled call aborts the request (through ``aclose``)."""
@@ -66,4 +80,10 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
             await _fail(context, err)
 
     async def GetLoad(self, request: common_pb2.Empty, context: grpc.aio.ServicerContext) -> common_pb2.LoadReport:
-        return self.manager.load()
+        """This instance's ReqState count plus the scheduler's last reported occupancy."""
+        report = self.manager.load()
+        upstream = self.scheduler_load()
+        if upstream is not None:
+            for name in _SCHEDULER_LOAD_FIELDS:
+                setattr(report, name, getattr(upstream, name))
+        return report

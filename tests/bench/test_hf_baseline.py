@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 
 from ringserve.bench.client import send_request
+from ringserve.bench.serve import ServeConfig, run_benchmark
 from ringserve.launch import free_port
 
 HF_SERVER = Path(__file__).resolve().parents[2] / "bench" / "baselines" / "hf_server.py"
@@ -52,6 +53,12 @@ def test_hf_server_streams_exact_token_count(smollm2_dir):
         assert whole["usage"]["completion_tokens"] == 12
         assert whole["choices"][0]["finish_reason"] == "length"
         assert streamed.generated_text == whole["choices"][0]["text"]  # greedy: same text either way
+
+        # No /v1/detokenize or /get_model_info here: text prompts come from the local tokenizer.
+        cfg = ServeConfig(base_url=base, prompt_format="text", tokenizer=str(smollm2_dir), num_prompts=2,
+                          input_len=8, output_len=4, max_concurrency=2, warmup_requests=0, progress=False)
+        summary, results = asyncio.run(run_benchmark(cfg))
+        assert (summary["completed"], summary["total_output_tokens"]) == (2, 8), [r.error for r in results]
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(30)

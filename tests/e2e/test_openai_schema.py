@@ -2,7 +2,8 @@
 
 The schema is the one the gateway serves at /openapi.json (built from its routes). Each
 operation gets a bounded number of examples, positive (valid by the schema) and negative,
-with no shrinking. Checks: no 5xx, documented status codes, content types and headers,
+with no shrinking, from a fixed seed (derandomized: CI runs the same cases every time;
+raise ``max_examples`` or drop ``derandomize`` locally to hunt for new failures). Checks: no 5xx, documented status codes, content types and headers,
 response bodies matching the schema, and schema-violating bodies rejected with a 4xx.
 
 Two adjustments keep the run short and make positive cases produce real generations:
@@ -119,7 +120,8 @@ def _bound(case, model: str) -> None:
         if isinstance(params, dict):
             body["sampling_params"] = params
             _clamp(params)
-            params.setdefault("max_new_tokens", MAX_NEW_TOKENS)
+            if params.get("max_new_tokens") is None:
+                params["max_new_tokens"] = MAX_NEW_TOKENS
             if positive:
                 _repair_sampling(params, model)
                 body["input_ids"] = _ids(body.get("input_ids")) if "input_ids" in body else None
@@ -127,7 +129,7 @@ def _bound(case, model: str) -> None:
                     del body["input_ids"]
         return
     _clamp(body)
-    if "max_tokens" not in body and "max_completion_tokens" not in body:
+    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_tokens"] = MAX_NEW_TOKENS
     if positive:
         _repair_sampling(body, model)
@@ -139,16 +141,11 @@ def _bound(case, model: str) -> None:
 
 
 @schema.parametrize()
-@settings(max_examples=6, deadline=None, phases=[Phase.explicit, Phase.generate],
+@settings(max_examples=6, deadline=None, phases=[Phase.explicit, Phase.generate], derandomize=True,
           suppress_health_check=list(HealthCheck))
 def test_openapi_schema_fuzz(case, stack):
     _bound(case, stack.model_name)
-    import time, json
-    t0 = time.monotonic()
     response = case.call_and_validate(base_url=stack.base_url, timeout=60, checks=CHECKS)
-    dt = time.monotonic() - t0
-    if dt > 1.0:
-        print("SLOW", round(dt, 2), case.operation.label, response.status_code, json.dumps(case.body)[:600])
     STATUSES[(case.operation.label, response.status_code)] += 1
 
 

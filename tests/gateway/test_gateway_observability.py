@@ -170,3 +170,22 @@ async def test_openapi_declares_bodies_and_400_never_422(stack):
     assert "HTTPValidationError" not in schema["components"]["schemas"]
     chat_200 = schema["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]
     assert set(chat_200) == {"application/json", "text/event-stream"}
+
+
+async def test_schema_fuzz_regressions(stack):
+    """Inputs schemathesis found: values the proto cannot hold are 400s, never 500s; what is
+    accepted is what the schema says (JSON types strict, 5.0 is an integer)."""
+    chat = {"model": stack.model, "messages": [{"role": "user", "content": "x"}]}
+    for extra, param in [({"max_tokens": 2**40}, "max_tokens"), ({"stop_token_ids": [2**31]}, "stop_token_ids"),
+                         ({"stream": "true"}, "stream"), ({"max_tokens": "5"}, "max_tokens"),
+                         ({"logit_bias": {str(2**40): 1}}, "logit_bias")]:
+        r = await stack.client.post(CHAT, json={**chat, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+    r = await stack.client.post("/v1/completions", json={"model": stack.model, "prompt": [2**70]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    stack.fake.reset(stack.out("ok", finish="stop"))
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"maximum": 2**70}}}]
+    r = await stack.client.post(CHAT, json={**chat, "tools": tools, "max_tokens": 5.0})
+    assert r.status_code == 200, r.text
+    assert str(2**70) in stack.fake.requests[0].chat.tools_json
+    assert stack.fake.requests[0].sampling_params.max_new_tokens == 5

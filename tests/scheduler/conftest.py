@@ -56,6 +56,7 @@ class Result:
     finish: FinishReason | None = None
     completion_tokens: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int = 0
     logprobs: list[float] = field(default_factory=list)
     top_ids: list[int] = field(default_factory=list)
     top_vals: list[float] = field(default_factory=list)
@@ -79,6 +80,7 @@ def collect(out, results: dict[str, Result], step: int = 0) -> None:
         res.finish = out.finish_reasons[row]
         res.completion_tokens = out.completion_tokens[row]
         res.prompt_tokens = out.prompt_tokens[row]
+        res.cached_tokens = out.cached_tokens[row]
         k = out.logprob_counts[row]
         res.logprobs.extend(out.output_token_logprobs[lp : lp + k])
         lp += k

@@ -78,3 +78,27 @@ def test_bfloat16_agrees_with_float32(smollm2_dir, sched_model, tokenizer):
         assert lo[0][1].dtype == torch.float32  # logits leave the model in fp32 whatever the weights
         assert int(lo[0][1].argmax()) == int(hi[0][1].argmax())
         assert (lo[0][1] - hi[0][1]).abs().max().item() < 1.0
+
+
+def test_dummy_load_format_needs_only_a_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **TINY}))
+    a = load_model(tmp_path, torch.bfloat16, "dummy")
+    b = load_model(tmp_path, torch.bfloat16, "dummy")
+    assert a.config.attention_bias and next(a.parameters()).dtype == torch.bfloat16
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    steps = paged_logits(a, [[1, 2, 3], [4, 5]], decode_steps=2)
+    assert all(logits.shape == (256,) and torch.isfinite(logits).all() for s in steps for _, logits in s)
+    with pytest.raises(ValueError, match="unknown load format 'gguf'"):
+        load_model(tmp_path, torch.float32, "gguf")
+
+
+def test_dtype_auto_follows_the_cpu(monkeypatch):
+    from services.scheduler.engine import engine
+
+    assert engine.resolve_dtype("float32") == torch.float32
+    monkeypatch.setattr(engine, "cpu_has_bf16", lambda: True)
+    assert engine.resolve_dtype("auto") == torch.bfloat16
+    monkeypatch.setattr(engine, "cpu_has_bf16", lambda: False)
+    assert engine.resolve_dtype("auto") == torch.float32
+    with pytest.raises(ValueError, match="unsupported dtype 'float16'"):
+        engine.resolve_dtype("float16")

@@ -16,6 +16,7 @@ from services.scheduler.config import EngineConfig
 from services.scheduler.engine.kv_pool import ReqToTokenPool, TokenToKVPool
 from services.scheduler.engine.model_runner import ModelRunner
 from services.scheduler.engine.output import StepOutput
+from services.scheduler.engine.radix_cache import RadixCache
 from services.scheduler.engine.req import FinishReason, FinishType, Req, ReqInput
 from services.scheduler.engine.sampling import Sampler
 from services.scheduler.engine.schedule import Plan, SchedulePolicy
@@ -31,7 +32,8 @@ class LoadStats:
     num_running_reqs: int
     num_waiting_reqs: int
     req_slots_used: int
-    kv_used_tokens: int
+    kv_used_tokens: int  # held by requests (a cached prefix they lock included)
+    kv_cached_tokens: int  # held only by the prefix cache: evictable, free for the taking
     kv_total_tokens: int
     num_decode_steps: int
     peak_decode_batch_size: int
@@ -58,7 +60,9 @@ class Engine:
             cfg.max_total_tokens, mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
             next(model.parameters()).dtype,
         )
-        self.policy = SchedulePolicy(self.req_pool, self.kv_pool, cfg.max_running_requests, cfg.max_prefill_tokens)
+        self.tree = None if cfg.disable_radix_cache else RadixCache(self.kv_pool)
+        self.policy = SchedulePolicy(self.req_pool, self.kv_pool, cfg.max_running_requests, cfg.max_prefill_tokens,
+                                     cfg.chunked_prefill_size, self.tree, cfg.schedule_policy)
         self.runner = ModelRunner(model, self.req_pool, self.kv_pool)
         self.sampler = Sampler(cfg.seed, eos_ids)
         self.stops = StopChecker(tokenizer, eos_ids, self.context_length)
@@ -77,11 +81,8 @@ class Engine:
             ValueError: unsupported architecture or dtype, or no EOS id.
             FileNotFoundError: missing config.json, tokenizer.json or weights.
         """
-        dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-        if cfg.dtype not in dtypes:
-            raise ValueError(f"unsupported dtype {cfg.dtype!r}; supported: {sorted(dtypes)}")
         model_dir = Path(cfg.model)
-        model = load_model(model_dir, dtypes[cfg.dtype])
+        model = load_model(model_dir, resolve_dtype(cfg.dtype), cfg.load_format)
         tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         return cls(model, tokenizer, load_eos_ids(model_dir, tokenizer), cfg)
 
@@ -100,6 +101,10 @@ class Engine:
             return
         self.reqs[req.rid] = req
         self.policy.waiting.append(req)
+
+    def refuse(self, spec: ReqInput, message: str, status: str) -> None:
+        """Answer a request that is not admitted (overload, shutdown) with its final FINISH_ABORT row."""
+        self._emit_abort(Req(spec), message, status)
 
     def abort(self, rid: str | None = None, tokenizer_id: str | None = None,
               message: str = "aborted", status: str = "CANCELLED", resend_init: bool = False) -> int:
@@ -132,10 +137,7 @@ class Engine:
         for req in list(self.reqs.values()):
             self._emit_abort(req, message, "INTERNAL")
         self.reqs.clear()
-        self.policy.waiting.clear()
-        self.policy.running.clear()
-        self.req_pool.reset()
-        self.kv_pool.reset()
+        self.policy.reset()
 
     # ---- the loop -----------------------------------------------------------------
     @property
@@ -157,15 +159,24 @@ class Engine:
         """
         for req, n in zip(plan.reqs, plan.extend_lens):
             req.kv_len += n
-        result = self.sampler.sample(logits, plan.reqs)
+        reqs = plan.reqs
+        partial = self.policy.chunked
+        if partial is not None and partial in reqs[: plan.num_extend]:
+            # A chunk short of the prompt's end samples nothing.
+            i = reqs.index(partial)
+            reqs = reqs[:i] + reqs[i + 1 :]
+            logits = torch.cat((logits[:i], logits[i + 1 :]))
+            if not reqs:
+                return
+        result = self.sampler.sample(logits, reqs)
         next_ids = result.next_ids.tolist()
-        for req, token in zip(plan.reqs, next_ids):
+        for req, token in zip(reqs, next_ids):
             req.append_output(token)
-        self.stops.check(plan.reqs)
+        self.stops.check(reqs)
         logprobs = result.logprobs.tolist() if result.logprobs is not None else None
         top_ids = result.top_ids.tolist() if result.top_ids is not None else None
         top_vals = result.top_vals.tolist() if result.top_vals is not None else None
-        for i, req in enumerate(plan.reqs):
+        for i, req in enumerate(reqs):
             self._out.add_row(req, [next_ids[i]])
             if req.return_logprob:
                 k = req.top_logprobs_num
@@ -174,9 +185,10 @@ class Engine:
                 self.policy.remove(req)
                 del self.reqs[req.rid]
                 self.num_finished_reqs += 1
-        if plan.is_decode:
+        num_decode = len(plan.reqs) - plan.num_extend
+        if num_decode:
             self.num_decode_steps += 1
-            self.peak_decode_batch_size = max(self.peak_decode_batch_size, len(plan.reqs))
+            self.peak_decode_batch_size = max(self.peak_decode_batch_size, num_decode)
 
     def _emit_abort(self, req: Req, message: str, status: str) -> None:
         req.finish_reason = FinishReason(FinishType.ABORT, message=message, status=status)
@@ -189,14 +201,40 @@ class Engine:
 
     def load(self) -> LoadStats:
         """Counters for GetLoad; safe to call from another thread (reads of ints and lengths)."""
+        cached = self.policy.kv_cached
         return LoadStats(
-            num_running_reqs=len(self.policy.running),
+            num_running_reqs=len(self.policy.running) + (self.policy.chunked is not None),
             num_waiting_reqs=len(self.policy.waiting),
             req_slots_used=self.req_pool.used,
-            kv_used_tokens=self.kv_pool.used,
+            kv_used_tokens=self.kv_pool.used - cached,
+            kv_cached_tokens=cached,
             kv_total_tokens=self.kv_pool.size,
             num_decode_steps=self.num_decode_steps,
             peak_decode_batch_size=self.peak_decode_batch_size,
             num_aborted_reqs=self.num_aborted_reqs,
             num_finished_reqs=self.num_finished_reqs,
         )
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """``--dtype`` -> torch dtype; "auto" is bfloat16 where the CPU multiplies bf16 natively
+    (AMX or AVX-512-BF16: about 4x fp32's matmul speed on these machines), else float32.
+
+    Raises:
+        ValueError: a name outside ``DTYPES``.
+    """
+    if name == "auto":
+        return torch.bfloat16 if cpu_has_bf16() else torch.float32
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    if name not in dtypes:
+        raise ValueError(f"unsupported dtype {name!r}; supported: auto, {', '.join(sorted(dtypes))}")
+    return dtypes[name]
+
+
+def cpu_has_bf16() -> bool:
+    """True when /proc/cpuinfo lists amx_bf16 or avx512_bf16 (False where it cannot be read)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " amx_bf16" in flags or " avx512_bf16" in flags

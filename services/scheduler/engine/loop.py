@@ -4,6 +4,14 @@ torch compute blocks, so the engine cannot share the asyncio event loop. Command
 through a thread-safe queue and are applied between steps (an abort frees memory before
 the next plan is made); step outputs go out through a callback that must not block. An
 idle thread sleeps on an event rather than spinning.
+
+Admission happens in the engine thread, where the queue length is exact: with
+``max_queued_requests`` set, a request that would make more than that many requests wait
+for a free request slot is refused at once (a FINISH_ABORT row with status
+RESOURCE_EXHAUSTED, which the gateway answers with 429). ``drain()`` refuses every new
+request (UNAVAILABLE) while the ones in flight finish, for a graceful shutdown.
+``stalled_s()`` feeds the service's watchdog: how long the thread has had work and not
+come back from a step.
 """
 
 from __future__ import annotations
@@ -11,6 +19,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 from services.scheduler.engine.engine import Engine, LoadStats
@@ -21,14 +30,24 @@ log = logging.getLogger(__name__)
 
 
 class EngineLoop:
-    """Thread-safe front of an Engine: ``submit``, ``abort``, ``load``; ``start``/``stop`` the thread."""
+    """Thread-safe front of an Engine: ``submit``, ``abort``, ``load``; ``start``/``stop`` the thread.
 
-    def __init__(self, engine: Engine, on_output: Callable[[StepOutput], None]):
+    Args:
+        max_queued_requests: requests allowed to wait beyond the free request slots;
+            None = no limit.
+    """
+
+    def __init__(self, engine: Engine, on_output: Callable[[StepOutput], None],
+                 max_queued_requests: int | None = None):
         self.engine = engine
+        self.max_queued_requests = max_queued_requests
         self._on_output = on_output
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = False
+        self._draining = False
+        self._busy = False  # has work: a step is due or running
+        self._beat = time.monotonic()  # last time the thread came round its loop
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     def start(self) -> None:
@@ -41,8 +60,25 @@ class EngineLoop:
         if self._thread.is_alive():
             self._thread.join(timeout_s)
 
+    def drain(self) -> None:
+        """Refuse every request submitted from now on (UNAVAILABLE); in-flight ones go on."""
+        self._draining = True
+
+    @property
+    def idle(self) -> bool:
+        """No request is held (waiting or running) and no command is pending."""
+        return not self.engine.has_work and self._inbox.empty()
+
+    def stalled_s(self) -> float:
+        """Seconds the thread has had work pending without finishing a step (0 when idle)."""
+        return time.monotonic() - self._beat if self._busy else 0.0
+
     def submit(self, spec: ReqInput) -> None:
-        self._post(lambda: self.engine.add_request(spec))
+        self._post(lambda: self._admit(spec))
+
+    def refuse(self, spec: ReqInput, message: str, status: str) -> None:
+        """Answer ``spec`` with a final FINISH_ABORT row without queueing it."""
+        self._post(lambda: self.engine.refuse(spec, message, status))
 
     def abort(self, rid: str | None = None, tokenizer_id: str | None = None,
               message: str = "aborted", status: str = "CANCELLED", resend_init: bool = False) -> None:
@@ -51,6 +87,24 @@ class EngineLoop:
 
     def load(self) -> LoadStats:
         return self.engine.load()
+
+    def _admit(self, spec: ReqInput) -> None:
+        if self._draining:
+            self.engine.refuse(spec, "the scheduler is shutting down", "UNAVAILABLE")
+            return
+        limit = self.max_queued_requests
+        if limit is not None:
+            load = self.engine.load()
+            free_slots = max(0, self.engine.cfg.max_running_requests - load.num_running_reqs)
+            if load.num_waiting_reqs >= limit + free_slots:
+                self.engine.refuse(
+                    spec,
+                    f"the server is overloaded: {load.num_waiting_reqs} requests are already waiting "
+                    f"(--max-queued-requests {limit}); retry later",
+                    "RESOURCE_EXHAUSTED",
+                )
+                return
+        self.engine.add_request(spec)
 
     def _post(self, command: Callable[[], None]) -> None:
         self._inbox.put(command)
@@ -66,11 +120,14 @@ class EngineLoop:
 
     def _run(self) -> None:
         while not self._stopping:
+            self._beat = time.monotonic()
             self._drain()
             if not self.engine.has_work:
+                self._busy = False
                 self._wake.wait()
                 self._wake.clear()
                 continue
+            self._busy = True
             try:
                 out = self.engine.step()
             except Exception:

@@ -6,7 +6,7 @@ import torch
 
 from services.scheduler.engine.kv_pool import ReqToTokenPool, TokenToKVPool
 from services.scheduler.engine.schedule import Plan
-from services.scheduler.layers.attention import AttnMetadata
+from services.scheduler.layers.attention import AttnMetadata, DecodeLayout, ExtendLayout
 
 
 class ModelRunner:
@@ -19,38 +19,56 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, plan: Plan) -> torch.Tensor:
-        """Run one step -> float32 logits [B, vocab], row i for plan.reqs[i]'s last new token."""
-        build = self._decode_inputs if plan.is_decode else self._extend_inputs
-        input_ids, positions, meta, last_idx = build(plan)
+        """Run one step -> float32 logits [B, vocab], row i for plan.reqs[i]'s last new token.
+
+        The extend part's tokens are packed first, then one token per decoding request.
+        """
+        ne = plan.num_extend
+        meta = AttnMetadata(plan.out_cache_loc)
+        ids, pos = [], []
+        last_idx = None
+        if ne:
+            input_ids, positions, meta.extend, last_idx = self._extend_inputs(plan, ne)
+            meta.num_extend_tokens = int(input_ids.numel())
+            ids.append(input_ids)
+            pos.append(positions)
+        if len(plan.reqs) > ne:
+            input_ids, positions, meta.decode = self._decode_inputs(plan, ne)
+            ids.append(input_ids)
+            pos.append(positions)
+            if last_idx is not None:
+                last_idx = torch.cat((last_idx, meta.num_extend_tokens + torch.arange(len(plan.reqs) - ne)))
+        input_ids, positions = (ids[0], pos[0]) if len(ids) == 1 else (torch.cat(ids), torch.cat(pos))
         hidden = self.model(input_ids, positions, meta, self.kv_pool)
         if last_idx is not None:
             hidden = hidden[last_idx]
         return self.model.compute_logits(hidden)
 
-    def _kv_indices(self, plan: Plan, seq_lens: torch.Tensor) -> torch.Tensor:
-        slots = torch.tensor([r.req_slot for r in plan.reqs], dtype=torch.int64)
+    def _kv_indices(self, reqs, seq_lens: torch.Tensor) -> torch.Tensor:
+        slots = torch.tensor([r.req_slot for r in reqs], dtype=torch.int64)
         return self.req_pool.req_to_token[slots, : int(seq_lens.max())].long()  # [B, L]
 
-    def _decode_inputs(self, plan: Plan):
-        input_ids = torch.tensor([r.last_token() for r in plan.reqs], dtype=torch.int64)
-        positions = torch.tensor(plan.prefix_lens, dtype=torch.int64)  # [B]
+    def _decode_inputs(self, plan: Plan, start: int):
+        reqs = plan.reqs[start:]
+        input_ids = torch.tensor([r.last_token() for r in reqs], dtype=torch.int64)
+        positions = torch.tensor(plan.prefix_lens[start:], dtype=torch.int64)  # [B]
         seq_lens = positions + 1
-        kv_indices = self._kv_indices(plan, seq_lens)
+        kv_indices = self._kv_indices(reqs, seq_lens)
         mask = None
         if int(seq_lens.min()) != kv_indices.shape[1]:
             valid = torch.arange(kv_indices.shape[1])[None, :] < seq_lens[:, None]  # [B, L]
             mask = torch.zeros(valid.shape, dtype=torch.float32).masked_fill_(~valid, float("-inf"))
             mask = mask[:, None, None, :]  # [B, 1, 1, L]
-        meta = AttnMetadata(True, plan.out_cache_loc, kv_indices, decode_mask=mask)
-        return input_ids, positions, meta, None
+        return input_ids, positions, DecodeLayout(kv_indices, mask)
 
-    def _extend_inputs(self, plan: Plan):
+    def _extend_inputs(self, plan: Plan, end: int):
+        reqs = plan.reqs[:end]
         ids: list[int] = []
-        for req, prefix in zip(plan.reqs, plan.prefix_lens):
-            ids.extend(req.fill_ids()[prefix:])
+        for req, prefix, n in zip(reqs, plan.prefix_lens, plan.extend_lens):
+            ids.extend(req.fill_ids()[prefix : prefix + n])
         input_ids = torch.tensor(ids, dtype=torch.int64)
-        prefix = torch.tensor(plan.prefix_lens, dtype=torch.int64)  # [B]
-        ext = torch.tensor(plan.extend_lens, dtype=torch.int64)  # [B]
+        prefix = torch.tensor(plan.prefix_lens[:end], dtype=torch.int64)  # [B]
+        ext = torch.tensor(plan.extend_lens[:end], dtype=torch.int64)  # [B]
         starts = torch.cumsum(ext, 0) - ext
         lq = int(ext.max())
         i = torch.arange(lq)[None, :]  # [1, Lq]
@@ -58,14 +76,13 @@ class ModelRunner:
         offset = torch.minimum(i, ext[:, None] - 1)  # [B, Lq]
         q_index = starts[:, None] + offset
         q_pos = prefix[:, None] + offset
-        q_valid = (torch.arange(len(plan.reqs)) * lq)[:, None] + i
+        q_valid = (torch.arange(len(reqs)) * lq)[:, None] + i
         q_valid = q_valid[i < ext[:, None]]  # [T], packed order
         positions = q_pos.flatten()[q_valid]
         seq_lens = prefix + ext
-        kv_indices = self._kv_indices(plan, seq_lens)
+        kv_indices = self._kv_indices(reqs, seq_lens)
         mask = None
-        if len(plan.reqs) > 1 or int(prefix[0]) > 0:
+        if len(reqs) > 1 or int(prefix[0]) > 0:
             keys = torch.arange(kv_indices.shape[1])
             mask = (keys[None, None, :] <= q_pos[:, :, None])[:, None]  # [B, 1, Lq, L]
-        meta = AttnMetadata(False, plan.out_cache_loc, kv_indices, q_index=q_index, q_valid=q_valid, extend_mask=mask)
-        return input_ids, positions, meta, torch.cumsum(ext, 0) - 1
+        return input_ids, positions, ExtendLayout(kv_indices, q_index, q_valid, mask), torch.cumsum(ext, 0) - 1

@@ -68,7 +68,7 @@ class StepOutput:
         self.finish_reasons.append(req.finish_reason)
         self.prompt_tokens.append(req.prompt_len)
         self.completion_tokens.append(len(req.output_ids))
-        self.cached_tokens.append(0)
+        self.cached_tokens.append(req.cached_tokens or 0)
         self.logprob_counts.append(0)
 
     def add_logprobs(self, logprob: float, top_ids: list[int], top_vals: list[float]) -> None:

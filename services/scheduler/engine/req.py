@@ -99,6 +99,10 @@ class Req:
         finish_reason: set once when the request ends; None while running or waiting.
         init_sent: the detokenizer has had this rid's RowInit.
         generator: per-request torch.Generator when a seed is given (reproducible sampling).
+        cached_tokens: prompt tokens the prefix cache supplied at first admission (None
+            until admitted); reported to clients as usage.
+        last_node / tree_len: the prefix-cache node this request locks and how many of its
+            leading KV rows belong to the cache (0 and None without a lock).
     """
 
     def __init__(self, spec: ReqInput):
@@ -114,6 +118,9 @@ class Req:
         self.finish_reason: FinishReason | None = None
         self.init_sent = False
         self.generator: torch.Generator | None = None
+        self.cached_tokens: int | None = None
+        self.last_node: object | None = None
+        self.tree_len = 0
         if spec.sampling.seed is not None:
             self.generator = torch.Generator().manual_seed(spec.sampling.seed)
 

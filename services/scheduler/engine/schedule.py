@@ -1,13 +1,26 @@
-"""Scheduling policy: each step is one extend (prefill) batch or one decode batch.
+"""Scheduling policy: which requests extend (prefill) and which decode in the next step.
 
-Continuous batching as in SGLang's scheduler and vLLM v1's: a request that arrives while
-others decode is prefilled at the next step and joins the running decode batch after it.
-Extend batches take waiting requests first-come-first-served under a token budget
-(``max_prefill_tokens``; a single request longer than the budget still runs alone);
-admission keeps one KV token per running request free so decode can proceed. When the KV
-pool cannot hold the next decode token of every running request, the newest requests are
-retracted: their KV cache and req slot are freed and they wait to be prefilled again with
-prompt + output so far (SGLang's ``retract_decode``).
+Continuous batching as in SGLang's scheduler and vLLM v1's, with SGLang's mixed chunked
+prefill: every step decodes one token for each running request and, in the same forward
+pass, extends the waiting requests that fit (the extend rows first, the decode rows
+after them; the model runs the linear layers over all tokens at once and attention per
+part). A prompt longer than the step's token budget (``chunked_prefill_size``) is
+prefilled a chunk per step, so a long prompt delays the running streams by one chunk's
+compute per token, not by its whole prefill. The token budget of a step is
+``min(max_prefill_tokens, chunked_prefill_size)``; without chunking a single request
+longer than the budget still runs alone.
+
+Admission: waiting requests are taken in ``fcfs`` order, or ``lpm`` (longest cached
+prefix first, SGLang's policy of that name), while the KV pool -- free rows plus rows the
+prefix cache may evict -- holds their whole remaining prompt plus one decode token per
+running request. The prefix cache supplies the longest cached prefix of prompt + output
+so far, except the last token, which is always recomputed to get its logits.
+
+Retraction: when the pool cannot hold the next decode token of every running request,
+the request with the least progress (a partially prefilled one first, then fewest output
+tokens) is retracted: its computed tokens go to the prefix cache (or are freed without
+one), its req slot is freed and it waits first in line to be prefilled again with prompt
++ output so far (SGLang's ``retract_decode``). Greedy output is unchanged by this.
 """
 
 from __future__ import annotations
@@ -17,8 +30,14 @@ from dataclasses import dataclass
 
 import torch
 
+from services.scheduler.config import SCHEDULE_POLICIES
 from services.scheduler.engine.kv_pool import ReqToTokenPool, TokenToKVPool
+from services.scheduler.engine.radix_cache import RadixCache
 from services.scheduler.engine.req import Req
+
+# Beyond this many waiting requests lpm orders first-come-first-served: matching every
+# waiting prompt each step would cost more than it saves (SGLang uses the same cut-off).
+_LPM_MAX_QUEUE = 128
 
 
 @dataclass
@@ -26,97 +45,210 @@ class Plan:
     """What one step runs.
 
     Attributes:
-        is_decode: decode batch (one new token per request) or extend batch.
-        reqs: the batch, in row order.
-        prefix_lens: per request, tokens already in the KV cache (extend; 0 without a prefix cache).
-        extend_lens: per request, tokens computed this step (1 each for decode).
+        reqs: the batch in row order: ``num_extend`` extend requests, then decode requests.
+        prefix_lens: per request, tokens already in the KV cache.
+        extend_lens: per request, tokens computed this step (1 for each decode request).
         out_cache_loc: int64 [sum(extend_lens)], KV pool rows for the new tokens.
+        num_extend: how many of ``reqs`` extend; the rest decode.
     """
 
-    is_decode: bool
     reqs: list[Req]
     prefix_lens: list[int]
     extend_lens: list[int]
     out_cache_loc: torch.Tensor
+    num_extend: int
+
+    @property
+    def is_decode(self) -> bool:
+        """Every request decodes (no extend part)."""
+        return self.num_extend == 0
 
 
 class SchedulePolicy:
-    """Owns the waiting queue and the running batch; allocates req slots and KV rows for a plan."""
+    """Owns the waiting queue, the running batch and the request being chunk-prefilled;
+    allocates req slots and KV rows for each plan.
 
-    def __init__(self, req_pool: ReqToTokenPool, kv_pool: TokenToKVPool, max_running: int, max_prefill_tokens: int):
+    Args:
+        chunked_prefill_size: most prompt tokens one step extends; <= 0 disables chunking.
+        tree: the prefix cache, or None to run without one.
+        policy: admission order, one of ``SCHEDULE_POLICIES``.
+    """
+
+    def __init__(self, req_pool: ReqToTokenPool, kv_pool: TokenToKVPool, max_running: int, max_prefill_tokens: int,
+                 chunked_prefill_size: int = 0, tree: RadixCache | None = None, policy: str = "fcfs"):
+        if policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"unknown schedule policy {policy!r}; supported: {SCHEDULE_POLICIES}")
         self.req_pool = req_pool
         self.kv_pool = kv_pool
+        self.tree = tree
         self.max_running = max_running
         self.max_prefill_tokens = max_prefill_tokens
+        self.chunked_prefill_size = chunked_prefill_size
+        self.policy = policy
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
+        self.chunked: Req | None = None  # holds a req slot and part of its prompt's KV
         self.num_retracted = 0
 
+    # ---- memory ------------------------------------------------------------------------
+    @property
+    def kv_room(self) -> int:
+        """KV rows a plan can take: free rows plus rows the prefix cache can evict."""
+        return self.kv_pool.available + self.kv_cached
+
+    @property
+    def kv_cached(self) -> int:
+        """Rows held only by the prefix cache (evictable)."""
+        return self.tree.evictable_size if self.tree else 0
+
+    def _alloc_kv(self, n: int) -> torch.Tensor:
+        short = n - self.kv_pool.available
+        if short > 0 and self.tree is not None:
+            self.tree.evict(short)
+        return self.kv_pool.alloc(n)
+
+    # ---- planning ----------------------------------------------------------------------
     def schedule(self) -> Plan | None:
-        """Next plan: extend if any waiting request fits, else decode the running batch, else None."""
-        if self.waiting:
-            plan = self._schedule_extend()
-            if plan is not None:
-                return plan
-        if self.running:
-            return self._schedule_decode()
-        return None
-
-    def _schedule_extend(self) -> Plan | None:
-        batch: list[Req] = []
-        budget = self.max_prefill_tokens
-        kv_free = self.kv_pool.available - len(self.running)  # decode headroom
-        while self.waiting and len(self.running) + len(batch) < self.max_running and self.req_pool.available > len(batch):
-            n = self.waiting[0].seq_len
-            if batch and n > budget:
-                break
-            if n + 1 > kv_free:
-                break
-            batch.append(self.waiting.popleft())
-            budget -= n
-            kv_free -= n + 1
-        if not batch:
+        """Next plan: this step's extend part (if any request fits) plus a decode token for
+        every running request; None when there is nothing to run."""
+        retracted = self._make_decode_room()
+        decode = list(self.running)
+        ext_reqs, prefix_lens, ext_lens, ext_rows = self._schedule_extend(len(decode), admit=not retracted)
+        if not ext_reqs and not decode:
             return None
-        lens = [r.seq_len for r in batch]
-        rows = self.kv_pool.alloc(sum(lens))
-        start = 0
-        for req, n in zip(batch, lens):
+        rows = self._alloc_kv(len(decode))
+        if decode:
+            slots = torch.tensor([r.req_slot for r in decode], dtype=torch.int64)
+            positions = torch.tensor([r.kv_len for r in decode], dtype=torch.int64)
+            self.req_pool.req_to_token[slots, positions] = rows.to(torch.int32)
+        return Plan(ext_reqs + decode, prefix_lens + [r.kv_len for r in decode], ext_lens + [1] * len(decode),
+                    torch.cat((ext_rows, rows)), len(ext_reqs))
+
+    def _make_decode_room(self) -> bool:
+        """Retract until every running request (and a chunked prefill) has a row for its
+        next token; True when any request was retracted."""
+        retracted = False
+        while (need := len(self.running) + (self.chunked is not None)) > self.kv_room and need > 1:
+            if self.chunked is not None:
+                victim, self.chunked = self.chunked, None
+            else:
+                # Least progress: fewest output tokens; among equals the newest.
+                victim = min(reversed(self.running), key=lambda r: len(r.output_ids))
+                self.running.remove(victim)
+            self._retract(victim)
+            retracted = True
+        return retracted
+
+    def _schedule_extend(self, num_decode: int, admit: bool) -> tuple[list[Req], list[int], list[int], torch.Tensor]:
+        batch: list[Req] = []
+        prefix_lens: list[int] = []
+        ext_lens: list[int] = []
+        rows: list[torch.Tensor] = []
+        chunking = self.chunked_prefill_size > 0
+        budget = min(self.max_prefill_tokens, self.chunked_prefill_size) if chunking else self.max_prefill_tokens
+        reserved = num_decode  # one decode row per running request
+
+        if self.chunked is not None:
+            req, self.chunked = self.chunked, None
+            n = min(req.seq_len - req.kv_len, budget, self.kv_room - reserved)
+            if n > 0:
+                self._extend_into(req, batch, prefix_lens, ext_lens, rows, n)
+                budget -= n
+                reserved += 1
+            else:
+                self.chunked = req
+
+        if admit and self.policy == "lpm" and self.tree is not None and 1 < len(self.waiting) <= _LPM_MAX_QUEUE:
+            self.waiting = deque(sorted(self.waiting, key=lambda r: -len(self._match(r)[0])))
+        while (admit and self.waiting and self.chunked is None and budget > 0
+               and len(self.running) + len(batch) < self.max_running and self.req_pool.available > 0):
+            req = self.waiting[0]
+            cached, node = self._match(req)
+            remaining = req.seq_len - len(cached)
+            if batch and not chunking and remaining > budget:
+                break
+            if self.tree is not None:
+                self.tree.inc_lock_ref(node)
+            if remaining + reserved + 1 > self.kv_room:
+                if self.tree is not None:
+                    self.tree.dec_lock_ref(node)
+                break
+            self.waiting.popleft()
             req.req_slot = self.req_pool.alloc()
-            self.req_pool.req_to_token[req.req_slot, :n] = rows[start : start + n].to(torch.int32)
-            start += n
-        self.running.extend(batch)
-        return Plan(False, batch, [0] * len(batch), lens, rows)
+            req.kv_len = len(cached)
+            req.last_node, req.tree_len = node, len(cached)
+            if req.cached_tokens is None:
+                req.cached_tokens = len(cached)
+            if len(cached):
+                self.req_pool.req_to_token[req.req_slot, : len(cached)] = cached.to(torch.int32)
+            n = min(remaining, budget) if chunking else remaining
+            self._extend_into(req, batch, prefix_lens, ext_lens, rows, n)
+            budget -= n
+            reserved += 1
+        out_rows = torch.cat(rows) if rows else torch.empty(0, dtype=torch.int64)
+        return batch, prefix_lens, ext_lens, out_rows
 
-    def _schedule_decode(self) -> Plan:
-        while self.kv_pool.available < len(self.running) and len(self.running) > 1:
-            self.retract(self.running[-1])
-        reqs = list(self.running)
-        rows = self.kv_pool.alloc(len(reqs))
-        slots = torch.tensor([r.req_slot for r in reqs], dtype=torch.int64)
-        positions = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
-        self.req_pool.req_to_token[slots, positions] = rows.to(torch.int32)
-        return Plan(True, reqs, [r.kv_len for r in reqs], [1] * len(reqs), rows)
+    def _extend_into(self, req: Req, batch: list[Req], prefix_lens: list[int], ext_lens: list[int],
+                     rows: list[torch.Tensor], n: int) -> None:
+        """Plan ``n`` more tokens of ``req``'s prefill; it runs after this step unless more remain."""
+        new = self._alloc_kv(n)
+        self.req_pool.req_to_token[req.req_slot, req.kv_len : req.kv_len + n] = new.to(torch.int32)
+        batch.append(req)
+        prefix_lens.append(req.kv_len)
+        ext_lens.append(n)
+        rows.append(new)
+        if req.kv_len + n < req.seq_len:
+            self.chunked = req
+        else:
+            self.running.append(req)
 
-    def retract(self, req: Req) -> None:
-        """Free a running request's KV cache and req slot and put it first in the waiting queue."""
-        self.running.remove(req)
+    def _match(self, req: Req) -> tuple[torch.Tensor, object]:
+        """Cached prefix of prompt + output except the last token -> (KV rows, tree node)."""
+        if self.tree is None:
+            return torch.empty(0, dtype=torch.int64), None
+        ids = req.fill_ids()
+        return self.tree.match_prefix(ids[: len(ids) - 1])
+
+    # ---- releasing memory ----------------------------------------------------------------
+    def _retract(self, req: Req) -> None:
         self.release(req)
         self.waiting.appendleft(req)
         self.num_retracted += 1
 
     def release(self, req: Req) -> None:
-        """Return a request's KV rows and req slot to their pools (no-op if it holds none)."""
+        """Return a request's KV rows and req slot; with a prefix cache its computed tokens
+        are cached instead of freed (no-op if it holds none)."""
         if req.req_slot is None:
             return
-        self.kv_pool.free(self.req_pool.req_to_token[req.req_slot, : req.kv_len].clone())
+        kv = self.req_pool.req_to_token[req.req_slot, : req.kv_len].to(torch.int64)
+        if self.tree is None:
+            self.kv_pool.free(kv)
+        else:
+            # Rows the tree already held for tokens this request computed itself are duplicates.
+            kept = self.tree.insert(req.fill_ids()[: req.kv_len], kv)
+            self.kv_pool.free(kv[req.tree_len : kept])
+            self.tree.dec_lock_ref(req.last_node)
+        req.last_node, req.tree_len = None, 0
         self.req_pool.free(req.req_slot)
         req.req_slot = None
         req.kv_len = 0
 
     def remove(self, req: Req) -> None:
         """Drop a request from whichever queue holds it and release its memory."""
-        if req in self.running:
+        if req is self.chunked:
+            self.chunked = None
+        elif req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         self.release(req)
+
+    def reset(self) -> None:
+        """Forget every request and rebuild both pools and the prefix cache (after a failed step)."""
+        self.waiting.clear()
+        self.running.clear()
+        self.chunked = None
+        self.req_pool.reset()
+        self.kv_pool.reset()
+        if self.tree is not None:
+            self.tree.reset()

@@ -20,15 +20,24 @@ ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
 }
 
 
-def load_model(model_dir: Path, dtype: torch.dtype) -> LlamaForCausalLM:
+def load_model(model_dir: Path, dtype: torch.dtype, load_format: str = "auto") -> LlamaForCausalLM:
     """Load the model that ``model_dir``/config.json names.
 
+    Args:
+        load_format: "auto" reads the directory's safetensors; "dummy" gives random
+            weights of the config's shapes (benchmarks of sizes no package ships).
+
     Raises:
-        ValueError: the config names no architecture this registry supports.
+        ValueError: the config names no architecture this registry supports, or an
+            unknown load format.
     """
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     archs = cfg.get("architectures") or []
     for arch in archs:
         if arch in ARCHITECTURES:
-            return ARCHITECTURES[arch].load(Path(model_dir), dtype)
+            if load_format == "auto":
+                return ARCHITECTURES[arch].load(Path(model_dir), dtype)
+            if load_format == "dummy":
+                return ARCHITECTURES[arch].dummy(cfg, dtype)
+            raise ValueError(f"unknown load format {load_format!r}; supported: auto, dummy")
     raise ValueError(f"unsupported architectures {archs}; supported: {sorted(ARCHITECTURES)}")

@@ -155,6 +155,27 @@ class LlamaForCausalLM(torch.nn.Module):
         model.load_state_dict(state, strict=True, assign=True)
         return model.eval()
 
+    @classmethod
+    def dummy(cls, hf_config: dict, dtype: torch.dtype, seed: int = 0) -> "LlamaForCausalLM":
+        """Random weights for an HF config dict: N(0, 0.02) matrices (as HF's
+        ``initializer_range``), unit norms, zero biases; reproducible through ``seed``."""
+        cfg = LlamaConfig.from_hf(hf_config)
+        gen = torch.Generator().manual_seed(seed)
+        with torch.device("meta"):
+            model = cls(cfg)
+        state = {}
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                state[name] = torch.ones(p.shape, dtype=dtype)
+            elif name.endswith(".bias"):
+                state[name] = torch.zeros(p.shape, dtype=dtype)
+            else:
+                state[name] = (torch.randn(p.shape, generator=gen) * 0.02).to(dtype)
+        if cfg.tie_word_embeddings:
+            state["lm_head.weight"] = state["embed_tokens.weight"]
+        model.load_state_dict(state, strict=True, assign=True)
+        return model.eval()
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata, kv: KVBuffers) -> torch.Tensor:
         """input_ids, positions: int64 [T] packed over requests -> final hidden states [T, hidden]."""
         h = self.embed_tokens(input_ids)

@@ -1,0 +1,150 @@
+"""Decode and extend attention over the token-granular paged KV cache as Triton kernels (GPU).
+
+Each program walks a request's KV rows through its req-to-token row in blocks of
+``BLOCK_N`` keys with an online softmax (Milakov & Gimelshein 2018, as in FlashAttention
+and SGLang's ``decode_attention`` / ``extend_attention`` kernels), so K/V are read in
+place and never gathered into a padded copy. Decode: one program per (request, query
+head). Extend (prefill with or without a cached prefix): one program per (request, query
+head, block of ``BLOCK_M`` new tokens), causal from the request's prefix on. Softmax
+statistics and sums accumulate in float32 whatever the cache dtype (the extend kernel's
+products run through ``tl.dot``: TF32 on GPUs for a float32 cache). Checked against the
+torch reference under ``TRITON_INTERPRET=1`` on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _decode_kernel(
+    Q, K, V, KV_INDICES, SEQ_LENS, OUT, scale,
+    stride_qb, stride_qh, stride_kt, stride_kh, stride_ib, stride_ob, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    kv_head = h // GROUP  # query heads h*G..h*G+G-1 share KV head h (repeat_kv order)
+    seq_len = tl.load(SEQ_LENS + b)
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + b * stride_qb + h * stride_qh + d).to(tl.float32)
+    m_i = -float("inf")
+    l_i = 0.0
+    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    for start in range(0, seq_len, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        valid = n < seq_len
+        rows = tl.load(KV_INDICES + b * stride_ib + n, mask=valid, other=0).to(tl.int64)
+        offs = rows[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
+        k = tl.load(K + offs, mask=valid[:, None], other=0.0).to(tl.float32)  # [BLOCK_N, D]
+        s = tl.sum(k * q[None, :], 1) * scale
+        s = tl.where(valid, s, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new)
+        v = tl.load(V + offs, mask=valid[:, None], other=0.0).to(tl.float32)
+        acc = acc * alpha + tl.sum(p[:, None] * v, 0)
+        l_i = l_i * alpha + tl.sum(p, 0)
+        m_i = m_new
+    tl.store(OUT + b * stride_ob + h * stride_oh + d, (acc / l_i).to(OUT.dtype.element_ty))
+
+
+def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indices: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float, block_n: int = 64) -> torch.Tensor:
+    """One query per request against its paged keys and values.
+
+    Args:
+        q: [B, Hq, D]; k_buf, v_buf: [num_tokens, Hkv, D] (the layer's KV pool buffers);
+        kv_indices: int [B, L], KV pool rows of each request's keys in position order
+            (columns past ``seq_lens[b]`` are ignored); seq_lens: int [B], keys per request.
+        D must be a power of two (Triton block shapes).
+
+    Returns:
+        [B, Hq * D] in q's dtype.
+    """
+    b, hq, d = q.shape
+    hkv = k_buf.shape[1]
+    q = q.contiguous()
+    kv_indices = kv_indices.contiguous()
+    out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
+    _decode_kernel[(b, hq)](
+        q, k_buf, v_buf, kv_indices, seq_lens.to(torch.int32).contiguous(), out, scale,
+        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), kv_indices.stride(0), out.stride(0), out.stride(1),
+        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_N=block_n,
+    )
+    return out.view(b, hq * d)
+
+
+@triton.jit
+def _extend_kernel(
+    Q, K, V, KV_INDICES, Q_STARTS, PREFIX_LENS, EXTEND_LENS, OUT, scale,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_ib, stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    kv_head = h // GROUP
+    q_start = tl.load(Q_STARTS + b)
+    prefix = tl.load(PREFIX_LENS + b)
+    ext = tl.load(EXTEND_LENS + b)
+    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    valid_m = m < ext
+    d = tl.arange(0, HEAD_DIM)
+    q_offs = (q_start + m)[:, None] * stride_qt + h * stride_qh + d[None, :]
+    q = tl.load(Q + q_offs, mask=valid_m[:, None], other=0.0)  # [BLOCK_M, D]
+    q_pos = prefix + m  # query i sits at position prefix + i and sees keys 0..prefix + i
+    m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    end = tl.minimum(prefix + ext, prefix + (tl.program_id(2) + 1) * BLOCK_M)
+    for start in range(0, end, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        valid_n = n < end
+        rows = tl.load(KV_INDICES + b * stride_ib + n, mask=valid_n, other=0).to(tl.int64)
+        offs = rows[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
+        k = tl.load(K + offs, mask=valid_n[:, None], other=0.0)  # [BLOCK_N, D]
+        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [BLOCK_M, BLOCK_N]
+        s = tl.where(valid_n[None, :] & (n[None, :] <= q_pos[:, None]), s, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.where(valid_m, m_new, 0.0)  # padded queries: keep the arithmetic finite
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        v = tl.load(V + offs, mask=valid_n[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+    out = acc / tl.where(valid_m, l_i, 1.0)[:, None]
+    o_offs = (q_start + m)[:, None] * stride_ot + h * stride_oh + d[None, :]
+    tl.store(OUT + o_offs, out.to(OUT.dtype.element_ty), mask=valid_m[:, None])
+
+
+def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indices: torch.Tensor,
+                     prefix_lens: torch.Tensor, extend_lens: torch.Tensor, scale: float,
+                     block_m: int = 32, block_n: int = 32) -> torch.Tensor:
+    """New tokens of each request against its cached prefix and themselves (causal).
+
+    Args:
+        q: [T, Hq, D], packed: request b's ``extend_lens[b]`` queries follow request b-1's.
+        k_buf, v_buf: [num_tokens, Hkv, D], already holding the new tokens' K/V.
+        kv_indices: int [B, L], KV pool rows of positions 0..prefix_lens[b]+extend_lens[b]-1.
+        prefix_lens, extend_lens: int [B]. D must be a power of two.
+
+    Returns:
+        [T, Hq * D] in q's dtype.
+    """
+    t, hq, d = q.shape
+    hkv = k_buf.shape[1]
+    q = q.contiguous()
+    kv_indices = kv_indices.contiguous()
+    ext = extend_lens.to(torch.int32)
+    starts = (torch.cumsum(ext, 0) - ext).to(torch.int32).contiguous()
+    out = torch.empty(t, hq, d, dtype=q.dtype, device=q.device)
+    grid = (ext.numel(), hq, triton.cdiv(int(ext.max()), block_m))
+    _extend_kernel[grid](
+        q, k_buf, v_buf, kv_indices, starts, prefix_lens.to(torch.int32).contiguous(), ext.contiguous(), out, scale,
+        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), kv_indices.stride(0), out.stride(0), out.stride(1),
+        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
+    )
+    return out.view(t, hq * d)

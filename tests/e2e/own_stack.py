@@ -1,0 +1,125 @@
+"""A ring of its own, for tests that kill, stop, restart or saturate services.
+
+The shared session ``stack`` must stay healthy for every other test, so fault and overload
+tests launch a separate ``ringserve launch`` (fresh ports) per module. The services are
+the launcher's children; ``pid(name)`` finds the current process of one by its command
+line, so it follows a service that ``--restart-on-failure`` started again.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ringserve.launch import free_port
+
+from .conftest import Stack, _wait_ready
+
+SERVICES = ("gateway", "tokenizer", "scheduler", "detokenizer")
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except FileNotFoundError:
+        return []
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [a.decode() for a in f.read().split(b"\0") if a]
+    except (FileNotFoundError, ProcessLookupError):
+        return []
+
+
+@dataclass
+class OwnStack(Stack):
+    log_path: Path | None = None  # the launcher's and the services' stdout and stderr
+
+    def log(self) -> str:
+        assert self.log_path is not None
+        return self.log_path.read_text(errors="replace")
+
+    def pid(self, name: str) -> int:
+        """PID of the running process of service ``name`` (a child of the launcher)."""
+        assert name in SERVICES
+        for child in _children(self.proc.pid):
+            args = _cmdline(child)
+            if "ringserve.cli" in args and args[args.index("ringserve.cli") + 1] == name:
+                return child
+        raise LookupError(f"no running {name} under launcher {self.proc.pid}")
+
+    def kill(self, name: str) -> int:
+        """SIGKILL service ``name``; return its PID."""
+        pid = self.pid(name)
+        os.kill(pid, signal.SIGKILL)
+        return pid
+
+    def serving(self, name: str, timeout_s: float = 1.0) -> bool:
+        """Whether gRPC service ``name`` answers SERVING on the health service."""
+        address = getattr(self, name)
+        with grpc.insecure_channel(address) as ch:
+            try:
+                resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+            except grpc.RpcError:
+                return False
+        return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+    def wait_serving(self, name: str, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.serving(name):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{name} not SERVING after {timeout_s:.0f} s")
+            time.sleep(0.2)
+
+
+@contextmanager
+def launched(model_dir: Path, *extra: str, log_path: Path | None = None) -> Iterator[OwnStack]:
+    """Launch a ring with ``extra`` launcher flags; stop it (SIGTERM, then SIGKILL) at the end.
+
+    With ``log_path`` every process's output goes to that file instead of the test's.
+    """
+    ports = {name: free_port() for name in ("http", "tokenizer", "scheduler", "detokenizer")}
+    cmd = [
+        sys.executable, "-m", "ringserve.cli", "launch", "--model", str(model_dir),
+        "--port", str(ports["http"]), "--tokenizer-port", str(ports["tokenizer"]),
+        "--scheduler-port", str(ports["scheduler"]), "--detokenizer-port", str(ports["detokenizer"]),
+        "--dtype", "float32", *extra,
+    ]
+    log = open(log_path, "w") if log_path is not None else None  # noqa: SIM115 (closed below)
+    proc = subprocess.Popen(cmd, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            stdout=log, stderr=subprocess.STDOUT if log else None)
+    base = f"http://127.0.0.1:{ports['http']}"
+    try:
+        _wait_ready(proc, f"{base}/health", timeout_s=300)
+        yield OwnStack(
+            base_url=base,
+            tokenizer=f"127.0.0.1:{ports['tokenizer']}",
+            scheduler=f"127.0.0.1:{ports['scheduler']}",
+            detokenizer=f"127.0.0.1:{ports['detokenizer']}",
+            model_name=model_dir.name,
+            proc=proc,
+            log_path=log_path,
+        )
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        if log is not None:
+            log.close()

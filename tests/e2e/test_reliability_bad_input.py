@@ -1,0 +1,269 @@
+"""Issue 6, bad input straight to each gRPC service (hypothesis-generated).
+
+Each service refuses what it cannot serve with INVALID_ARGUMENT and a message, changes no
+state for it, and keeps serving: after every run a normal request through the ring still
+gets the right answer and every service is back to baseline.
+
+- tokenizer ``Generate``: ids outside the vocabulary, empty input, huge n or max tokens,
+  NaN/inf floats; ``Abort`` of unknown rids answers found=false.
+- scheduler ``Connect`` (acting as a tokenizer, reading its rows back through a
+  detokenizer subscription): the same bad values past the tokenizer's checks each come back
+  as one FINISH_ABORT row with status INVALID_ARGUMENT; unknown rid aborts are no-ops.
+- detokenizer ``Stream`` (acting as a scheduler): malformed columnar batches are refused.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import uuid
+
+import grpc
+import httpx
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ringserve.v1 import (
+    common_pb2,
+    detokenizer_pb2,
+    detokenizer_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+    tokenizer_pb2,
+    tokenizer_pb2_grpc,
+)
+
+VOCAB = 49152  # SmolLM2
+CONTEXT = 8192
+FUZZ = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+
+bad_id = st.integers(-(2**31), -1) | st.integers(VOCAB, 2**31 - 1)
+bad_float = st.sampled_from([math.nan, math.inf, -math.inf])
+FLOAT_PARAMS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+def still_serves(stack) -> None:
+    resp = httpx.post(f"{stack.base_url}/v1/chat/completions", timeout=60, json={
+        "model": stack.model_name, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "max_tokens": 16, "temperature": 0})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["message"]["content"] == "The capital of France is Paris."
+    stack.wait_idle(timeout_s=5)
+
+
+# --- tokenizer -----------------------------------------------------------------------------
+
+
+@st.composite
+def bad_generate(draw) -> tokenizer_pb2.GenerateReqInput:
+    req = tokenizer_pb2.GenerateReqInput(rid=f"fuzz-{uuid.uuid4().hex}")
+    kind = draw(st.sampled_from(["ids", "empty", "n", "max_tokens", "float", "logit_bias", "stop_token"]))
+    if kind == "ids":
+        ids = draw(st.lists(st.integers(0, VOCAB - 1), max_size=5)) + [draw(bad_id)]
+        req.input_ids.ids.extend(draw(st.permutations(ids)))
+        return req
+    if kind == "empty":
+        which = draw(st.sampled_from(["none", "text", "ids"]))
+        if which == "text":
+            req.text = ""
+        elif which == "ids":
+            req.input_ids.SetInParent()
+        return req
+    req.text = draw(st.text(min_size=1, max_size=20).filter(str.strip))
+    sp = req.sampling_params
+    if kind == "n":
+        sp.n = draw(st.integers(129, 2**31 - 1) | st.integers(-(2**31), 0))
+    elif kind == "max_tokens":
+        sp.max_new_tokens = draw(st.integers(CONTEXT, 2**31 - 1) | st.integers(-(2**31), 0))
+    elif kind == "float":
+        setattr(sp, draw(st.sampled_from(FLOAT_PARAMS)), draw(bad_float))
+    elif kind == "logit_bias":
+        sp.logit_bias[draw(bad_id)] = 1.0
+    else:
+        sp.stop_token_ids.append(draw(bad_id))
+    return req
+
+
+@FUZZ
+@given(req=bad_generate())
+def test_tokenizer_refuses_bad_generate(stack, req):
+    with grpc.insecure_channel(stack.tokenizer) as ch:
+        stub = tokenizer_pb2_grpc.TokenizerStub(ch)
+        try:
+            outs = list(stub.Generate(req, timeout=30))
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, (exc.code(), exc.details())
+            assert exc.details()
+        else:
+            raise AssertionError(f"accepted {req}: {outs}")
+    assert stack.tokenizer_load().req_states == 0
+
+
+@FUZZ
+@given(rid=st.text(max_size=40))
+def test_tokenizer_abort_of_unknown_rid(stack, rid):
+    with grpc.insecure_channel(stack.tokenizer) as ch:
+        resp = tokenizer_pb2_grpc.TokenizerStub(ch).Abort(tokenizer_pb2.AbortRequest(rid=f"unknown-{rid}"), timeout=10)
+    assert not resp.found
+
+
+def test_tokenizer_still_serves(stack):
+    still_serves(stack)
+
+
+# --- scheduler -----------------------------------------------------------------------------
+
+
+def resolved(**overrides) -> common_pb2.ResolvedSamplingParams:
+    p = common_pb2.ResolvedSamplingParams(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, max_new_tokens=4,
+                                          repetition_penalty=1.0, skip_special_tokens=True,
+                                          spaces_between_special_tokens=True)
+    for name, value in overrides.items():
+        setattr(p, name, value)
+    return p
+
+
+@st.composite
+def bad_tokenized(draw) -> scheduler_pb2.TokenizedGenerateReqInput:
+    kind = draw(st.sampled_from(["ids", "empty", "max_tokens", "float", "top_k", "logit_bias"]))
+    ids = [504, 3575, 282]
+    params = resolved()
+    if kind == "ids":
+        ids = ids + [draw(bad_id)]
+    elif kind == "empty":
+        ids = []
+    elif kind == "max_tokens":
+        params.max_new_tokens = draw(st.integers(CONTEXT, 2**31 - 1) | st.integers(-(2**31), 0))
+    elif kind == "float":
+        setattr(params, draw(st.sampled_from(FLOAT_PARAMS)), draw(bad_float))
+    elif kind == "top_k":
+        params.top_k = draw(st.integers(-(2**31), -2) | st.just(0))
+    else:
+        params.logit_bias[draw(bad_id)] = 1.0
+    return scheduler_pb2.TokenizedGenerateReqInput(rid=f"fuzz-{uuid.uuid4().hex}", input_ids=ids,
+                                                   sampling_params=params)
+
+
+class FakeTokenizer:
+    """A Connect stream to the scheduler plus a Subscribe stream to the detokenizer, under
+    one made-up tokenizer id, so the rows the scheduler produces can be read back."""
+
+    def __init__(self, stack):
+        self.id = f"fuzz-tok-{uuid.uuid4().hex}"
+        self._sched_ch = grpc.insecure_channel(stack.scheduler)
+        self._detok_ch = grpc.insecure_channel(stack.detokenizer)
+        self.rows: queue.Queue[tuple[str, common_pb2.FinishReason, int]] = queue.Queue()
+        self._sub = detokenizer_pb2_grpc.DetokenizerStub(self._detok_ch).Subscribe(
+            detokenizer_pb2.SubscribeRequest(tokenizer_id=self.id))
+        self._sub.initial_metadata()  # registered
+        threading.Thread(target=self._read, daemon=True).start()
+        self._out: queue.Queue[scheduler_pb2.SchedulerInput | None] = queue.Queue()
+        hello = scheduler_pb2.AbortReq(rid="", tokenizer_id=self.id)
+        self._out.put(scheduler_pb2.SchedulerInput(abort=hello))
+        self._connect = scheduler_pb2_grpc.SchedulerStub(self._sched_ch).Connect(iter(self._out.get, None))
+        next(self._connect)  # the first LoadReport: the stream is open
+
+    def _read(self) -> None:
+        try:
+            for batch in self._sub:
+                for i, rid in enumerate(batch.rids):
+                    self.rows.put((rid, batch.finish_reasons[i], batch.completion_tokens[i]))
+        except grpc.RpcError:
+            pass
+
+    def send(self, msg: scheduler_pb2.SchedulerInput) -> None:
+        self._out.put(msg)
+
+    def final_row(self, rid: str, timeout_s: float = 30) -> tuple[common_pb2.FinishReason, int]:
+        while True:
+            got, finish, completion = self.rows.get(timeout=timeout_s)
+            if got == rid and finish.type != common_pb2.FINISH_NONE:
+                return finish, completion
+
+    def close(self) -> None:
+        self._out.put(None)
+        self._connect.cancel()
+        self._sub.cancel()
+        self._sched_ch.close()
+        self._detok_ch.close()
+
+
+def test_scheduler_refuses_bad_requests_and_keeps_serving(stack):
+    fake = FakeTokenizer(stack)
+    try:
+
+        @FUZZ
+        @given(req=bad_tokenized(), unknown=st.text(max_size=20))
+        def one(req, unknown):
+            fake.send(scheduler_pb2.SchedulerInput(abort=scheduler_pb2.AbortReq(rid=f"unknown-{unknown}")))
+            fake.send(scheduler_pb2.SchedulerInput(req=req))
+            finish, completion = fake.final_row(req.rid)
+            assert finish.type == common_pb2.FINISH_ABORT and finish.status == "INVALID_ARGUMENT", finish
+            assert finish.message and completion == 0
+
+        one()
+        good = scheduler_pb2.TokenizedGenerateReqInput(rid=f"good-{uuid.uuid4().hex}", input_ids=[504, 3575, 282],
+                                                       sampling_params=resolved())
+        fake.send(scheduler_pb2.SchedulerInput(req=good))
+        finish, completion = fake.final_row(good.rid)
+        assert finish.type == common_pb2.FINISH_LENGTH and completion == 4
+    finally:
+        fake.close()
+    still_serves(stack)
+
+
+def test_scheduler_refuses_a_stream_without_hello(stack):
+    with grpc.insecure_channel(stack.scheduler) as ch:
+        req = scheduler_pb2.TokenizedGenerateReqInput(rid="x", input_ids=[1], sampling_params=resolved())
+        call = scheduler_pb2_grpc.SchedulerStub(ch).Connect(iter([scheduler_pb2.SchedulerInput(req=req)]))
+        try:
+            list(call)
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT and "hello" in exc.details()
+        else:
+            raise AssertionError("a Connect stream without a hello was accepted")
+
+
+# --- detokenizer ---------------------------------------------------------------------------
+
+
+@st.composite
+def malformed_batch(draw) -> detokenizer_pb2.BatchTokenIDOutput:
+    n = draw(st.integers(1, 50))
+    rids = [f"fuzz-{uuid.uuid4().hex}" for _ in range(n)]
+    counts = [1] * n
+    ids = [draw(st.integers(0, VOCAB - 1)) for _ in range(n)]
+    b = detokenizer_pb2.BatchTokenIDOutput(rids=rids, tokenizer_ids=["fuzz"] * n)
+    kind = draw(st.sampled_from(["counts", "ids", "column", "init_row", "tail"]))
+    if kind == "counts":
+        counts[draw(st.integers(0, n - 1))] += draw(st.integers(1, 5) | st.integers(-5, -1))
+    elif kind == "ids":
+        ids[draw(st.integers(0, n - 1))] = draw(bad_id)
+    elif kind == "column":
+        b.completion_tokens.extend([1] * (n + draw(st.integers(1, 3))))
+    elif kind == "init_row":
+        b.inits.append(detokenizer_pb2.RowInit(row=draw(st.integers(n, 2**31 - 1) | st.integers(-(2**31), -1))))
+    else:
+        b.inits.append(detokenizer_pb2.RowInit(row=0, prompt_tail_ids=[draw(bad_id)]))
+    b.new_token_counts.extend(counts)
+    b.output_ids.extend(ids)
+    return b
+
+
+@FUZZ
+@given(batch=malformed_batch())
+def test_detokenizer_refuses_malformed_batches(stack, batch):
+    with grpc.insecure_channel(stack.detokenizer) as ch:
+        try:
+            list(detokenizer_pb2_grpc.DetokenizerStub(ch).Stream(iter([batch]), timeout=10))
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, (exc.code(), exc.details())
+            assert "malformed" in exc.details()
+        else:
+            raise AssertionError("a malformed batch was accepted")
+    assert stack.detokenizer_load().decode_states == 0
+
+
+def test_detokenizer_still_serves(stack):
+    still_serves(stack)
