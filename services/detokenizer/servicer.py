@@ -26,7 +26,8 @@ def check_batch(batch: detokenizer_pb2.BatchTokenIDOutput, vocab_size: int) -> s
     """Why ``batch`` breaks the columnar layout of detokenizer.proto, or None when it is sound.
 
     Checked before any state changes, so a malformed batch (a bug or a hostile peer) is
-    refused whole instead of failing half-way through a step.
+    refused whole instead of failing half-way through a step. A RowInit's prompt tail with
+    ids outside the vocabulary is cleared in place (it is decode context only).
     """
     n = len(batch.rids)
     for name in _ROW_COLUMNS:
@@ -50,7 +51,9 @@ def check_batch(batch: detokenizer_pb2.BatchTokenIDOutput, vocab_size: int) -> s
             return f"a RowInit has top_logprobs_num {init.top_logprobs_num}"
         tail = init.prompt_tail_ids
         if tail and (min(tail) < 0 or max(tail) >= vocab_size):
-            return f"prompt_tail_ids hold ids outside the vocabulary [0, {vocab_size})"
+            # The scheduler's refusal of a request with bad input ids carries that input's
+            # tail: only decode context, so it is dropped rather than the whole batch refused.
+            del tail[:]
     return None
 
 

@@ -32,7 +32,7 @@ import torch
 
 from services.scheduler.config import SCHEDULE_POLICIES
 from services.scheduler.engine.kv_pool import ReqToTokenPool, TokenToKVPool
-from services.scheduler.engine.radix_cache import RadixCache
+from services.scheduler.engine.radix_cache import RadixCache, TreeNode
 from services.scheduler.engine.req import Req
 
 # Beyond this many waiting requests lpm orders first-come-first-served: matching every
@@ -161,7 +161,7 @@ class SchedulePolicy:
         if admit and self.policy == "lpm" and self.tree is not None and 1 < len(self.waiting) <= _LPM_MAX_QUEUE:
             self.waiting = deque(sorted(self.waiting, key=lambda r: -len(self._match(r)[0])))
         while (admit and self.waiting and self.chunked is None and budget > 0
-               and len(self.running) + len(batch) < self.max_running and self.req_pool.available > 0):
+               and len(self.running) < self.max_running and self.req_pool.available > 0):
             req = self.waiting[0]
             cached, node = self._match(req)
             remaining = req.seq_len - len(cached)
@@ -202,7 +202,7 @@ class SchedulePolicy:
         else:
             self.running.append(req)
 
-    def _match(self, req: Req) -> tuple[torch.Tensor, object]:
+    def _match(self, req: Req) -> tuple[torch.Tensor, TreeNode | None]:
         """Cached prefix of prompt + output except the last token -> (KV rows, tree node)."""
         if self.tree is None:
             return torch.empty(0, dtype=torch.int64), None
