@@ -45,7 +45,7 @@ class LaunchConfig:
     tokenizer_port: int = 0  # 0: pick a free loopback port
     scheduler_port: int = 0
     detokenizer_port: int = 0
-    dtype: str = "float32"
+    dtype: str = "auto"  # the scheduler picks bf16 on AMX / AVX-512-BF16 CPUs, else fp32
     served_model_name: str | None = None
     api_key: str | None = None
     context_length: int | None = None
@@ -231,7 +231,10 @@ def parse_args(argv: list[str] | None) -> LaunchConfig:
     parser.add_argument("--tokenizer-port", type=int, default=0, help="0 = a free loopback port")
     parser.add_argument("--scheduler-port", type=int, default=0, help="0 = a free loopback port")
     parser.add_argument("--detokenizer-port", type=int, default=0, help="0 = a free loopback port")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+        help="model dtype; auto = bfloat16 on CPUs with AMX or AVX-512-BF16, float32 elsewhere",
+    )
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--context-length", type=int, default=None)

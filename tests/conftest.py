@@ -21,3 +21,12 @@ CACHE_DIR = Path(os.environ.get("RINGSERVE_CACHE_DIR", models.DEFAULT_CACHE))
 def smollm2_dir() -> Path:
     """HF-format SmolLM2-135M-Instruct directory (config.json, model.safetensors, tokenizer.json)."""
     return models.prepare_smollm2(CACHE_DIR)
+
+
+@pytest.fixture(scope="session")
+def stack(smollm2_dir: Path):
+    """The whole ring serving SmolLM2 in fp32, launched once per test session (tests/ringstack.py)."""
+    from tests.ringstack import launched
+
+    with launched(smollm2_dir) as ring:
+        yield ring

@@ -3,8 +3,11 @@
 One BatchTokenIDOutput per engine step goes out in order. If the detokenizer goes away
 the link reconnects with exponential backoff (tenacity); the message being written is kept
 and sent first on the new stream, and messages produced meanwhile wait in the queue.
-A detokenizer that restarted has lost every DecodeStatus, so after a reconnect the link
-calls ``on_reconnect`` (the service aborts what is in flight, resending RowInit).
+A lost stream means lost DecodeStatus (a restarted detokenizer has none; a live one drops
+a stream's states when the stream ends), so the link calls ``on_lost`` as soon as a
+connected stream ends: the service aborts what is in flight then, resending each RowInit,
+and those rows reach the next detokenizer first. Requests that arrive while it is down
+wait in the queue and are not touched.
 """
 
 from __future__ import annotations
@@ -25,9 +28,9 @@ log = logging.getLogger(__name__)
 class DetokenizerLink:
     """Owns the outgoing queue and the stream; ``run()`` until cancelled."""
 
-    def __init__(self, target: str, on_reconnect: Callable[[], None] | None = None):
+    def __init__(self, target: str, on_lost: Callable[[], None] | None = None):
         self.target = target
-        self.on_reconnect = on_reconnect
+        self.on_lost = on_lost
         self.queue: asyncio.Queue[detokenizer_pb2.BatchTokenIDOutput] = asyncio.Queue()
         self.connected = asyncio.Event()
         self.num_connects = 0
@@ -62,8 +65,6 @@ class DetokenizerLink:
             self.num_connects += 1
             self.connected.set()
             log.info("detokenizer stream to %s connected", self.target)
-            if self.num_connects > 1 and self.on_reconnect is not None:
-                self.on_reconnect()
             writer = asyncio.create_task(self._write(call))
             reader = asyncio.create_task(self._read(call))
             try:
@@ -73,6 +74,8 @@ class DetokenizerLink:
                 raise ConnectionError("detokenizer closed the stream")
             finally:
                 self.connected.clear()
+                if self.on_lost is not None:
+                    self.on_lost()
                 writer.cancel()
                 reader.cancel()
                 call.cancel()

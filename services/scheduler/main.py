@@ -136,8 +136,8 @@ async def serve(cfg: SchedulerConfig, stop: asyncio.Event | None = None,
                       max_queued_requests=cfg.max_queued_requests)
     link = DetokenizerLink(
         cfg.detokenizer,
-        on_reconnect=lambda: loop.abort(message="detokenizer reconnected; its decode state was lost",
-                                        status="UNAVAILABLE", resend_init=True),
+        on_lost=lambda: loop.abort(message="lost the detokenizer stream and its decode state",
+                                   status="UNAVAILABLE", resend_init=True),
     )
     servicer = SchedulerServicer(loop, cfg.instance_id, cfg.load_report_interval_s)
     name = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name

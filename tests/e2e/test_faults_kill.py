@@ -18,7 +18,7 @@ import time
 import httpx
 import pytest
 
-from .own_stack import launched
+from tests.ringstack import launched
 from .test_reliability_endpaths import chat
 
 PARIS = "The capital of France is Paris."
@@ -122,20 +122,25 @@ async def test_tokenizer_killed_gateway_503_until_back(ring):
     assert {name: ring.pid(name) for name in others} == others
 
 
-@pytest.mark.parametrize("service", ["scheduler", "tokenizer", "detokenizer"])
-async def test_sigterm_lets_in_flight_finish_then_exits_0(ring, service):
+async def finishes_through_sigterm(ring, send_sigterm) -> None:
+    """A 40-token stream is running when ``send_sigterm()`` runs; it still ends normally."""
     ring.wait_idle()
     async with httpx.AsyncClient(base_url=ring.base_url, timeout=60) as client:
         body = chat(ring, [{"role": "user", "content": "Write a very long story."}], max_tokens=40,
                     stream=True, ignore_eos=True)
         streamed = asyncio.create_task(read_stream(client, body))
         await wait_until(lambda: ring.scheduler_load().num_running_reqs == 1, 30, "running")
-        pid = ring.pid(service)
-        exits_before = ring.log().count(f"{service} exited with status 0")
-        os.kill(pid, signal.SIGTERM)  # the launcher starts it again once it has exited
+        send_sigterm()
         events, _ = await asyncio.wait_for(streamed, 30)
     finishes = [c["finish_reason"] for e in events if isinstance(e, dict) for c in e.get("choices", [])]
     assert finishes[-1] == "length", events[-3:]
+
+
+@pytest.mark.parametrize("service", ["scheduler", "tokenizer", "detokenizer"])
+async def test_sigterm_lets_in_flight_finish_then_exits_0(ring, service):
+    exits_before = ring.log().count(f"{service} exited with status 0")
+    # The launcher starts the service again once it has exited.
+    await finishes_through_sigterm(ring, lambda: os.kill(ring.pid(service), signal.SIGTERM))
     await wait_until(lambda: ring.log().count(f"{service} exited with status 0") == exits_before + 1, 15,
                      f"{service} exited 0")
     await serves_again(ring)
@@ -143,16 +148,7 @@ async def test_sigterm_lets_in_flight_finish_then_exits_0(ring, service):
 
 async def test_sigterm_on_the_launcher_finishes_in_flight_then_exits_0(ring):
     """Last in the module: stops the ring. The launcher stops the gateway first, then the rest."""
-    ring.wait_idle()
-    async with httpx.AsyncClient(base_url=ring.base_url, timeout=60) as client:
-        body = chat(ring, [{"role": "user", "content": "Write a very long story."}], max_tokens=40,
-                    stream=True, ignore_eos=True)
-        streamed = asyncio.create_task(read_stream(client, body))
-        await wait_until(lambda: ring.scheduler_load().num_running_reqs == 1, 30, "running")
-        ring.proc.send_signal(signal.SIGTERM)
-        events, _ = await asyncio.wait_for(streamed, 30)
-    finishes = [c["finish_reason"] for e in events if isinstance(e, dict) for c in e.get("choices", [])]
-    assert finishes[-1] == "length", events[-3:]
+    await finishes_through_sigterm(ring, lambda: ring.proc.send_signal(signal.SIGTERM))
     assert await asyncio.to_thread(ring.proc.wait, 60) == 0
     for name in ("gateway", "tokenizer", "scheduler", "detokenizer"):
         assert f"{name} did not stop in time" not in ring.log()

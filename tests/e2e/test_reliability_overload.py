@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from .own_stack import launched
+from tests.ringstack import launched
 from .test_reliability_endpaths import assert_released_after_abort, chat, read_events
 
 

@@ -1,9 +1,10 @@
-"""A ring of its own, for tests that kill, stop, restart or saturate services.
+"""The whole ring, launched by tests as a user would: ``ringserve launch`` with the real model.
 
-The shared session ``stack`` must stay healthy for every other test, so fault and overload
-tests launch a separate ``ringserve launch`` (fresh ports) per module. The services are
-the launcher's children; ``pid(name)`` finds the current process of one by its command
-line, so it follows a service that ``--restart-on-failure`` started again.
+The session fixture ``stack`` (tests/conftest.py) is one shared ring for every test that
+leaves it healthy. Fault and overload tests launch a separate ring per module with
+``launched(...)`` (fresh ports) and may kill, stop, restart or saturate its services; the
+services are the launcher's children, and ``pid(name)`` finds the current process of one by
+its command line, so it follows a service that ``--restart-on-failure`` started again.
 """
 
 from __future__ import annotations
@@ -19,11 +20,72 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ringserve.launch import free_port
+from ringserve.v1 import common_pb2, detokenizer_pb2_grpc, scheduler_pb2_grpc, tokenizer_pb2_grpc
 
-from .conftest import Stack, _wait_ready
+
+@dataclass
+class Stack:
+    base_url: str
+    tokenizer: str
+    scheduler: str
+    detokenizer: str
+    model_name: str
+    proc: subprocess.Popen
+
+    def scheduler_load(self) -> common_pb2.LoadReport:
+        with grpc.insecure_channel(self.scheduler) as ch:
+            return scheduler_pb2_grpc.SchedulerStub(ch).GetLoad(common_pb2.Empty(), timeout=5)
+
+    def tokenizer_load(self) -> common_pb2.LoadReport:
+        with grpc.insecure_channel(self.tokenizer) as ch:
+            return tokenizer_pb2_grpc.TokenizerStub(ch).GetLoad(common_pb2.Empty(), timeout=5)
+
+    def detokenizer_load(self) -> common_pb2.LoadReport:
+        with grpc.insecure_channel(self.detokenizer) as ch:
+            return detokenizer_pb2_grpc.DetokenizerStub(ch).GetLoad(common_pb2.Empty(), timeout=5)
+
+    def wait_idle(self, timeout_s: float = 10.0) -> tuple[common_pb2.LoadReport, ...]:
+        """Wait until no service holds any request state; return the three load reports.
+
+        Raises:
+            AssertionError: state is still held after ``timeout_s`` seconds.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            loads = (self.tokenizer_load(), self.scheduler_load(), self.detokenizer_load())
+            tok, sched, detok = loads
+            idle = (
+                tok.req_states == 0
+                and sched.num_running_reqs == 0
+                and sched.num_waiting_reqs == 0
+                and sched.req_slots_used == 0
+                and sched.kv_used_tokens == 0
+                and detok.decode_states == 0
+            )
+            if idle:
+                return loads
+            if time.monotonic() > deadline:
+                raise AssertionError(f"state not released: {loads}")
+            time.sleep(0.05)
+
+
+def wait_ready(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"ringserve launch exited with {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError("ringserve launch did not become ready")
+
 
 SERVICES = ("gateway", "tokenizer", "scheduler", "detokenizer")
 
@@ -103,7 +165,7 @@ def launched(model_dir: Path, *extra: str, log_path: Path | None = None) -> Iter
                             stdout=log, stderr=subprocess.STDOUT if log else None)
     base = f"http://127.0.0.1:{ports['http']}"
     try:
-        _wait_ready(proc, f"{base}/health", timeout_s=300)
+        wait_ready(proc, f"{base}/health", timeout_s=300)
         yield OwnStack(
             base_url=base,
             tokenizer=f"127.0.0.1:{ports['tokenizer']}",
