@@ -45,6 +45,10 @@ class LaunchConfig:
     tokenizer_port: int = 0  # 0: pick a free loopback port
     scheduler_port: int = 0
     detokenizer_port: int = 0
+    # Prometheus /metrics ports of the gRPC services (the gateway serves its own on --port); 0: a free port
+    tokenizer_metrics_port: int = 0
+    scheduler_metrics_port: int = 0
+    detokenizer_metrics_port: int = 0
     dtype: str = "auto"  # the scheduler picks bf16 on AMX / AVX-512-BF16 CPUs, else fp32
     served_model_name: str | None = None
     api_key: str | None = None
@@ -101,6 +105,7 @@ class Launcher:
         self.config = config
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.addresses: dict[str, str] = {}
+        self.metrics_urls: dict[str, str] = {}
         self._args: dict[str, list[str]] = {}
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
@@ -132,10 +137,21 @@ class Launcher:
             "tokenizer": c.tokenizer_port or free_port(),
         }
         self.addresses = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
+        metrics_ports = {
+            "tokenizer": c.tokenizer_metrics_port or free_port(),
+            "scheduler": c.scheduler_metrics_port or free_port(),
+            "detokenizer": c.detokenizer_metrics_port or free_port(),
+        }
+        health_host = "127.0.0.1" if c.host in ("0.0.0.0", "::") else c.host
+        self.metrics_urls = {"gateway": f"http://{health_host}:{c.port}/metrics"}
+        self.metrics_urls.update({name: f"http://127.0.0.1:{port}/metrics" for name, port in metrics_ports.items()})
         model = str(c.model)
+        # Every service labels its metrics with the served model name.
+        named = ["--served-model-name", c.served_model_name] if c.served_model_name else []
 
         self._spawn("detokenizer", ["--model", model, "--port", str(ports["detokenizer"]),
-                                    "--grace-period", str(c.grace_period_s)])
+                                    "--grace-period", str(c.grace_period_s),
+                                    "--metrics-port", str(metrics_ports["detokenizer"]), *named])
         self._wait("detokenizer", lambda: _grpc_serving(self.addresses["detokenizer"]))
 
         sched_args = [
@@ -153,6 +169,7 @@ class Launcher:
         if c.watchdog_timeout_s is not None:
             sched_args += ["--watchdog-timeout", str(c.watchdog_timeout_s)]
         sched_args += ["--grace-period", str(c.grace_period_s)]
+        sched_args += ["--metrics-port", str(metrics_ports["scheduler"]), *named]
         self._spawn("scheduler", sched_args + list(c.extra_scheduler_args))
         self._wait("scheduler", lambda: _grpc_serving(self.addresses["scheduler"]))
 
@@ -161,11 +178,10 @@ class Launcher:
             "--scheduler", self.addresses["scheduler"],
             "--detokenizer", self.addresses["detokenizer"],
         ]
-        if c.served_model_name:
-            tok_args += ["--served-model-name", c.served_model_name]
         if c.context_length:
             tok_args += ["--context-length", str(c.context_length)]
         tok_args += ["--grace-period", str(c.grace_period_s)]
+        tok_args += ["--metrics-port", str(metrics_ports["tokenizer"]), *named]
         if c.allow_special_tokens_in_messages:
             tok_args.append("--allow-special-tokens-in-messages")
         self._spawn("tokenizer", tok_args)
@@ -177,7 +193,6 @@ class Launcher:
         if c.api_key:
             gw_args += ["--api-key", c.api_key]
         self._spawn("gateway", gw_args)
-        health_host = "127.0.0.1" if c.host in ("0.0.0.0", "::") else c.host
         self._wait("gateway", lambda: _http_ok(f"http://{health_host}:{c.port}/health"))
 
     def stop(self) -> None:
@@ -231,6 +246,9 @@ def parse_args(argv: list[str] | None) -> LaunchConfig:
     parser.add_argument("--tokenizer-port", type=int, default=0, help="0 = a free loopback port")
     parser.add_argument("--scheduler-port", type=int, default=0, help="0 = a free loopback port")
     parser.add_argument("--detokenizer-port", type=int, default=0, help="0 = a free loopback port")
+    for name in ("tokenizer", "scheduler", "detokenizer"):
+        parser.add_argument(f"--{name}-metrics-port", type=int, default=0,
+                            help=f"{name}'s Prometheus /metrics port; 0 = a free loopback port")
     parser.add_argument(
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
         help="model dtype; auto = bfloat16 on CPUs with AMX or AVX-512-BF16, float32 elsewhere",
@@ -255,6 +273,8 @@ def parse_args(argv: list[str] | None) -> LaunchConfig:
         model=args.model, host=args.host, port=args.port,
         tokenizer_port=args.tokenizer_port, scheduler_port=args.scheduler_port,
         detokenizer_port=args.detokenizer_port, dtype=args.dtype,
+        tokenizer_metrics_port=args.tokenizer_metrics_port, scheduler_metrics_port=args.scheduler_metrics_port,
+        detokenizer_metrics_port=args.detokenizer_metrics_port,
         served_model_name=args.served_model_name, api_key=args.api_key,
         context_length=args.context_length, max_running_requests=args.max_running_requests,
         max_total_tokens=args.max_total_tokens, max_queued_requests=args.max_queued_requests,
@@ -285,6 +305,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"ringserve: serving {config.model.name} at http://{host}:{config.port}/v1", flush=True)
         for name, addr in launcher.addresses.items():
             print(f"ringserve: {name} gRPC at {addr}", flush=True)
+        for name, url in launcher.metrics_urls.items():
+            print(f"ringserve: {name} metrics at {url}", flush=True)
         status = launcher.watch()
     except KeyboardInterrupt:
         status = 0

@@ -55,6 +55,12 @@ class SchedulerConfig:
     max_queued_requests: int | None = None  # None: no limit; beyond it RESOURCE_EXHAUSTED
     grace_period_s: float = 5.0  # on SIGTERM: refuse new requests, let in-flight ones finish this long
     watchdog_timeout_s: float | None = None  # NOT_SERVING after this long with work and no step done
+    metrics_port: int | None = None  # Prometheus /metrics on host:port; None = off, 0 = a free port
+    served_model_name: str | None = None  # the metrics' model_name label; None = the model directory's name
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.engine.model).name
 
     @property
     def address(self) -> str:

@@ -19,6 +19,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from ringserve.metrics import add_metrics_port_flag
 from services.scheduler.config import DTYPES, LOAD_FORMATS, SCHEDULE_POLICIES, EngineConfig, SchedulerConfig
 
 log = logging.getLogger("ringserve.scheduler")
@@ -54,6 +55,9 @@ def parse_args(argv: list[str] | None) -> SchedulerConfig:
                    help="seconds in-flight requests get to finish on SIGTERM")
     p.add_argument("--watchdog-timeout", type=float, default=s.watchdog_timeout_s,
                    help="health NOT_SERVING after this many seconds with work pending and no step finished")
+    add_metrics_port_flag(p)
+    p.add_argument("--served-model-name", default=None,
+                   help="model_name label of the metrics (default: the model directory's name)")
     a = p.parse_args(argv)
     if a.max_queued_requests is not None and a.max_queued_requests < 0:
         p.error("--max-queued-requests must be >= 0")
@@ -66,7 +70,8 @@ def parse_args(argv: list[str] | None) -> SchedulerConfig:
     return SchedulerConfig(engine=engine, host=a.host, port=a.port, detokenizer=a.detokenizer,
                            instance_id=a.instance_id, torch_threads=a.torch_threads,
                            max_queued_requests=a.max_queued_requests, grace_period_s=a.grace_period,
-                           watchdog_timeout_s=a.watchdog_timeout)
+                           watchdog_timeout_s=a.watchdog_timeout, metrics_port=a.metrics_port,
+                           served_model_name=a.served_model_name)
 
 
 class Watchdog:
@@ -123,15 +128,20 @@ async def serve(cfg: SchedulerConfig, stop: asyncio.Event | None = None,
     import torch
 
     from ringserve.grpcutil import start_server
+    from ringserve.metrics import ServiceMetrics
     from ringserve.v1 import scheduler_pb2, scheduler_pb2_grpc
     from services.scheduler.detok_link import DetokenizerLink
     from services.scheduler.engine.engine import Engine
     from services.scheduler.engine.loop import EngineLoop
+    from services.scheduler.metrics import SchedulerMetrics
     from services.scheduler.servicer import SchedulerServicer
     from services.scheduler.wire import step_output_to_proto
 
     torch.set_num_threads(cfg.torch_threads or len(os.sched_getaffinity(0)))
     engine = Engine.from_config(cfg.engine)
+    metrics = ServiceMetrics(cfg.model_name)
+    SchedulerMetrics(engine, metrics)
+    metrics.serve(cfg.host, cfg.metrics_port)
     loop = EngineLoop(engine, lambda out: link.send_threadsafe(step_output_to_proto(out)),
                       max_queued_requests=cfg.max_queued_requests)
     link = DetokenizerLink(
@@ -178,6 +188,7 @@ async def serve(cfg: SchedulerConfig, stop: asyncio.Event | None = None,
         if watchdog_task is not None:
             watchdog_task.cancel()
         await server.stop(1.0)
+        metrics.stop()
         loop.stop()
         link_task.cancel()
         await asyncio.gather(link_task, return_exceptions=True)

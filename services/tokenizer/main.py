@@ -21,10 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ringserve.grpcutil import ServingServer, start_server
+from ringserve.metrics import ServiceMetrics, add_metrics_port_flag
 from ringserve.v1 import tokenizer_pb2_grpc
 from services.tokenizer.errors import unavailable
 from services.tokenizer.links import DetokenizerLink, Link, SchedulerLink
 from services.tokenizer.manager import TokenizerManager
+from services.tokenizer.metrics import install_tokenizer_metrics
 from services.tokenizer.model import load_tokenizer, model_facts
 from services.tokenizer.servicer import SERVICE_NAME, TokenizerServicer
 
@@ -51,6 +53,7 @@ class TokenizerConfig:
     context_length: int | None = None  # default: config.json max_position_embeddings
     grace_period_s: float = 5.0  # on SIGTERM, how long in-flight calls may run on
     allow_special_tokens_in_messages: bool = False  # control tokens spelled in messages stay text
+    metrics_port: int | None = None  # Prometheus /metrics on host:port; None = off, 0 = a free port
 
     @property
     def address(self) -> str:
@@ -74,6 +77,7 @@ class TokenizerService:
         )
         self.manager.attach(self.scheduler)
         self.server: ServingServer | None = None
+        self.metrics = ServiceMetrics(facts.served_model_name)
 
     @property
     def port(self) -> int:
@@ -103,6 +107,8 @@ class TokenizerService:
 
     async def start(self) -> None:
         servicer = TokenizerServicer(self.manager, lambda: self.scheduler.last_load)
+        install_tokenizer_metrics(self.metrics, self.manager, self.scheduler, servicer)
+        self.metrics.serve(self.config.host, self.config.metrics_port)
         self.server = await start_server(
             self.config.address, [(tokenizer_pb2_grpc.add_TokenizerServicer_to_server, servicer, SERVICE_NAME)]
         )
@@ -117,6 +123,7 @@ class TokenizerService:
         await self.scheduler.flush(ABORT_FLUSH_S)
         await self.detokenizer.stop()
         await self.scheduler.stop()
+        self.metrics.stop()
 
 
 def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
@@ -134,6 +141,7 @@ def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
     p.add_argument("--allow-special-tokens-in-messages", action="store_true",
                    help="parse control tokens spelled in chat message text (e.g. <|im_end|>) as those "
                         "tokens; by default they are tokenized as plain text")
+    add_metrics_port_flag(p)
     a = p.parse_args(argv)
     return TokenizerConfig(
         model=a.model,
@@ -146,6 +154,7 @@ def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
         context_length=a.context_length,
         grace_period_s=a.grace_period,
         allow_special_tokens_in_messages=a.allow_special_tokens_in_messages,
+        metrics_port=a.metrics_port,
     )
 
 
