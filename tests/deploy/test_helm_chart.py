@@ -230,6 +230,7 @@ def test_gpu_multi_replica(rendered: dict[str, list[dict]], helm: Path) -> None:
 
     notes = render_notes(helm, "gpu-multi")
     assert "ONE scheduler" in notes and f"{FULL}-replica-0.{FULL}-replica.{NAMESPACE}" in notes
+    assert "9020 (scheduler)" in notes and f"ServiceMonitors {FULL}-gateway, {FULL}-tokenizer and {FULL}-replica" in notes
     assert "ONE scheduler" not in render_notes(helm, "cpu-single")
 
 
