@@ -267,9 +267,12 @@ def parse_args(argv: list[str] | None) -> LaunchConfig:
     )
     parser.add_argument("--host", default="127.0.0.1", help="gateway bind address")
     parser.add_argument("--port", type=int, default=8000, help="gateway HTTP port")
-    parser.add_argument("--tokenizer-port", type=int, default=0, help="0 = a free loopback port")
-    parser.add_argument("--scheduler-port", type=int, default=0, help="0 = a free loopback port")
-    parser.add_argument("--detokenizer-port", type=int, default=0, help="0 = a free loopback port")
+    parser.add_argument("--tokenizer-port", type=int, default=0,
+                        help="the first tokenizer's port; 0 (and the others) = a free loopback port")
+    parser.add_argument("--scheduler-port", type=int, default=0,
+                        help="the first scheduler's port; 0 (and the others) = a free loopback port")
+    parser.add_argument("--detokenizer-port", type=int, default=0,
+                        help="the first detokenizer's port; 0 (and the others) = a free loopback port")
     parser.add_argument(
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
         help="model dtype; auto = bfloat16 on CPUs with AMX or AVX-512-BF16, float32 elsewhere",
