@@ -7,7 +7,8 @@ place and never gathered into a padded copy. Decode: one program per (request, q
 head). Extend (prefill with or without a cached prefix): one program per (request, query
 head, block of ``BLOCK_M`` new tokens), causal from the request's prefix on. Softmax
 statistics and sums accumulate in float32 whatever the cache dtype (the extend kernel's
-products run through ``tl.dot``: TF32 on GPUs for a float32 cache). Checked against the
+products run through ``tl.dot``: TF32 on GPUs for a float32 cache; float32 under the
+interpreter, whose ``tl.dot`` cannot multiply 16-bit floats). Checked against the
 torch reference under ``TRITON_INTERPRET=1`` on CPU tensors.
 
 The decode kernel follows the LightLLM / SGLang ``decode_attention`` layout without its
@@ -107,6 +108,7 @@ def _extend_kernel(
     Q, K, V, KV_INDICES, Q_STARTS, PREFIX_LENS, EXTEND_LENS, OUT, scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_ib, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -119,6 +121,8 @@ def _extend_kernel(
     d = tl.arange(0, HEAD_DIM)
     q_offs = (q_start + m)[:, None] * stride_qt + h * stride_qh + d[None, :]
     q = tl.load(Q + q_offs, mask=valid_m[:, None], other=0.0)  # [BLOCK_M, D]
+    if UPCAST:
+        q = q.to(tl.float32)
     q_pos = prefix + m  # query i sits at position prefix + i and sees keys 0..prefix + i
     m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -130,6 +134,8 @@ def _extend_kernel(
         rows = tl.load(KV_INDICES + b * stride_ib + n, mask=valid_n, other=0).to(tl.int64)
         offs = rows[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
         k = tl.load(K + offs, mask=valid_n[:, None], other=0.0)  # [BLOCK_N, D]
+        if UPCAST:
+            k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [BLOCK_M, BLOCK_N]
         s = tl.where(valid_n[None, :] & (n[None, :] <= q_pos[:, None]), s, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -137,6 +143,8 @@ def _extend_kernel(
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         v = tl.load(V + offs, mask=valid_n[:, None], other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
@@ -184,5 +192,8 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         q, k_buf, v_buf, kv_indices, starts, prefix_lens.to(torch.int32).contiguous(), ext.contiguous(), out, scale,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), kv_indices.stride(0), out.stride(0), out.stride(1),
         GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
+        # Triton's interpreter multiplies 16-bit floats in tl.dot as their raw bits (numpy
+        # has no bfloat16; triton 3.9's create_dot converts only 8-bit floats): fp32 there.
+        UPCAST=interpreted() and q.dtype != torch.float32,
     )
     return out.view(t, hq * d)
