@@ -67,12 +67,12 @@ def run(backend):
             step()
     # Step 1: two fresh prompts share the 16-token chunk budget. Step 2: the rest of b's
     # prompt beside a's decode; a finishes into the radix cache. Step 3: c's prompt on a's
-    # cached one beside b's decode. Steps 4-5: decodes of unequal lengths.
+    # cached one beside b's decode. Step 4: decodes of unequal lengths.
     engine.add_request(greedy("a", chat("Hi"), 2))
     engine.add_request(greedy("b", chat("Name a color"), 3))
     step()
     step()
-    engine.add_request(greedy("c", chat("Hi") + chat("Count to three"), 3))
+    engine.add_request(greedy("c", chat("Hi") + chat("Count to three"), 2))
     drain()
     return type(model.attn_backend).__name__, [s[0] for s in steps], torch.cat([s[1].flatten() for s in steps]), outputs
 
@@ -124,9 +124,9 @@ def test_triton_backend_gives_the_torch_backends_logits(smollm2_dir):
     assert triton_plans == torch_plans
     # [num_extend, prefix_lens, extend_lens, len(reqs)] per step: see the script's comments.
     assert torch_plans == [[2, [0, 0], [10, 6], 2], [1, [6, 10], [6, 1], 2], [1, [10, 12], [12, 1], 2],
-                           [0, [13, 22], [1, 1], 2], [0, [23], [1], 1]]
+                           [0, [13, 22], [1, 1], 2]]
     assert got["outputs"][1] == got["outputs"][0]
-    assert {rid: len(ids) for rid, ids in got["outputs"][0].items()} == {"a": 2, "b": 3, "c": 3}
+    assert {rid: len(ids) for rid, ids in got["outputs"][0].items()} == {"a": 2, "b": 3, "c": 2}
     # fp32 throughout; only the summation order differs (online softmax, blocked dot products).
     assert got["logit_scale"] > 5.0 and got["max_abs_diff"] < 2e-4
 
