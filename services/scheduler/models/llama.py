@@ -193,7 +193,10 @@ class LlamaForCausalLM(torch.nn.Module):
         return model.eval()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata, kv: KVBuffers) -> torch.Tensor:
-        """input_ids, positions: int64 [T] packed over requests -> final hidden states [T, hidden]."""
+        """input_ids, positions: int64 [T] packed over requests -> final hidden states [T, hidden].
+
+        The attention backend prepares ``meta`` here, once for all layers.
+        """
         self.attn_backend.init_forward_metadata(meta)
         h = self.embed_tokens(input_ids)
         rope = self.rotary(positions, h.dtype)
