@@ -51,6 +51,7 @@ class LaunchConfig:
     scheduler_port: int = 0
     detokenizer_port: int = 0
     dtype: str = "auto"  # the scheduler picks bf16 on AMX / AVX-512-BF16 CPUs, else fp32
+    attention_backend: str = "auto"  # the scheduler picks triton on CUDA devices, torch on CPU
     served_model_name: str | None = None
     api_key: str | None = None
     context_length: int | None = None
@@ -207,6 +208,7 @@ class Launcher:
         sched_args = [
             "--model", str(c.model), "--port", port,
             "--detokenizer", detokenizer, "--dtype", c.dtype, "--instance-id", f"scheduler-{index}",
+            "--attention-backend", c.attention_backend,
         ]
         if c.max_running_requests:
             sched_args += ["--max-running-requests", str(c.max_running_requests)]
@@ -277,6 +279,9 @@ def parse_args(argv: list[str] | None) -> LaunchConfig:
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
         help="model dtype; auto = bfloat16 on CPUs with AMX or AVX-512-BF16, float32 elsewhere",
     )
+    parser.add_argument("--attention-backend", default=LaunchConfig.attention_backend,
+                        choices=["auto", "torch", "triton"],
+                        help="scheduler: auto = triton on CUDA devices, torch on CPU")
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--context-length", type=int, default=None)
@@ -303,7 +308,7 @@ def parse_args(argv: list[str] | None) -> LaunchConfig:
     return LaunchConfig(
         model=args.model, host=args.host, port=args.port,
         tokenizer_port=args.tokenizer_port, scheduler_port=args.scheduler_port,
-        detokenizer_port=args.detokenizer_port, dtype=args.dtype,
+        detokenizer_port=args.detokenizer_port, dtype=args.dtype, attention_backend=args.attention_backend,
         served_model_name=args.served_model_name, api_key=args.api_key,
         context_length=args.context_length, max_running_requests=args.max_running_requests,
         max_total_tokens=args.max_total_tokens, max_queued_requests=args.max_queued_requests,
