@@ -95,9 +95,9 @@ async def start_server(
     return serving
 
 
-def insecure_channel(target: str) -> grpc.aio.Channel:
-    """An aio channel to another ringserve service, with the shared options."""
-    return grpc.aio.insecure_channel(target, options=list(CHANNEL_OPTIONS))
+def insecure_channel(target: str, extra_options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
+    """An aio channel to another ringserve service, with the shared options (plus ``extra_options``)."""
+    return grpc.aio.insecure_channel(target, options=[*CHANNEL_OPTIONS, *extra_options])
 
 
 async def wait_serving(channel: grpc.aio.Channel, service: str = "", timeout_s: float = 5.0) -> bool:

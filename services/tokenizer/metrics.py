@@ -11,20 +11,25 @@ request stages, each observed once per request:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ringserve.metrics import Read, ServiceMetrics
 from services.tokenizer.links import SchedulerLink
 from services.tokenizer.manager import TokenizerManager
 from services.tokenizer.servicer import TokenizerServicer
 
 
-def install_tokenizer_metrics(metrics: ServiceMetrics, manager: TokenizerManager, link: SchedulerLink,
+def install_tokenizer_metrics(metrics: ServiceMetrics, manager: TokenizerManager, links: Sequence[SchedulerLink],
                               servicer: TokenizerServicer) -> None:
-    """Register the tokenizer's families in ``metrics.registry`` and hook the three stages."""
+    """Register the tokenizer's families in ``metrics.registry`` and hook the three stages
+    (``links``: the scheduler stream of every replica)."""
     manager.observe_tokenize = metrics.histogram(
         "request_tokenize_time_seconds", "Seconds to render, tokenize and validate a Generate call.").observe
-    link.observe_dispatch = metrics.histogram(
+    dispatch = metrics.histogram(
         "request_dispatch_time_seconds",
         "Seconds from queueing a request on the scheduler stream to its write being accepted.").observe
+    for link in links:
+        link.observe_dispatch = dispatch
     servicer.observe_send = metrics.histogram(
         "request_send_time_seconds",
         "Seconds a finished Generate call's output writes to its client took, summed over the call.").observe
