@@ -37,6 +37,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ringserve.cli import LAUNCHER_PID_ENV
+
 STARTUP_TIMEOUT_S = 600.0
 RESTART_DELAY_S = 0.5  # before restarting a service that exited (a crash loop stays slow)
 STOP_MARGIN_S = 5.0  # beyond --grace-period, before a service that did not exit is killed
@@ -65,15 +67,6 @@ class LaunchConfig:
     replicas: int = 1  # model replicas: a scheduler and its detokenizer each
     allow_special_tokens_in_messages: bool = False
     extra_scheduler_args: tuple[str, ...] = field(default_factory=tuple)
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM if the launcher dies (Linux), so no service is orphaned."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def free_port() -> int:
@@ -122,8 +115,10 @@ class Launcher:
         service = name.split("-")[0]  # "scheduler-1" runs `ringserve scheduler`
         cmd = [sys.executable, "-m", "ringserve.cli", service, *args]
         # Idle OpenMP workers must not spin: the services share the cores.
-        env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
-        proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent, env=env)
+        env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
+               LAUNCHER_PID_ENV: str(os.getpid())}
+        # No preexec_fn: the child sets its parent-death signal itself (ringserve.cli).
+        proc = subprocess.Popen(cmd, start_new_session=True, env=env)
         self.procs = [(n, p) for n, p in self.procs if n != name] + [(name, proc)]
         self._args[name] = args
         print(f"ringserve: {name} pid {proc.pid}", flush=True)
