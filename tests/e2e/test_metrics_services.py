@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import httpx
@@ -176,3 +177,53 @@ def test_dashboard_queries_only_exported_metrics(stack):
     assert {s.split(":")[1].split("_time")[0] for s in stages} == {
         "request_tokenize", "request_dispatch", "request_queue", "request_prefill", "request_decode",
         "detokenize_step", "request_send"}
+
+
+def test_every_instance_of_a_replicated_ring_exports_under_the_served_name(smollm2_dir, tmp_path):
+    """``--tokenizers 2 --replicas 2 --served-model-name``: the launcher prints a metrics URL
+    per process; each exports under the served name, and the sums over instances are exact."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.ringstack import launched
+
+    log = tmp_path / "ring.log"
+    with launched(smollm2_dir, "--tokenizers", "2", "--replicas", "2", "--served-model-name", "ringtest",
+                  log_path=log) as ring:
+        urls = dict(re.findall(r"^ringserve: (\S+) metrics at (\S+)$", ring.log(), re.MULTILINE))
+        assert sorted(urls) == ["detokenizer-0", "detokenizer-1", "gateway", "scheduler-0", "scheduler-1",
+                                "tokenizer-0", "tokenizer-1"]
+        assert len(set(urls.values())) == 7
+        usages = []
+        for i in range(4):
+            body = {"model": "ringtest", "prompt": f"{PROMPT} ({i})", "max_tokens": 3, "temperature": 0,
+                    "ignore_eos": True}
+            r = httpx.post(f"{ring.base_url}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            usages.append(r.json()["usage"])
+
+        def total(prefix: str, name: str) -> float:
+            out = 0.0
+            for process, url in urls.items():
+                if not process.startswith(prefix):
+                    continue
+                for family in text_string_to_metric_families(httpx.get(url, timeout=10).text):
+                    for s in family.samples:
+                        if s.name.startswith("ringserve:"):
+                            assert s.labels["model_name"] == "ringtest", (process, s.name)
+                        if s.name == name:
+                            out += s.value
+            return out
+
+        assert total("scheduler", "ringserve:scheduler_prompt_tokens_total") == sum(u["prompt_tokens"] for u in usages)
+        assert total("scheduler", "ringserve:scheduler_generation_tokens_total") == 12
+        assert total("scheduler", "ringserve:scheduler_requests_finished_total") == 4
+        assert total("detokenizer", "ringserve:detokenize_step_time_seconds_count") == 12
+        assert total("tokenizer", "ringserve:request_tokenize_time_seconds_count") == 4
+        assert total("tokenizer", "ringserve:request_dispatch_time_seconds_count") == 4
+        deadline = time.monotonic() + 10
+        held = ("tokenizer", "ringserve:req_states"), ("detokenizer", "ringserve:decode_states"), (
+            "scheduler", "ringserve:req_slots_used")
+        while any(total(*h) for h in held):  # the last states are dropped just after the responses
+            assert time.monotonic() < deadline, [total(*h) for h in held]
+            time.sleep(0.05)
+        assert total("gateway", "ringserve:generation_tokens_total") == 12
