@@ -33,6 +33,17 @@ def value(stack, samples: dict, service: str, name: str) -> float:
     return samples[service][(name, (("model_name", stack.model_name),))]
 
 
+def scrape_when(stack, settled, timeout_s: float = 10.0) -> dict[str, dict]:
+    """Scrape every service until ``settled(samples)`` holds: a call's last observations
+    (its send time, the gateway's in-flight count) land just after the client has the
+    response. Raises AssertionError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not settled(samples := scrape_all(stack)):
+        assert time.monotonic() < deadline, "metrics did not settle"
+        time.sleep(0.05)
+    return samples
+
+
 def exported_names(stack) -> set[str]:
     """Every ringserve: sample and family name the four services export now."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -68,7 +79,13 @@ def test_known_requests_move_every_service_metric_exactly(stack):
     chunks = [orjson.loads(line[6:]) for line in r.text.split("\n\n") if line.startswith("data: {")]
     usages.append(chunks[-1]["usage"])
     stack.wait_idle()
-    after = scrape_all(stack)
+
+    def settled(now: dict) -> bool:
+        return (delta(stack, before, now, "tokenizer", "ringserve:request_send_time_seconds_count") == 3
+                and delta(stack, before, now, "tokenizer", "ringserve:request_dispatch_time_seconds_count") == 3
+                and value(stack, now, "gateway", "ringserve:gateway_requests_in_flight") == 0)
+
+    after = scrape_when(stack, settled)
 
     prompt = sum(u["prompt_tokens"] for u in usages)
     completion = sum(u["completion_tokens"] for u in usages)
@@ -223,16 +240,18 @@ def test_every_instance_of_a_replicated_ring_exports_under_the_served_name(smoll
                             out += s.value
             return out
 
+        deadline = time.monotonic() + 10
+        held = ("tokenizer", "ringserve:req_states"), ("detokenizer", "ringserve:decode_states"), (
+            "scheduler", "ringserve:req_slots_used")
+        # The last states are dropped, and the last dispatch and send times observed, around the responses.
+        while any(total(*h) for h in held) or total("tokenizer", "ringserve:request_send_time_seconds_count") < 4 \
+                or total("tokenizer", "ringserve:request_dispatch_time_seconds_count") < 4:
+            assert time.monotonic() < deadline, [total(*h) for h in held]
+            time.sleep(0.05)
         assert total("scheduler", "ringserve:scheduler_prompt_tokens_total") == sum(u["prompt_tokens"] for u in usages)
         assert total("scheduler", "ringserve:scheduler_generation_tokens_total") == 12
         assert total("scheduler", "ringserve:scheduler_requests_finished_total") == 4
         assert total("detokenizer", "ringserve:detokenize_step_time_seconds_count") == 12
-        assert total("tokenizer", "ringserve:request_tokenize_time_seconds_count") == 4
-        assert total("tokenizer", "ringserve:request_dispatch_time_seconds_count") == 4
-        deadline = time.monotonic() + 10
-        held = ("tokenizer", "ringserve:req_states"), ("detokenizer", "ringserve:decode_states"), (
-            "scheduler", "ringserve:req_slots_used")
-        while any(total(*h) for h in held):  # the last states are dropped just after the responses
-            assert time.monotonic() < deadline, [total(*h) for h in held]
-            time.sleep(0.05)
+        for stage in ("tokenize", "dispatch", "send"):
+            assert total("tokenizer", f"ringserve:request_{stage}_time_seconds_count") == 4
         assert total("gateway", "ringserve:generation_tokens_total") == 12
