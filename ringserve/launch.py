@@ -32,6 +32,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ringserve import grpcutil
+
 STARTUP_TIMEOUT_S = 600.0
 RESTART_DELAY_S = 0.5  # before restarting a service that exited (a crash loop stays slow)
 STOP_MARGIN_S = 5.0  # beyond --grace-period, before a service that did not exit is killed
@@ -56,6 +58,11 @@ class LaunchConfig:
     watchdog_timeout_s: float | None = None
     restart_on_failure: bool = False
     allow_special_tokens_in_messages: bool = False
+    max_queued_tokens: int | None = None
+    request_timeout_s: float | None = None  # None: the gateway's default
+    max_request_body_bytes: int | None = None  # None: the gateway's default
+    log_requests: bool = False
+    transport: grpcutil.Transport = grpcutil.Transport()  # every service's gRPC servers and channels
     extra_scheduler_args: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -75,8 +82,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _grpc_serving(address: str, timeout_s: float = 1.0) -> bool:
-    with grpc.insecure_channel(address) as channel:
+def _grpc_serving(address: str, transport: grpcutil.Transport, timeout_s: float = 1.0) -> bool:
+    with grpcutil.sync_channel(address, transport) as channel:
         try:
             resp = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
@@ -133,10 +140,12 @@ class Launcher:
         }
         self.addresses = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
         model = str(c.model)
+        transport = c.transport.args()
+        serving = lambda name: lambda: _grpc_serving(self.addresses[name], c.transport)  # noqa: E731
 
         self._spawn("detokenizer", ["--model", model, "--port", str(ports["detokenizer"]),
-                                    "--grace-period", str(c.grace_period_s)])
-        self._wait("detokenizer", lambda: _grpc_serving(self.addresses["detokenizer"]))
+                                    "--grace-period", str(c.grace_period_s), *transport])
+        self._wait("detokenizer", serving("detokenizer"))
 
         sched_args = [
             "--model", model, "--port", str(ports["scheduler"]),
@@ -152,9 +161,11 @@ class Launcher:
             sched_args += ["--max-queued-requests", str(c.max_queued_requests)]
         if c.watchdog_timeout_s is not None:
             sched_args += ["--watchdog-timeout", str(c.watchdog_timeout_s)]
-        sched_args += ["--grace-period", str(c.grace_period_s)]
+        if c.max_queued_tokens is not None:
+            sched_args += ["--max-queued-tokens", str(c.max_queued_tokens)]
+        sched_args += ["--grace-period", str(c.grace_period_s), *transport]
         self._spawn("scheduler", sched_args + list(c.extra_scheduler_args))
-        self._wait("scheduler", lambda: _grpc_serving(self.addresses["scheduler"]))
+        self._wait("scheduler", serving("scheduler"))
 
         tok_args = [
             "--model", model, "--port", str(ports["tokenizer"]),
@@ -165,18 +176,24 @@ class Launcher:
             tok_args += ["--served-model-name", c.served_model_name]
         if c.context_length:
             tok_args += ["--context-length", str(c.context_length)]
-        tok_args += ["--grace-period", str(c.grace_period_s)]
+        tok_args += ["--grace-period", str(c.grace_period_s), *transport]
         if c.allow_special_tokens_in_messages:
             tok_args.append("--allow-special-tokens-in-messages")
         self._spawn("tokenizer", tok_args)
-        self._wait("tokenizer", lambda: _grpc_serving(self.addresses["tokenizer"]))
+        self._wait("tokenizer", serving("tokenizer"))
 
         gw_args = [
             "--host", c.host, "--port", str(c.port), "--tokenizer", self.addresses["tokenizer"],
         ]
         if c.api_key:
             gw_args += ["--api-key", c.api_key]
-        self._spawn("gateway", gw_args)
+        if c.request_timeout_s is not None:
+            gw_args += ["--request-timeout", str(c.request_timeout_s)]
+        if c.max_request_body_bytes is not None:
+            gw_args += ["--max-request-body-bytes", str(c.max_request_body_bytes)]
+        if c.log_requests:
+            gw_args.append("--log-requests")
+        self._spawn("gateway", gw_args + transport)
         health_host = "127.0.0.1" if c.host in ("0.0.0.0", "::") else c.host
         self._wait("gateway", lambda: _http_ok(f"http://{health_host}:{c.port}/health"))
 
@@ -250,6 +267,16 @@ def parse_args(argv: list[str] | None) -> LaunchConfig:
                         help="restart a service that exits (same flags and port) instead of stopping all")
     parser.add_argument("--allow-special-tokens-in-messages", action="store_true",
                         help="tokenizer: parse control tokens spelled in chat messages as those tokens")
+    parser.add_argument("--max-queued-tokens", type=int, default=None,
+                        help="scheduler: prompt tokens held (waiting and running) plus the new request's; "
+                             "beyond it refuse (HTTP 429)")
+    parser.add_argument("--request-timeout", type=float, default=None,
+                        help="gateway: seconds a generation may take, else HTTP 504 (default: the gateway's, 600)")
+    parser.add_argument("--max-request-body-bytes", type=int, default=None,
+                        help="gateway: larger request bodies get HTTP 413 (default: the gateway's, 16 MiB)")
+    parser.add_argument("--log-requests", action="store_true",
+                        help="gateway: log prompts and outputs (never logged by default)")
+    grpcutil.add_transport_args(parser)
     args = parser.parse_args(argv)
     return LaunchConfig(
         model=args.model, host=args.host, port=args.port,
@@ -261,6 +288,9 @@ def parse_args(argv: list[str] | None) -> LaunchConfig:
         grace_period_s=args.grace_period, watchdog_timeout_s=args.watchdog_timeout,
         restart_on_failure=args.restart_on_failure,
         allow_special_tokens_in_messages=args.allow_special_tokens_in_messages,
+        max_queued_tokens=args.max_queued_tokens, request_timeout_s=args.request_timeout,
+        max_request_body_bytes=args.max_request_body_bytes, log_requests=args.log_requests,
+        transport=grpcutil.transport_from_args(parser, args),
     )
 
 

@@ -4,16 +4,22 @@
 error the tokenizer can report before dispatch (validation, context length, duplicate rid,
 queue full) reaches the client as a JSON error, never after the first SSE byte.
 Cancelling a call (client disconnect) makes the tokenizer send AbortReq downstream.
+Each ``Generate`` call carries the gateway's ``request_timeout_s`` as its gRPC deadline;
+when it passes, the tokenizer aborts the rid and the call ends DEADLINE_EXCEEDED, which
+reaches the client as 504 ``timeout_error`` (an error event then ``[DONE]`` once
+streaming). With ``log_requests`` the request and each output's text are logged.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
+from google.protobuf import text_format
 
 from ringserve import grpcutil
 from ringserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
@@ -21,6 +27,8 @@ from ringserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from .config import GatewayConfig
 from .errors import GatewayError, from_rpc_error
 from .metrics import GatewayMetrics, RequestMetrics
+
+logger = logging.getLogger(__name__)
 
 # Bounds the per-id cache of logprob token pieces (a vocabulary is at most a few 100k ids).
 _MAX_CACHED_PIECES = 1 << 20
@@ -42,10 +50,14 @@ class GenerateStream:
         call: grpc.aio.UnaryStreamCall,
         first: tokenizer_pb2.GenerateOutput | None,
         metrics: RequestMetrics | None = None,
+        on_error: Callable[[grpc.aio.AioRpcError], GatewayError] = from_rpc_error,
+        on_output: Callable[[tokenizer_pb2.GenerateOutput], None] | None = None,
     ) -> None:
         self._call = call
         self._first = first
         self._metrics = metrics
+        self._on_error = on_error
+        self._on_output = on_output
 
     async def __aiter__(self) -> AsyncIterator[tokenizer_pb2.GenerateOutput]:
         """Yield every output; a gRPC error raises GatewayError."""
@@ -58,11 +70,13 @@ class GenerateStream:
                 try:
                     out = await self._call.read()
                 except grpc.aio.AioRpcError as exc:
-                    raise from_rpc_error(exc) from None
+                    raise self._on_error(exc) from None
                 if out is grpc.aio.EOF:
                     return
                 if self._metrics is not None:
                     self._metrics.on_output(out)
+                if self._on_output is not None:
+                    self._on_output(out)
                 yield out
         finally:
             self._close_metrics()
@@ -90,7 +104,7 @@ class TokenizerClient:
 
     def __init__(self, config: GatewayConfig, metrics: GatewayMetrics | None = None) -> None:
         self._config = config
-        self._channel = grpcutil.insecure_channel(config.tokenizer)
+        self._channel = grpcutil.channel(config.tokenizer, config.transport)
         self.stub = tokenizer_pb2_grpc.TokenizerStub(self._channel)
         self.metrics = metrics or GatewayMetrics(config.served_model_name)
         self._card: ModelCard | None = None
@@ -106,16 +120,22 @@ class TokenizerClient:
             GatewayError: the status the tokenizer returned before its first output.
         """
         started = time.monotonic()
-        call = self.stub.Generate(req)
+        call = self.stub.Generate(req, timeout=self._config.request_timeout_s)
+        log_output = None
+        if self._config.log_requests:
+            logger.info("request %s: %s", req.rid, text_format.MessageToString(req, as_one_line=True))
+            log_output = lambda out: logger.info("output %s: %r", out.rid, out.text)  # noqa: E731
         try:
             first = await call.read()
         except grpc.aio.AioRpcError as exc:
-            raise from_rpc_error(exc) from None
+            raise self._rpc_error(exc) from None
         except BaseException:
             call.cancel()
             raise
         if first is grpc.aio.EOF:
             return GenerateStream(call, None)
+        if log_output is not None:
+            log_output(first)
         tracker = None
         if observe:
             if not self.metrics.model_name:
@@ -127,7 +147,16 @@ class TokenizerClient:
             n = req.sampling_params.n if req.sampling_params.HasField("n") else 1
             tracker = self.metrics.request(n, req.stream, started)
             tracker.on_output(first)
-        return GenerateStream(call, first, tracker)
+        return GenerateStream(call, first, tracker, self._rpc_error, log_output)
+
+    def _rpc_error(self, exc: grpc.aio.AioRpcError) -> GatewayError:
+        """``from_rpc_error``, naming ``--request-timeout`` when the Generate deadline passed."""
+        if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self._config.request_timeout_s is not None:
+            return GatewayError(
+                f"the request did not finish within {self._config.request_timeout_s:g} s (--request-timeout)",
+                504, "timeout_error", None, "timeout",
+            )
+        return from_rpc_error(exc)
 
     async def open_streams(self, reqs: Sequence[tokenizer_pb2.GenerateReqInput]) -> list[GenerateStream]:
         """``open_stream`` for each request, concurrently; on any error every call is cancelled."""
