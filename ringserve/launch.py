@@ -82,6 +82,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def service_pid(launcher_pid: int, name: str) -> int:
+    """PID of the running process of service ``name`` started by the launcher ``launcher_pid``.
+
+    Found among the launcher's children by command line (Linux /proc), so it follows a
+    service that ``--restart-on-failure`` started again.
+
+    Raises:
+        LookupError: no such service is running under that launcher.
+    """
+    try:
+        with open(f"/proc/{launcher_pid}/task/{launcher_pid}/children") as f:
+            children = [int(p) for p in f.read().split()]
+    except FileNotFoundError:
+        children = []
+    for child in children:
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                args = [a.decode() for a in f.read().split(b"\0") if a]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if "ringserve.cli" in args and args[args.index("ringserve.cli") + 1 :][:1] == [name]:
+            return child
+    raise LookupError(f"no running {name} under launcher {launcher_pid}")
+
+
 def _grpc_serving(address: str, transport: grpcutil.Transport, timeout_s: float = 1.0) -> bool:
     with grpcutil.sync_channel(address, transport) as channel:
         try:
@@ -99,6 +124,34 @@ def _http_ok(url: str, timeout_s: float = 1.0) -> bool:
             return resp.status == 200
     except (urllib.error.URLError, OSError):
         return False
+
+
+def wait_launched(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
+    """Wait until ``url`` (a launched ring's gateway /health) answers 200.
+
+    Raises:
+        RuntimeError: ``proc`` (``ringserve launch``) exited, or no 200 within ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"ringserve launch exited with {proc.returncode}")
+        if _http_ok(url):
+            return
+        time.sleep(0.3)
+    raise RuntimeError("ringserve launch did not become ready")
+
+
+def stop_launched(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """SIGTERM ``ringserve launch`` (it stops its services gracefully); SIGKILL its whole
+    process group after ``timeout_s``. The launcher must run in a session of its own."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 class Launcher:

@@ -8,7 +8,6 @@ in a file. Every test ends by checking that each service is back to its baseline
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 import uuid
@@ -21,7 +20,7 @@ from ringserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from tests.ringstack import launched
 
 from .sse_reader import sse_events
-from .test_reliability_endpaths import PARIS, chat
+from .test_reliability_endpaths import chat
 
 BUDGET = 300
 TIMEOUT_S = 4

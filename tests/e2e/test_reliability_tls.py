@@ -1,0 +1,84 @@
+"""Issue 6, TLS: a ring launched with mutual TLS between every gRPC service.
+
+Certificates come from a throwaway CA (trustme): one certificate for 127.0.0.1 serves as
+every service's server certificate and as the client certificate of every channel. The
+launcher's health checks, the gateway's channel to the tokenizer and the tokenizer's
+channels to the scheduler and the detokenizer all go through TLS, so a chat answer proves
+each hop; the tokenizer then refuses a plaintext client, a TLS client with no client
+certificate and one whose certificate another CA signed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+import trustme
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ringserve.v1 import common_pb2, tokenizer_pb2_grpc
+from tests.ringstack import launched
+
+from .test_reliability_endpaths import chat
+
+
+def write_pems(ca: trustme.CA, directory: Path) -> dict[str, Path]:
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    paths = {"ca": directory / "ca.pem", "cert": directory / "cert.pem", "key": directory / "key.pem"}
+    ca.cert_pem.write_to_path(str(paths["ca"]))
+    cert.private_key_pem.write_to_path(str(paths["key"]))
+    paths["cert"].write_bytes(b"".join(blob.bytes() for blob in cert.cert_chain_pems))
+    return paths
+
+
+@pytest.fixture(scope="module")
+def pems(tmp_path_factory) -> dict[str, Path]:
+    return write_pems(trustme.CA(), tmp_path_factory.mktemp("tls"))
+
+
+@pytest.fixture(scope="module")
+def ring(smollm2_dir, pems):
+    with launched(smollm2_dir, "--tls-cert-file", str(pems["cert"]), "--tls-key-file", str(pems["key"]),
+                  "--tls-ca-file", str(pems["ca"])) as s:
+        yield s
+
+
+def model_info(channel: grpc.Channel) -> str:
+    return tokenizer_pb2_grpc.TokenizerStub(channel).GetModelInfo(common_pb2.Empty(), timeout=10).served_model_name
+
+
+def test_mutual_tls_ring_serves_a_chat(ring, pems):
+    resp = httpx.post(f"{ring.base_url}/v1/chat/completions", json=chat(ring, max_tokens=16), timeout=60)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["message"]["content"] == "The capital of France is Paris."
+    creds = grpc.ssl_channel_credentials(pems["ca"].read_bytes(), pems["key"].read_bytes(),
+                                         pems["cert"].read_bytes())
+    with grpc.secure_channel(ring.tokenizer, creds) as ch:
+        assert model_info(ch) == ring.model_name
+        load = tokenizer_pb2_grpc.TokenizerStub(ch).GetLoad(common_pb2.Empty(), timeout=10)
+        assert load.req_states == 0
+
+
+def test_plaintext_client_is_refused(ring):
+    for address in (ring.tokenizer, ring.scheduler, ring.detokenizer):
+        with grpc.insecure_channel(address) as ch, pytest.raises(grpc.RpcError) as info:
+            health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE, address
+
+
+def test_client_without_a_client_certificate_is_refused(ring, pems):
+    with grpc.secure_channel(ring.tokenizer, grpc.ssl_channel_credentials(pems["ca"].read_bytes())) as ch:
+        with pytest.raises(grpc.RpcError) as info:
+            model_info(ch)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_client_certificate_of_another_ca_is_refused(ring, pems, tmp_path):
+    other = write_pems(trustme.CA(), tmp_path)
+    creds = grpc.ssl_channel_credentials(pems["ca"].read_bytes(), other["key"].read_bytes(),
+                                         other["cert"].read_bytes())
+    with grpc.secure_channel(ring.tokenizer, creds) as ch, pytest.raises(grpc.RpcError) as info:
+        model_info(ch)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
