@@ -107,7 +107,8 @@ def service_pid(launcher_pid: int, name: str) -> int:
     raise LookupError(f"no running {name} under launcher {launcher_pid}")
 
 
-def _grpc_serving(address: str, transport: grpcutil.Transport, timeout_s: float = 1.0) -> bool:
+def grpc_serving(address: str, transport: grpcutil.Transport, timeout_s: float = 1.0) -> bool:
+    """Whether the gRPC health service at ``address`` reports SERVING (for the whole server)."""
     with grpcutil.sync_channel(address, transport) as channel:
         try:
             resp = health_pb2_grpc.HealthStub(channel).Check(
@@ -194,7 +195,7 @@ class Launcher:
         self.addresses = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
         model = str(c.model)
         transport = c.transport.args()
-        serving = lambda name: lambda: _grpc_serving(self.addresses[name], c.transport)  # noqa: E731
+        serving = lambda name: lambda: grpc_serving(self.addresses[name], c.transport)  # noqa: E731
 
         self._spawn("detokenizer", ["--model", model, "--port", str(ports["detokenizer"]),
                                     "--grace-period", str(c.grace_period_s), *transport])

@@ -10,6 +10,8 @@ certificate and one whose certificate another CA signed.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import grpc
@@ -82,3 +84,12 @@ def test_client_certificate_of_another_ca_is_refused(ring, pems, tmp_path):
     with grpc.secure_channel(ring.tokenizer, creds) as ch, pytest.raises(grpc.RpcError) as info:
         model_info(ch)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_ringserve_health_probe_speaks_mutual_tls(ring, pems):
+    """The Helm chart's probe under grpcTls: `ringserve health localhost:PORT --tls-*`."""
+    port = ring.tokenizer.rsplit(":", 1)[1]
+    tls = ["--tls-cert-file", str(pems["cert"]), "--tls-key-file", str(pems["key"]), "--tls-ca-file", str(pems["ca"])]
+    probe = [sys.executable, "-m", "ringserve.cli", "health", f"localhost:{port}"]
+    assert subprocess.run([*probe, *tls], timeout=60).returncode == 0
+    assert subprocess.run(probe, timeout=60).returncode == 1
