@@ -20,6 +20,7 @@ import pytest
 import trustme
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ringserve import grpcutil
 from ringserve.v1 import common_pb2, tokenizer_pb2_grpc
 from tests.ringstack import launched
 
@@ -93,3 +94,19 @@ def test_ringserve_health_probe_speaks_mutual_tls(ring, pems):
     probe = [sys.executable, "-m", "ringserve.cli", "health", f"localhost:{port}"]
     assert subprocess.run([*probe, *tls], timeout=60).returncode == 0
     assert subprocess.run(probe, timeout=60).returncode == 1
+
+
+async def test_server_side_tls_without_client_certificates(pems):
+    """cert + key and no CA: the server speaks TLS but asks for no client certificate; a
+    channel given only the CA (to verify the server) is served, a plaintext one is not."""
+    server = await grpcutil.start_server(
+        "127.0.0.1:0", [], grpcutil.Transport(tls_cert_file=pems["cert"], tls_key_file=pems["key"]))
+    await server.set_serving(True)
+    target = f"127.0.0.1:{server.port}"
+    try:
+        async with grpcutil.channel(target, grpcutil.Transport(tls_ca_file=pems["ca"])) as ch:
+            assert await grpcutil.wait_serving(ch)
+        async with grpcutil.insecure_channel(target) as ch:
+            assert not await grpcutil.wait_serving(ch, timeout_s=2)
+    finally:
+        await server.stop(0)
