@@ -109,11 +109,6 @@ def configure(transport: Transport) -> None:
     _transport = transport
 
 
-def transport() -> Transport:
-    """This process's transport (the default plaintext one until ``configure``)."""
-    return _transport
-
-
 def add_transport_args(parser: argparse.ArgumentParser) -> None:
     """Add ``--grpc-max-message-bytes`` and the ``--tls-*`` flags to a service's parser."""
     d = Transport()

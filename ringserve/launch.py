@@ -13,6 +13,10 @@ exit before it is killed. If a service exits on its own, the others are stopped
 and the launcher exits with status 1 — unless ``--restart-on-failure``, which
 starts it again with the same flags and port (the tokenizer and the scheduler
 reconnect to it with backoff).
+
+Every service gets the same gRPC transport flags (``--grpc-max-message-bytes``, and
+``--tls-cert-file/--tls-key-file/--tls-ca-file`` for TLS or mutual TLS); the launcher's own
+health checks use them too.
 """
 
 from __future__ import annotations
