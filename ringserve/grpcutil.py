@@ -200,17 +200,21 @@ async def start_server(
     return serving
 
 
-def insecure_channel(target: str) -> grpc.aio.Channel:
-    """A plaintext aio channel with the default options (tests and tools)."""
-    return grpc.aio.insecure_channel(target, options=list(CHANNEL_OPTIONS))
+def insecure_channel(target: str, extra_options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
+    """A plaintext aio channel with the default options (plus ``extra_options``): tests and
+    tools; the services use ``channel``, which follows the process's transport."""
+    return grpc.aio.insecure_channel(target, options=[*CHANNEL_OPTIONS, *extra_options])
 
 
-def channel(target: str, transport: Transport | None = None) -> grpc.aio.Channel:
-    """An aio channel to another ringserve service, with the process's (or the given) transport."""
+def channel(target: str, transport: Transport | None = None,
+            extra_options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
+    """An aio channel to another ringserve service, with the process's (or the given) transport
+    (plus ``extra_options``)."""
     transport = transport or _transport
+    options = [*transport.channel_options(), *extra_options]
     if transport.tls or transport.tls_ca_file is not None:
-        return grpc.aio.secure_channel(target, transport.channel_credentials(), options=transport.channel_options())
-    return grpc.aio.insecure_channel(target, options=transport.channel_options())
+        return grpc.aio.secure_channel(target, transport.channel_credentials(), options=options)
+    return grpc.aio.insecure_channel(target, options=options)
 
 
 def sync_channel(target: str, transport: Transport | None = None) -> grpc.Channel:

@@ -22,7 +22,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ringserve.launch import free_port, service_pid, stop_launched
+from ringserve.launch import free_port, service_processes, stop_launched
 from ringserve.launch import wait_launched as wait_ready
 from ringserve.v1 import common_pb2, detokenizer_pb2_grpc, scheduler_pb2_grpc, tokenizer_pb2_grpc
 
@@ -76,6 +76,10 @@ class Stack:
 SERVICES = ("gateway", "tokenizer", "scheduler", "detokenizer")
 
 
+def _flag(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
 @dataclass
 class OwnStack(Stack):
     log_path: Path | None = None  # the launcher's and the services' stdout and stderr
@@ -84,14 +88,28 @@ class OwnStack(Stack):
         assert self.log_path is not None
         return self.log_path.read_text(errors="replace")
 
-    def pid(self, name: str) -> int:
-        """PID of the running process of service ``name`` (a child of the launcher)."""
+    def _instances(self, name: str) -> list[tuple[int, list[str]]]:
+        """(pid, arguments after the service name) of each running process of service ``name``."""
         assert name in SERVICES
-        return service_pid(self.proc.pid, name)
+        return service_processes(self.proc.pid, name)
 
-    def kill(self, name: str) -> int:
-        """SIGKILL service ``name``; return its PID."""
-        pid = self.pid(name)
+    def pid(self, name: str, address: str | None = None) -> int:
+        """PID of the running process of service ``name`` (a child of the launcher); with
+        several instances, ``address`` ("127.0.0.1:port") picks the one listening there."""
+        for child, args in self._instances(name):
+            if address is None or f"127.0.0.1:{_flag(args, '--port')}" == address:
+                return child
+        raise LookupError(f"no running {name} {address or ''} under launcher {self.proc.pid}")
+
+    def replicas(self) -> list[tuple[str, str]]:
+        """(scheduler, detokenizer) address of every model replica, ordered by scheduler instance id."""
+        found = sorted((_flag(args, "--instance-id"), _flag(args, "--port"), _flag(args, "--detokenizer"))
+                       for _, args in self._instances("scheduler"))
+        return [(f"127.0.0.1:{port}", detok) for _, port, detok in found]
+
+    def kill(self, name: str, address: str | None = None) -> int:
+        """SIGKILL service ``name`` (the instance at ``address`` if given); return its PID."""
+        pid = self.pid(name, address)
         os.kill(pid, signal.SIGKILL)
         return pid
 

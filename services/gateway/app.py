@@ -144,6 +144,30 @@ def _proto_dict(msg: Message) -> dict:
     return out
 
 
+def cluster_load_json(loads: list[tokenizer_pb2.ClusterLoad]) -> dict[str, list[dict]]:
+    """/get_load: one entry per service instance, every LoadReport field in each.
+
+    Args:
+        loads: one ClusterLoad per tokenizer instance. Replicas shared by several
+            tokenizers appear once (deduplicated by instance_id, first report kept).
+
+    Returns:
+        ``{"tokenizer": [...], "scheduler": [...], "detokenizer": [...]}``.
+    """
+    schedulers: dict[str, dict] = {}
+    detokenizers: dict[str, dict] = {}
+    for load in loads:
+        for report in load.schedulers:
+            schedulers.setdefault(report.instance_id, _proto_dict(report))
+        for report in load.detokenizers:
+            detokenizers.setdefault(report.instance_id, _proto_dict(report))
+    return {
+        "tokenizer": [_proto_dict(load.tokenizer) for load in loads],
+        "scheduler": list(schedulers.values()),
+        "detokenizer": list(detokenizers.values()),
+    }
+
+
 def _model_entry(card_name: str, root: str, context_length: int) -> dict:
     return {
         "id": card_name,
@@ -260,8 +284,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @app.get("/get_load", responses=schemas.ERRORS)
     async def get_load(request: Request) -> Response:
-        load = await client_of(request).unary("GetLoad", common_pb2.Empty())
-        return sse.json_response(_proto_dict(load))
+        return sse.json_response(cluster_load_json(await client_of(request).cluster_load()))
 
     @app.get("/health", responses=schemas.ok(schemas.HealthResponse))
     async def health(request: Request) -> Response:

@@ -10,6 +10,8 @@ from ringserve.grpcutil import Transport
 DTYPES = ("auto", "float32", "bfloat16")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 LOAD_FORMATS = ("auto", "dummy")
+# "auto" and the names of layers.attention_backend.ATTENTION_BACKENDS (kept torch-free here).
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,8 @@ class EngineConfig:
         disable_radix_cache: run without the prefix cache.
         schedule_policy: admission order, "fcfs" or "lpm" (longest cached prefix first).
         load_format: "auto" (safetensors) or "dummy" (random weights for config.json).
+        attention_backend: "torch", "triton", or "auto" = triton when the weights are on
+            a CUDA device, torch on CPU (triton on CPU needs TRITON_INTERPRET=1).
     """
 
     model: Path
@@ -41,6 +45,7 @@ class EngineConfig:
     disable_radix_cache: bool = False
     schedule_policy: str = "fcfs"
     load_format: str = "auto"
+    attention_backend: str = "auto"
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from ringserve import grpcutil
-from services.scheduler.config import DTYPES, LOAD_FORMATS, SCHEDULE_POLICIES, EngineConfig, SchedulerConfig
+from services.scheduler.config import (ATTENTION_BACKENDS, DTYPES, LOAD_FORMATS, SCHEDULE_POLICIES, EngineConfig,
+                                      SchedulerConfig)
 
 log = logging.getLogger("ringserve.scheduler")
 
@@ -48,6 +49,8 @@ def parse_args(argv: list[str] | None) -> SchedulerConfig:
                    help="admission order: first come first served, or longest cached prefix first")
     p.add_argument("--load-format", choices=LOAD_FORMATS, default=e.load_format,
                    help="dummy = random weights of config.json's shapes (benchmarks)")
+    p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=e.attention_backend,
+                   help="auto = triton on CUDA devices, torch on CPU; triton on CPU needs TRITON_INTERPRET=1 (tests)")
     p.add_argument("--torch-threads", type=int, default=None, help="default: the number of usable cores")
     p.add_argument("--max-queued-requests", type=int, default=s.max_queued_requests,
                    help="requests allowed to wait for a request slot; beyond it refuse with RESOURCE_EXHAUSTED")
@@ -68,7 +71,7 @@ def parse_args(argv: list[str] | None) -> SchedulerConfig:
         model=a.model, dtype=a.dtype, max_running_requests=a.max_running_requests, max_total_tokens=a.max_total_tokens,
         max_prefill_tokens=a.max_prefill_tokens, context_length=a.context_length, seed=a.seed,
         chunked_prefill_size=a.chunked_prefill_size, disable_radix_cache=a.disable_radix_cache,
-        schedule_policy=a.schedule_policy, load_format=a.load_format,
+        schedule_policy=a.schedule_policy, load_format=a.load_format, attention_backend=a.attention_backend,
     )
     return SchedulerConfig(engine=engine, host=a.host, port=a.port, detokenizer=a.detokenizer,
                            instance_id=a.instance_id, torch_threads=a.torch_threads,

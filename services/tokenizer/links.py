@@ -55,6 +55,7 @@ class Link(ABC):
         self.on_change = on_change
         self.up = False
         self.sessions = 0  # successful connections so far
+        self.channel: grpc.aio.Channel | None = None  # the session's channel while up (unary calls)
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
 
@@ -83,6 +84,7 @@ class Link(ABC):
                         await asyncio.wait_for(channel.channel_ready(), CONNECT_TIMEOUT_S)
                         call = await self._open(channel)
                 self.sessions += 1
+                self.channel = channel
                 self._set(True)
                 await self._pump(call)
                 logger.warning("%s stream at %s closed", self.name, self.target)
@@ -93,6 +95,7 @@ class Link(ABC):
                 logger.exception("%s stream at %s failed", self.name, self.target)
                 failed = True
             finally:
+                self.channel = None
                 self._set(False)
                 if channel is not None:
                     await channel.close()

@@ -93,9 +93,7 @@ def test_cpu_single_replica(rendered: dict[str, list[dict]]) -> None:
     assert ("HorizontalPodAutoscaler", f"{FULL}-gateway") not in kinds
 
     cm = by(docs, "ConfigMap", f"{FULL}-config")["data"]
-    replica0 = f"{FULL}-replica-0.{FULL}-replica.{NAMESPACE}.svc.cluster.local"
-    assert cm["SCHEDULER_ADDR"] == f"{replica0}:30020"
-    assert cm["DETOKENIZER_ADDR"] == f"{replica0}:30030"
+    assert "SCHEDULER_ADDR" not in cm and "DETOKENIZER_ADDR" not in cm
     assert cm["SCHEDULER_DETOKENIZER_ADDR"] == "127.0.0.1:30030"
     assert cm["TOKENIZER_ADDR"] == f"dns:///{FULL}-tokenizer.{NAMESPACE}.svc.cluster.local:30010"
     assert cm["MODEL_DIR"] == "/models/SmolLM2-135M-Instruct"
@@ -113,15 +111,16 @@ def test_cpu_single_replica(rendered: dict[str, list[dict]]) -> None:
     svc = by(docs, "Service", f"{FULL}-gateway")
     assert svc["spec"]["ports"][0]["port"] == 80 and svc["spec"]["ports"][0]["targetPort"] == "http"
 
-    # Tokenizer: headless Service, native grpc probes, wired to replica pod 0.
+    # Tokenizer: headless Service, native grpc probes, wired to the one replica pod.
     tsvc = by(docs, "Service", f"{FULL}-tokenizer")
     assert tsvc["spec"]["clusterIP"] == "None"
     assert tsvc["spec"]["ports"][0]["port"] == 30010
     tok = container(by(docs, "Deployment", f"{FULL}-tokenizer")["spec"]["template"]["spec"], "tokenizer")
     for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
         assert tok[probe]["grpc"] == {"port": 30010}
-    assert "--scheduler=$(SCHEDULER_ADDR)" in tok["args"]
-    assert "--detokenizer=$(DETOKENIZER_ADDR)" in tok["args"]
+    replica0 = f"{FULL}-replica-0.{FULL}-replica.{NAMESPACE}.svc.cluster.local"
+    assert [a for a in tok["args"] if a.startswith(("--replica", "--scheduler", "--detokenizer"))] == [
+        f"--replica={replica0}:30020,{replica0}:30030"]
     assert "--model=$(MODEL_DIR)" in tok["args"]
 
     # Replica: one pod, scheduler + detokenizer, grpc probes, startupProbe for model loading.
@@ -191,8 +190,11 @@ def test_gpu_multi_replica(rendered: dict[str, list[dict]], helm: Path) -> None:
     cm = by(docs, "ConfigMap", f"{FULL}-config")["data"]
     assert cm["SCHEDULER_DTYPE"] == "bfloat16" and cm["SCHEDULER_POLICY"] == "lpm"
     assert cm["MODEL_DIR"] == "/models/Llama-3.1-8B-Instruct"
-    # The tokenizer still reaches only replica pod 0 (single-replica routing).
-    assert cm["SCHEDULER_ADDR"].startswith(f"{FULL}-replica-0.{FULL}-replica.")
+    # Every tokenizer pod reaches both replica pods by their StatefulSet DNS names.
+    tok = container(by(docs, "Deployment", f"{FULL}-tokenizer")["spec"]["template"]["spec"], "tokenizer")
+    hosts = [f"{FULL}-replica-{i}.{FULL}-replica.{NAMESPACE}.svc.cluster.local" for i in (0, 1)]
+    assert [a for a in tok["args"] if a.startswith("--replica")] == [f"--replica={h}:30020,{h}:30030" for h in hosts]
+    assert cm["TOKENIZER_ADDR"] == f"dns:///{FULL}-tokenizer.{NAMESPACE}.svc.cluster.local:30010"
 
     hpa = by(docs, "HorizontalPodAutoscaler", f"{FULL}-tokenizer")["spec"]
     assert hpa["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": f"{FULL}-tokenizer"}
@@ -205,8 +207,9 @@ def test_gpu_multi_replica(rendered: dict[str, list[dict]], helm: Path) -> None:
     assert sm["spec"]["endpoints"][0]["port"] == "http" and sm["spec"]["endpoints"][0]["path"] == "/metrics"
 
     notes = render_notes(helm, "gpu-multi")
-    assert "ONE scheduler" in notes and f"{FULL}-replica-0.{FULL}-replica.{NAMESPACE}" in notes
-    assert "ONE scheduler" not in render_notes(helm, "cpu-single")
+    assert "connects to all 2 replica pod(s)" in notes and f"{FULL}-replica-0.{FULL}-replica.{NAMESPACE}" in notes
+    assert "round_robin" in notes and "WARNING" not in notes
+    assert "connects to all 1 replica pod(s)" in render_notes(helm, "cpu-single")
 
 
 def render_notes(helm: Path, values: str) -> str:

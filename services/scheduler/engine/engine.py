@@ -78,11 +78,12 @@ class Engine:
         """Load model, tokenizer.json and EOS ids from ``cfg.model``.
 
         Raises:
-            ValueError: unsupported architecture or dtype, or no EOS id.
+            ValueError: unsupported architecture, dtype or attention backend, or no EOS id.
+            RuntimeError: an attention backend that cannot run on the model's device.
             FileNotFoundError: missing config.json, tokenizer.json or weights.
         """
         model_dir = Path(cfg.model)
-        model = load_model(model_dir, resolve_dtype(cfg.dtype), cfg.load_format)
+        model = load_model(model_dir, resolve_dtype(cfg.dtype), cfg.load_format, cfg.attention_backend)
         tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         return cls(model, tokenizer, load_eos_ids(model_dir, tokenizer), cfg)
 

@@ -91,9 +91,10 @@ grpc:
 {{- printf "dns:///%s.%s.svc.cluster.local:%v" (include "ringserve.tokenizer" .) .Release.Namespace .Values.ports.tokenizer -}}
 {{- end -}}
 
-{{/* Stable DNS name of model replica pod 0 behind the replica headless Service. */}}
-{{- define "ringserve.replica0Host" -}}
-{{- printf "%s-0.%s.%s.svc.cluster.local" (include "ringserve.replica" .) (include "ringserve.replica" .) .Release.Namespace -}}
+{{/* Stable DNS name of model replica pod .index behind the replica headless Service:
+     call with (dict "ctx" $ "index" i). */}}
+{{- define "ringserve.replicaHost" -}}
+{{- printf "%s-%v.%s.%s.svc.cluster.local" (include "ringserve.replica" .ctx) .index (include "ringserve.replica" .ctx) .ctx.Release.Namespace -}}
 {{- end -}}
 
 {{- define "ringserve.modelDir" -}}/models/{{ .Values.model.name }}{{- end -}}
