@@ -28,6 +28,7 @@ class DetokenizerConfig:
     port: int = 30030
     max_decode_states: int = DEFAULT_MAX_DECODE_STATES
     grace_period_s: float = 5.0  # on SIGTERM, how long live decode states may run on
+    transport: grpcutil.Transport = grpcutil.Transport()  # message size, TLS
 
     @property
     def address(self) -> str:
@@ -44,9 +45,10 @@ def parse_args(argv: list[str] | None = None) -> DetokenizerConfig:
                    help="live per-request decode states kept at most; a request beyond it is aborted")
     p.add_argument("--grace-period", type=float, default=d.grace_period_s,
                    help="seconds in-flight requests get to finish on SIGTERM")
+    grpcutil.add_transport_args(p)
     a = p.parse_args(argv)
     return DetokenizerConfig(model=a.model, host=a.host, port=a.port, max_decode_states=a.max_decode_states,
-                             grace_period_s=a.grace_period)
+                             grace_period_s=a.grace_period, transport=grpcutil.transport_from_args(p, a))
 
 
 async def start(config: DetokenizerConfig) -> tuple[grpcutil.ServingServer, DetokenizerServicer]:
@@ -90,7 +92,9 @@ async def serve(config: DetokenizerConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(serve(parse_args(argv)))
+    config = parse_args(argv)
+    grpcutil.configure(config.transport)
+    asyncio.run(serve(config))
 
 
 if __name__ == "__main__":

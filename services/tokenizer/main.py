@@ -23,6 +23,7 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ringserve import grpcutil
 from ringserve.grpcutil import ServingServer, start_server
 from ringserve.v1 import tokenizer_pb2_grpc
 from services.tokenizer.errors import unavailable
@@ -57,6 +58,7 @@ class TokenizerConfig:
     context_length: int | None = None  # default: config.json max_position_embeddings
     grace_period_s: float = 5.0  # on SIGTERM, how long in-flight calls may run on
     allow_special_tokens_in_messages: bool = False  # control tokens spelled in messages stay text
+    transport: grpcutil.Transport = grpcutil.Transport()  # message size and TLS, server and both links
 
     @property
     def address(self) -> str:
@@ -168,6 +170,7 @@ def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
     p.add_argument("--allow-special-tokens-in-messages", action="store_true",
                    help="parse control tokens spelled in chat message text (e.g. <|im_end|>) as those "
                         "tokens; by default they are tokenized as plain text")
+    grpcutil.add_transport_args(p)
     a = p.parse_args(argv)
     for spec in a.replica:
         try:
@@ -186,6 +189,7 @@ def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
         context_length=a.context_length,
         grace_period_s=a.grace_period,
         allow_special_tokens_in_messages=a.allow_special_tokens_in_messages,
+        transport=grpcutil.transport_from_args(p, a),
     )
 
 
@@ -204,6 +208,7 @@ async def serve(config: TokenizerConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
+    grpcutil.configure(config.transport)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s tokenizer %(name)s: %(message)s")
     asyncio.run(serve(config))
 
