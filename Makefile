@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 
 PROTOS := $(wildcard protos/ringserve/v1/*.proto)
 
-.PHONY: setup proto model run test test-deploy bench bench-detok clean
+.PHONY: setup proto model run test test-deploy bench bench-detok soak clean
 
 setup: $(STAMPS)/venv $(STAMPS)/proto model
 
@@ -54,6 +54,13 @@ bench: setup
 	bin=$$(PIP=$(CURDIR)/$(VENV)/bin/pip bench/baselines/build_llama_server.sh $(CACHE_DIR)) && \
 	$(VENV)/bin/ringserve bench compare --model $(MODEL) --json bench/results/compare.json \
 		--llama-server-bin $$bin --llama-gguf $(LLAMA_GGUF) $(BENCH_ARGS)
+
+# A bounded soak run (5 minutes, 64 streams, 20% disconnects, one scheduler kill) that
+# exits non-zero unless every accounting gauge is back to baseline and no request hung;
+# shorten it with e.g. SOAK_ARGS='--duration 60 --streams 16'.
+SOAK_ARGS ?=
+soak: setup
+	$(VENV)/bin/ringserve bench soak --model $(MODEL) $(SOAK_ARGS)
 
 bench-detok: setup
 	$(PY) -m services.detokenizer.bench --cache-dir $(CACHE_DIR)

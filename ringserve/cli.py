@@ -21,7 +21,8 @@ SUBCOMMANDS = {
     "tokenizer": ("services.tokenizer.main", "the tokenizer service (public gRPC API)"),
     "scheduler": ("services.scheduler.main", "the scheduler service (model runner)"),
     "detokenizer": ("services.detokenizer.main", "the detokenizer service"),
-    "bench": ("ringserve.bench.cli", "serving benchmarks: bench serve, bench compare"),
+    "bench": ("ringserve.bench.cli", "serving benchmarks: bench serve, bench compare, bench soak"),
+    "health": ("ringserve.health", "exit 0 when a gRPC service reports SERVING (probes, with TLS)"),
 }
 
 

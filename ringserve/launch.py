@@ -18,6 +18,10 @@ exit before it is killed. If a service exits on its own, the others are stopped
 and the launcher exits with status 1 — unless ``--restart-on-failure``, which
 starts it again with the same flags and port (the tokenizer and the scheduler
 reconnect to it with backoff).
+
+Every service gets the same gRPC transport flags (``--grpc-max-message-bytes``, and
+``--tls-cert-file/--tls-key-file/--tls-ca-file`` for TLS or mutual TLS); the launcher's own
+health checks use them too.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ringserve import grpcutil
 from ringserve.cli import LAUNCHER_PID_ENV
 
 STARTUP_TIMEOUT_S = 600.0
@@ -71,6 +76,11 @@ class LaunchConfig:
     tokenizers: int = 1  # tokenizer instances, each connected to every replica
     replicas: int = 1  # model replicas: a scheduler and its detokenizer each
     allow_special_tokens_in_messages: bool = False
+    max_queued_tokens: int | None = None
+    request_timeout_s: float | None = None  # None: the gateway's default
+    max_request_body_bytes: int | None = None  # None: the gateway's default
+    log_requests: bool = False
+    transport: grpcutil.Transport = grpcutil.Transport()  # every service's gRPC servers and channels
     extra_scheduler_args: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -81,8 +91,44 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _grpc_serving(address: str, timeout_s: float = 1.0) -> bool:
-    with grpc.insecure_channel(address) as channel:
+def service_processes(launcher_pid: int, name: str) -> list[tuple[int, list[str]]]:
+    """(pid, arguments after the service name) of each running process of service ``name``
+    started by the launcher ``launcher_pid``.
+
+    Found among the launcher's children by command line (Linux /proc), so it follows a
+    service that ``--restart-on-failure`` started again.
+    """
+    try:
+        with open(f"/proc/{launcher_pid}/task/{launcher_pid}/children") as f:
+            children = [int(p) for p in f.read().split()]
+    except FileNotFoundError:
+        children = []
+    out = []
+    for child in children:
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                args = [a.decode() for a in f.read().split(b"\0") if a]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if "ringserve.cli" in args and args[args.index("ringserve.cli") + 1 :][:1] == [name]:
+            out.append((child, args[args.index("ringserve.cli") + 2 :]))
+    return out
+
+
+def service_pid(launcher_pid: int, name: str) -> int:
+    """PID of the (first) running process of service ``name`` under the launcher ``launcher_pid``.
+
+    Raises:
+        LookupError: no such service is running under that launcher.
+    """
+    for pid, _ in service_processes(launcher_pid, name):
+        return pid
+    raise LookupError(f"no running {name} under launcher {launcher_pid}")
+
+
+def grpc_serving(address: str, transport: grpcutil.Transport, timeout_s: float = 1.0) -> bool:
+    """Whether the gRPC health service at ``address`` reports SERVING (for the whole server)."""
+    with grpcutil.sync_channel(address, transport) as channel:
         try:
             resp = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
@@ -98,6 +144,34 @@ def _http_ok(url: str, timeout_s: float = 1.0) -> bool:
             return resp.status == 200
     except (urllib.error.URLError, OSError):
         return False
+
+
+def wait_launched(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
+    """Wait until ``url`` (a launched ring's gateway /health) answers 200.
+
+    Raises:
+        RuntimeError: ``proc`` (``ringserve launch``) exited, or no 200 within ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"ringserve launch exited with {proc.returncode}")
+        if _http_ok(url):
+            return
+        time.sleep(0.3)
+    raise RuntimeError("ringserve launch did not become ready")
+
+
+def stop_launched(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """SIGTERM ``ringserve launch`` (it stops its services gracefully); SIGKILL its whole
+    process group after ``timeout_s``. The launcher must run in a session of its own."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def _names(service: str, count: int) -> list[str]:
@@ -147,7 +221,7 @@ class Launcher:
         for i, name in enumerate(names):
             self._spawn(name, args_of(i))
         for name in names:
-            self._wait(name, lambda name=name: _grpc_serving(self.addresses[name]))
+            self._wait(name, lambda name=name: grpc_serving(self.addresses[name], self.config.transport))
 
     def start(self) -> None:
         c = self.config
@@ -167,12 +241,14 @@ class Launcher:
                 self.metrics_ports[name] = port
                 self.metrics_urls[name] = f"http://127.0.0.1:{port}/metrics"
         model = str(c.model)
+        transport = c.transport.args()
 
         def port_of(name: str) -> str:
             return self.addresses[name].rsplit(":", 1)[1]
 
         self._start_all(detoks, lambda i: ["--model", model, "--port", port_of(detoks[i]),
-                                           "--grace-period", str(c.grace_period_s), *self._metrics_flags(detoks[i])])
+                                           "--grace-period", str(c.grace_period_s), *transport,
+                                           *self._metrics_flags(detoks[i])])
         self._start_all(scheds, lambda i: self._scheduler_args(port_of(scheds[i]), self.addresses[detoks[i]], i)
                         + self._metrics_flags(scheds[i]))
 
@@ -189,7 +265,13 @@ class Launcher:
         ]
         if c.api_key:
             gw_args += ["--api-key", c.api_key]
-        self._spawn("gateway", gw_args)
+        if c.request_timeout_s is not None:
+            gw_args += ["--request-timeout", str(c.request_timeout_s)]
+        if c.max_request_body_bytes is not None:
+            gw_args += ["--max-request-body-bytes", str(c.max_request_body_bytes)]
+        if c.log_requests:
+            gw_args.append("--log-requests")
+        self._spawn("gateway", gw_args + transport)
         self._wait("gateway", lambda: _http_ok(f"http://{health_host}:{c.port}/health"))
 
     def topology(self) -> list[str]:
@@ -218,7 +300,7 @@ class Launcher:
         args += ["--grace-period", str(c.grace_period_s)]
         if c.allow_special_tokens_in_messages:
             args.append("--allow-special-tokens-in-messages")
-        return args
+        return args + c.transport.args()
 
     def _scheduler_args(self, port: str, detokenizer: str, index: int) -> list[str]:
         c = self.config
@@ -237,7 +319,9 @@ class Launcher:
             sched_args += ["--max-queued-requests", str(c.max_queued_requests)]
         if c.watchdog_timeout_s is not None:
             sched_args += ["--watchdog-timeout", str(c.watchdog_timeout_s)]
-        sched_args += ["--grace-period", str(c.grace_period_s)]
+        if c.max_queued_tokens is not None:
+            sched_args += ["--max-queued-tokens", str(c.max_queued_tokens)]
+        sched_args += ["--grace-period", str(c.grace_period_s), *c.transport.args()]
         return sched_args + list(c.extra_scheduler_args)
 
     def stop(self) -> None:
@@ -322,6 +406,16 @@ def parse_args(argv: list[str] | None) -> LaunchConfig:
                         help="restart a service that exits (same flags and port) instead of stopping all")
     parser.add_argument("--allow-special-tokens-in-messages", action="store_true",
                         help="tokenizer: parse control tokens spelled in chat messages as those tokens")
+    parser.add_argument("--max-queued-tokens", type=int, default=None,
+                        help="scheduler: prompt tokens held (waiting and running) plus the new request's; "
+                             "beyond it refuse (HTTP 429)")
+    parser.add_argument("--request-timeout", type=float, default=None,
+                        help="gateway: seconds a generation may take, else HTTP 504 (default: the gateway's, 600)")
+    parser.add_argument("--max-request-body-bytes", type=int, default=None,
+                        help="gateway: larger request bodies get HTTP 413 (default: the gateway's, 16 MiB)")
+    parser.add_argument("--log-requests", action="store_true",
+                        help="gateway: log prompts and outputs (never logged by default)")
+    grpcutil.add_transport_args(parser)
     args = parser.parse_args(argv)
     if args.tokenizers < 1 or args.replicas < 1:
         parser.error("--tokenizers and --replicas must be at least 1")
@@ -338,6 +432,9 @@ def parse_args(argv: list[str] | None) -> LaunchConfig:
         restart_on_failure=args.restart_on_failure,
         tokenizers=args.tokenizers, replicas=args.replicas,
         allow_special_tokens_in_messages=args.allow_special_tokens_in_messages,
+        max_queued_tokens=args.max_queued_tokens, request_timeout_s=args.request_timeout,
+        max_request_body_bytes=args.max_request_body_bytes, log_requests=args.log_requests,
+        transport=grpcutil.transport_from_args(parser, args),
     )
 
 

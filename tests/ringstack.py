@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from ringserve.launch import free_port
+from ringserve.launch import free_port, service_processes, stop_launched
+from ringserve.launch import wait_launched as wait_ready
 from ringserve.v1 import common_pb2, detokenizer_pb2_grpc, scheduler_pb2_grpc, tokenizer_pb2_grpc
 
 
@@ -85,37 +85,7 @@ class Stack:
             time.sleep(0.05)
 
 
-def wait_ready(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"ringserve launch exited with {proc.returncode}")
-        try:
-            if httpx.get(url, timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError("ringserve launch did not become ready")
-
-
 SERVICES = ("gateway", "tokenizer", "scheduler", "detokenizer")
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(p) for p in f.read().split()]
-    except FileNotFoundError:
-        return []
-
-
-def _cmdline(pid: int) -> list[str]:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return [a.decode() for a in f.read().split(b"\0") if a]
-    except (FileNotFoundError, ProcessLookupError):
-        return []
 
 
 def _flag(args: list[str], flag: str) -> str:
@@ -133,12 +103,7 @@ class OwnStack(Stack):
     def _instances(self, name: str) -> list[tuple[int, list[str]]]:
         """(pid, arguments after the service name) of each running process of service ``name``."""
         assert name in SERVICES
-        out = []
-        for child in _children(self.proc.pid):
-            args = _cmdline(child)
-            if "ringserve.cli" in args and args[args.index("ringserve.cli") + 1] == name:
-                out.append((child, args[args.index("ringserve.cli") + 2 :]))
-        return out
+        return service_processes(self.proc.pid, name)
 
     def pid(self, name: str, address: str | None = None) -> int:
         """PID of the running process of service ``name`` (a child of the launcher); with
@@ -212,12 +177,6 @@ def launched(model_dir: Path, *extra: str, log_path: Path | None = None) -> Iter
             log_path=log_path,
         )
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_launched(proc)
         if log is not None:
             log.close()

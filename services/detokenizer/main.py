@@ -30,6 +30,7 @@ class DetokenizerConfig:
     port: int = 30030
     max_decode_states: int = DEFAULT_MAX_DECODE_STATES
     grace_period_s: float = 5.0  # on SIGTERM, how long live decode states may run on
+    transport: grpcutil.Transport = grpcutil.Transport()  # message size, TLS
     metrics_port: int | None = None  # Prometheus /metrics on host:port; None = off, 0 = a free port
     served_model_name: str | None = None  # the metrics' model_name label; None = the model directory's name
 
@@ -51,10 +52,11 @@ def parse_args(argv: list[str] | None = None) -> DetokenizerConfig:
     add_metrics_port_flag(p)
     p.add_argument("--served-model-name", default=None,
                    help="model_name label of the metrics (default: the model directory's name)")
+    grpcutil.add_transport_args(p)
     a = p.parse_args(argv)
     return DetokenizerConfig(model=a.model, host=a.host, port=a.port, max_decode_states=a.max_decode_states,
-                             grace_period_s=a.grace_period, metrics_port=a.metrics_port,
-                             served_model_name=a.served_model_name)
+                             grace_period_s=a.grace_period, transport=grpcutil.transport_from_args(p, a),
+                             metrics_port=a.metrics_port, served_model_name=a.served_model_name)
 
 
 async def start(config: DetokenizerConfig) -> tuple[grpcutil.ServingServer, DetokenizerServicer]:
@@ -104,7 +106,9 @@ async def serve(config: DetokenizerConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(serve(parse_args(argv)))
+    config = parse_args(argv)
+    grpcutil.configure(config.transport)
+    asyncio.run(serve(config))
 
 
 if __name__ == "__main__":

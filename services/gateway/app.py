@@ -18,6 +18,7 @@ from google.protobuf.message import Message
 from starlette.datastructures import Headers
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Message as ASGIMessage
 
 from ringserve.v1 import common_pb2, tokenizer_pb2
 
@@ -60,6 +61,61 @@ class ApiKeyMiddleware:
                 await error.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """Pure ASGI: a request body over ``limit`` bytes gets 413 before anything parses it.
+
+    A declared Content-Length is checked at once; a chunked body (no Content-Length) is
+    read and counted up to the limit, then handed on whole. Later ``receive`` calls (the
+    disconnect watch of streaming responses) go to the server as before.
+    """
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    def _too_large(self, size: str) -> Response:
+        return GatewayError(
+            f"the request body ({size}) exceeds the limit of {self.limit} bytes (--max-request-body-bytes)",
+            413, "invalid_request_error", None, "request_too_large",
+        ).response()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length")
+        if declared is not None and declared.isdigit():
+            if int(declared) > self.limit:
+                await self._too_large(f"{int(declared)} bytes")(scope, receive, send)
+                return
+            await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break  # the client left: let the app see the disconnect
+            size += len(message.get("body", b""))
+            if size > self.limit:
+                await self._too_large(f"over {self.limit} bytes so far")(scope, receive, send)
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                message = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                break
+        replayed = False
+
+        async def replay() -> ASGIMessage:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return message
+            return await receive()
+
+        await self.app(scope, replay, send)
 
 
 class CurlJsonMiddleware:
@@ -184,6 +240,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         app.add_exception_handler(exc_type, handler)
     app.add_exception_handler(sse.ClientDisconnected, lambda *_: Response(status_code=499))
     app.add_middleware(CurlJsonMiddleware)
+    app.add_middleware(BodyLimitMiddleware, limit=config.max_request_body_bytes)
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
 

@@ -4,6 +4,10 @@
 error the tokenizer can report before dispatch (validation, context length, duplicate rid,
 queue full) reaches the client as a JSON error, never after the first SSE byte.
 Cancelling a call (client disconnect) makes the tokenizer send AbortReq downstream.
+Each ``Generate`` call carries the gateway's ``request_timeout_s`` as its gRPC deadline;
+when it passes, the tokenizer aborts the rid and the call ends DEADLINE_EXCEEDED, which
+reaches the client as 504 ``timeout_error`` (an error event then ``[DONE]`` once
+streaming). With ``log_requests`` the request and each output's text are logged.
 
 Several tokenizer instances are reached through one channel whose target resolves to
 all of them (``ipv4:a:p,b:p``, or ``dns:///<headless-service>:<port>``): gRPC's own
@@ -15,12 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
+from google.protobuf import text_format
 
 from ringserve import grpcutil
 from ringserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
@@ -28,6 +34,8 @@ from ringserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from .config import GatewayConfig
 from .errors import GatewayError, from_rpc_error
 from .metrics import GatewayMetrics, RequestMetrics
+
+logger = logging.getLogger(__name__)
 
 # gRPC's built-in round_robin policy over every address the target resolves to
 # (the default, pick_first, would send every call to the first one).
@@ -53,10 +61,14 @@ class GenerateStream:
         call: grpc.aio.UnaryStreamCall,
         first: tokenizer_pb2.GenerateOutput | None,
         metrics: RequestMetrics | None = None,
+        on_error: Callable[[grpc.aio.AioRpcError], GatewayError] = from_rpc_error,
+        on_output: Callable[[tokenizer_pb2.GenerateOutput], None] | None = None,
     ) -> None:
         self._call = call
         self._first = first
         self._metrics = metrics
+        self._on_error = on_error
+        self._on_output = on_output
 
     async def __aiter__(self) -> AsyncIterator[tokenizer_pb2.GenerateOutput]:
         """Yield every output; a gRPC error raises GatewayError."""
@@ -69,11 +81,13 @@ class GenerateStream:
                 try:
                     out = await self._call.read()
                 except grpc.aio.AioRpcError as exc:
-                    raise from_rpc_error(exc) from None
+                    raise self._on_error(exc) from None
                 if out is grpc.aio.EOF:
                     return
                 if self._metrics is not None:
                     self._metrics.on_output(out)
+                if self._on_output is not None:
+                    self._on_output(out)
                 yield out
         finally:
             self._close_metrics()
@@ -101,7 +115,7 @@ class TokenizerClient:
 
     def __init__(self, config: GatewayConfig, metrics: GatewayMetrics | None = None) -> None:
         self._config = config
-        self._channel = grpcutil.insecure_channel(config.tokenizer, extra_options=(ROUND_ROBIN,))
+        self._channel = grpcutil.channel(config.tokenizer, config.transport, extra_options=(ROUND_ROBIN,))
         self.stub = tokenizer_pb2_grpc.TokenizerStub(self._channel)
         self.metrics = metrics or GatewayMetrics(config.served_model_name)
         self._card: ModelCard | None = None
@@ -117,16 +131,22 @@ class TokenizerClient:
             GatewayError: the status the tokenizer returned before its first output.
         """
         started = time.monotonic()
-        call = self.stub.Generate(req)
+        call = self.stub.Generate(req, timeout=self._config.request_timeout_s)
+        log_output = None
+        if self._config.log_requests:
+            logger.info("request %s: %s", req.rid, text_format.MessageToString(req, as_one_line=True))
+            log_output = lambda out: logger.info("output %s: %r", out.rid, out.text)  # noqa: E731
         try:
             first = await call.read()
         except grpc.aio.AioRpcError as exc:
-            raise from_rpc_error(exc) from None
+            raise self._rpc_error(exc) from None
         except BaseException:
             call.cancel()
             raise
         if first is grpc.aio.EOF:
             return GenerateStream(call, None)
+        if log_output is not None:
+            log_output(first)
         tracker = None
         if observe:
             if not self.metrics.model_name:
@@ -138,7 +158,16 @@ class TokenizerClient:
             n = req.sampling_params.n if req.sampling_params.HasField("n") else 1
             tracker = self.metrics.request(n, req.stream, started)
             tracker.on_output(first)
-        return GenerateStream(call, first, tracker)
+        return GenerateStream(call, first, tracker, self._rpc_error, log_output)
+
+    def _rpc_error(self, exc: grpc.aio.AioRpcError) -> GatewayError:
+        """``from_rpc_error``, naming ``--request-timeout`` when the Generate deadline passed."""
+        if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self._config.request_timeout_s is not None:
+            return GatewayError(
+                f"the request did not finish within {self._config.request_timeout_s:g} s (--request-timeout)",
+                504, "timeout_error", None, "timeout",
+            )
+        return from_rpc_error(exc)
 
     async def open_streams(self, reqs: Sequence[tokenizer_pb2.GenerateReqInput]) -> list[GenerateStream]:
         """``open_stream`` for each request, concurrently; on any error every call is cancelled."""
@@ -205,7 +234,7 @@ class TokenizerClient:
         addresses = await resolve_target(self._config.tokenizer)
 
         async def one(address: str) -> tokenizer_pb2.ClusterLoad:
-            async with grpcutil.insecure_channel(address) as channel:
+            async with grpcutil.channel(address, self._config.transport) as channel:
                 stub = tokenizer_pb2_grpc.TokenizerStub(channel)
                 try:
                     return await stub.GetClusterLoad(common_pb2.Empty(), timeout=self._config.rpc_timeout_s)

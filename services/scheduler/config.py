@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ringserve.grpcutil import Transport
+
 DTYPES = ("auto", "float32", "bfloat16")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 LOAD_FORMATS = ("auto", "dummy")
@@ -60,6 +62,8 @@ class SchedulerConfig:
     max_queued_requests: int | None = None  # None: no limit; beyond it RESOURCE_EXHAUSTED
     grace_period_s: float = 5.0  # on SIGTERM: refuse new requests, let in-flight ones finish this long
     watchdog_timeout_s: float | None = None  # NOT_SERVING after this long with work and no step done
+    max_queued_tokens: int | None = None  # None: no limit; see EngineLoop (prompt tokens held)
+    transport: Transport = Transport()  # gRPC message size and TLS, server and detokenizer channel
     metrics_port: int | None = None  # Prometheus /metrics on host:port; None = off, 0 = a free port
     served_model_name: str | None = None  # the metrics' model_name label; None = the model directory's name
 

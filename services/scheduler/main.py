@@ -19,6 +19,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from ringserve import grpcutil
 from ringserve.metrics import add_metrics_port_flag
 from services.scheduler.config import (ATTENTION_BACKENDS, DTYPES, LOAD_FORMATS, SCHEDULE_POLICIES, EngineConfig,
                                       SchedulerConfig)
@@ -58,12 +59,18 @@ def parse_args(argv: list[str] | None) -> SchedulerConfig:
                    help="seconds in-flight requests get to finish on SIGTERM")
     p.add_argument("--watchdog-timeout", type=float, default=s.watchdog_timeout_s,
                    help="health NOT_SERVING after this many seconds with work pending and no step finished")
+    p.add_argument("--max-queued-tokens", type=int, default=s.max_queued_tokens,
+                   help="prompt tokens of the requests held (waiting and running) plus the new one's; "
+                        "beyond it refuse with RESOURCE_EXHAUSTED (a request is never refused on an idle scheduler)")
     add_metrics_port_flag(p)
     p.add_argument("--served-model-name", default=None,
                    help="model_name label of the metrics (default: the model directory's name)")
+    grpcutil.add_transport_args(p)
     a = p.parse_args(argv)
     if a.max_queued_requests is not None and a.max_queued_requests < 0:
         p.error("--max-queued-requests must be >= 0")
+    if a.max_queued_tokens is not None and a.max_queued_tokens <= 0:
+        p.error("--max-queued-tokens must be > 0")
     engine = EngineConfig(
         model=a.model, dtype=a.dtype, max_running_requests=a.max_running_requests, max_total_tokens=a.max_total_tokens,
         max_prefill_tokens=a.max_prefill_tokens, context_length=a.context_length, seed=a.seed,
@@ -73,8 +80,9 @@ def parse_args(argv: list[str] | None) -> SchedulerConfig:
     return SchedulerConfig(engine=engine, host=a.host, port=a.port, detokenizer=a.detokenizer,
                            instance_id=a.instance_id, torch_threads=a.torch_threads,
                            max_queued_requests=a.max_queued_requests, grace_period_s=a.grace_period,
-                           watchdog_timeout_s=a.watchdog_timeout, metrics_port=a.metrics_port,
-                           served_model_name=a.served_model_name)
+                           watchdog_timeout_s=a.watchdog_timeout, max_queued_tokens=a.max_queued_tokens,
+                           transport=grpcutil.transport_from_args(p, a),
+                           metrics_port=a.metrics_port, served_model_name=a.served_model_name)
 
 
 class Watchdog:
@@ -146,7 +154,7 @@ async def serve(cfg: SchedulerConfig, stop: asyncio.Event | None = None,
     SchedulerMetrics(engine, metrics)
     metrics.serve(cfg.host, cfg.metrics_port)
     loop = EngineLoop(engine, lambda out: link.send_threadsafe(step_output_to_proto(out)),
-                      max_queued_requests=cfg.max_queued_requests)
+                      max_queued_requests=cfg.max_queued_requests, max_queued_tokens=cfg.max_queued_tokens)
     link = DetokenizerLink(
         cfg.detokenizer,
         on_lost=lambda: loop.abort(message="lost the detokenizer stream and its decode state",
@@ -199,6 +207,7 @@ async def serve(cfg: SchedulerConfig, stop: asyncio.Event | None = None,
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv)
+    grpcutil.configure(cfg.transport)
     # Before torch loads OpenMP: spinning OpenMP workers on a machine shared with the other
     # services made decode steps 5-10x slower (measured: batch 16, 2 cores, load 5:
     # 306 ms passive against 840-5284 ms spinning).

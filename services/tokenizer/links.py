@@ -26,7 +26,7 @@ from collections.abc import Callable
 import grpc
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential, wait_random
 
-from ringserve.grpcutil import insecure_channel
+from ringserve.grpcutil import channel as grpc_channel
 from ringserve.metrics import ignore_seconds
 from ringserve.v1 import common_pb2, detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.tokenizer.errors import unavailable
@@ -82,7 +82,7 @@ class Link(ABC):
                     with attempt:
                         if channel is not None:
                             await channel.close()
-                        channel = insecure_channel(self.target)
+                        channel = grpc_channel(self.target)
                         await asyncio.wait_for(channel.channel_ready(), CONNECT_TIMEOUT_S)
                         call = await self._open(channel)
                 self.sessions += 1

@@ -23,6 +23,7 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ringserve import grpcutil
 from ringserve.grpcutil import ServingServer, start_server
 from ringserve.metrics import ServiceMetrics, add_metrics_port_flag
 from ringserve.v1 import tokenizer_pb2_grpc
@@ -60,6 +61,7 @@ class TokenizerConfig:
     grace_period_s: float = 5.0  # on SIGTERM, how long in-flight calls may run on
     allow_special_tokens_in_messages: bool = False  # control tokens spelled in messages stay text
     metrics_port: int | None = None  # Prometheus /metrics on host:port; None = off, 0 = a free port
+    transport: grpcutil.Transport = grpcutil.Transport()  # message size and TLS, server and both links
 
     @property
     def address(self) -> str:
@@ -176,6 +178,7 @@ def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
                    help="parse control tokens spelled in chat message text (e.g. <|im_end|>) as those "
                         "tokens; by default they are tokenized as plain text")
     add_metrics_port_flag(p)
+    grpcutil.add_transport_args(p)
     a = p.parse_args(argv)
     for spec in a.replica:
         try:
@@ -195,6 +198,7 @@ def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
         grace_period_s=a.grace_period,
         allow_special_tokens_in_messages=a.allow_special_tokens_in_messages,
         metrics_port=a.metrics_port,
+        transport=grpcutil.transport_from_args(p, a),
     )
 
 
@@ -213,6 +217,7 @@ async def serve(config: TokenizerConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
+    grpcutil.configure(config.transport)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s tokenizer %(name)s: %(message)s")
     asyncio.run(serve(config))
 

@@ -284,6 +284,36 @@ def test_tls_and_api_key(rendered: dict[str, list[dict]]) -> None:
         assert "emptyDir" in {v["name"]: v for v in pod["volumes"]}["model"]
 
 
+GRPC_TLS_ARGS = ["--tls-cert-file=/etc/ringserve/grpc-tls/tls.crt", "--tls-key-file=/etc/ringserve/grpc-tls/tls.key",
+                 "--tls-ca-file=/etc/ringserve/grpc-tls/ca.crt"]
+
+
+def test_grpc_mutual_tls(rendered: dict[str, list[dict]]) -> None:
+    """Every service gets the --tls-* flags and the Secret; gRPC probes (which cannot speak
+    TLS) become `ringserve health` with the same flags."""
+    docs = rendered["tls-apikey"]
+    pods = {"gateway": by(docs, "Deployment", f"{FULL}-gateway"), "tokenizer": by(docs, "Deployment", f"{FULL}-tokenizer"),
+            "scheduler": by(docs, "StatefulSet", f"{FULL}-replica"), "detokenizer": by(docs, "StatefulSet", f"{FULL}-replica")}
+    ports = {"tokenizer": 30010, "scheduler": 30020, "detokenizer": 30030}
+    for name, workload in pods.items():
+        pod = workload["spec"]["template"]["spec"]
+        c = container(pod, name)
+        assert [a for a in c["args"] if a.startswith("--tls-")] == GRPC_TLS_ARGS, name
+        assert {"name": "grpc-tls", "mountPath": "/etc/ringserve/grpc-tls", "readOnly": True} in c["volumeMounts"]
+        assert {v["name"]: v for v in pod["volumes"]}["grpc-tls"] == {
+            "name": "grpc-tls", "secret": {"secretName": "ringserve-grpc-mtls"}}
+        if name in ports:
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                assert c[probe]["exec"]["command"] == ["ringserve", "health", f"localhost:{ports[name]}",
+                                                       *GRPC_TLS_ARGS], (name, probe)
+                assert "grpc" not in c[probe]
+    # Without grpcTls: plain gRPC probes and no TLS flags.
+    plain = container(by(rendered["cpu-single"], "Deployment", f"{FULL}-tokenizer")["spec"]["template"]["spec"],
+                      "tokenizer")
+    assert plain["readinessProbe"]["grpc"] == {"port": 30010}
+    assert not [a for a in plain["args"] if a.startswith("--tls-")]
+
+
 def test_api_key_requires_value(helm: Path) -> None:
     out = subprocess.run(
         [str(helm), "template", RELEASE, str(CHART), "--set", "apiKey.enabled=true"],
