@@ -215,7 +215,10 @@ def test_every_instance_of_a_replicated_ring_exports_under_the_served_name(smoll
     log = tmp_path / "ring.log"
     with launched(smollm2_dir, "--tokenizers", "2", "--replicas", "2", "--served-model-name", "ringtest",
                   log_path=log) as ring:
-        urls = dict(re.findall(r"^ringserve: (\S+) metrics at (\S+)$", ring.log(), re.MULTILINE))
+        deadline = time.monotonic() + 10  # the launcher prints the URLs just after the gateway is healthy
+        while len(urls := dict(re.findall(r"^ringserve: (\S+) metrics at (\S+)$", ring.log(), re.MULTILINE))) < 7:
+            assert time.monotonic() < deadline, urls
+            time.sleep(0.1)
         assert sorted(urls) == ["detokenizer-0", "detokenizer-1", "gateway", "scheduler-0", "scheduler-1",
                                 "tokenizer-0", "tokenizer-1"]
         assert len(set(urls.values())) == 7
