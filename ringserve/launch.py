@@ -57,6 +57,11 @@ class LaunchConfig:
     tokenizer_port: int = 0  # 0: pick a free loopback port
     scheduler_port: int = 0
     detokenizer_port: int = 0
+    # Prometheus /metrics ports of the first instance of each gRPC service (the others, and 0:
+    # a free loopback port); the gateway serves its /metrics on --port
+    tokenizer_metrics_port: int = 0
+    scheduler_metrics_port: int = 0
+    detokenizer_metrics_port: int = 0
     dtype: str = "auto"  # the scheduler picks bf16 on AMX / AVX-512-BF16 CPUs, else fp32
     attention_backend: str = "auto"  # the scheduler picks triton on CUDA devices, torch on CPU
     served_model_name: str | None = None
@@ -183,6 +188,8 @@ class Launcher:
         self.config = config
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.addresses: dict[str, str] = {}
+        self.metrics_ports: dict[str, int] = {}  # gRPC service process name -> its Prometheus port
+        self.metrics_urls: dict[str, str] = {}  # process name -> its Prometheus /metrics URL
         self._args: dict[str, list[str]] = {}
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
@@ -224,6 +231,15 @@ class Launcher:
             for i, name in enumerate(names):
                 port = (first[name.split("-")[0]] if i == 0 else 0) or free_port()
                 self.addresses[name] = f"127.0.0.1:{port}"
+        health_host = "127.0.0.1" if c.host in ("0.0.0.0", "::") else c.host
+        self.metrics_urls = {"gateway": f"http://{health_host}:{c.port}/metrics"}
+        first_metrics = {"detokenizer": c.detokenizer_metrics_port, "scheduler": c.scheduler_metrics_port,
+                         "tokenizer": c.tokenizer_metrics_port}
+        for names in (detoks, scheds, toks):
+            for i, name in enumerate(names):
+                port = (first_metrics[name.split("-")[0]] if i == 0 else 0) or free_port()
+                self.metrics_ports[name] = port
+                self.metrics_urls[name] = f"http://127.0.0.1:{port}/metrics"
         model = str(c.model)
         transport = c.transport.args()
 
@@ -231,14 +247,17 @@ class Launcher:
             return self.addresses[name].rsplit(":", 1)[1]
 
         self._start_all(detoks, lambda i: ["--model", model, "--port", port_of(detoks[i]),
-                                           "--grace-period", str(c.grace_period_s), *transport])
-        self._start_all(scheds, lambda i: self._scheduler_args(port_of(scheds[i]), self.addresses[detoks[i]], i))
+                                           "--grace-period", str(c.grace_period_s), *transport,
+                                           *self._metrics_flags(detoks[i])])
+        self._start_all(scheds, lambda i: self._scheduler_args(port_of(scheds[i]), self.addresses[detoks[i]], i)
+                        + self._metrics_flags(scheds[i]))
 
         if c.replicas == 1:
             upstream = ["--scheduler", self.addresses[scheds[0]], "--detokenizer", self.addresses[detoks[0]]]
         else:
             upstream = [a for s, d in zip(scheds, detoks) for a in ("--replica", f"{self.addresses[s]},{self.addresses[d]}")]
-        self._start_all(toks, lambda i: ["--model", model, "--port", port_of(toks[i]), *upstream, *self._tokenizer_flags()])
+        self._start_all(toks, lambda i: ["--model", model, "--port", port_of(toks[i]), *upstream, *self._tokenizer_flags(),
+                                         "--metrics-port", str(self.metrics_ports[toks[i]])])
 
         tokenizer_target = self.addresses[toks[0]] if c.tokenizers == 1 else "ipv4:" + ",".join(self.addresses[t] for t in toks)
         gw_args = [
@@ -253,7 +272,6 @@ class Launcher:
         if c.log_requests:
             gw_args.append("--log-requests")
         self._spawn("gateway", gw_args + transport)
-        health_host = "127.0.0.1" if c.host in ("0.0.0.0", "::") else c.host
         self._wait("gateway", lambda: _http_ok(f"http://{health_host}:{c.port}/health"))
 
     def topology(self) -> list[str]:
@@ -266,6 +284,11 @@ class Launcher:
             lines.append(f"replica {i}: scheduler {self.addresses[s]} -> detokenizer {self.addresses[d]}"
                          " -> every tokenizer")
         return lines
+
+    def _metrics_flags(self, name: str) -> list[str]:
+        """--metrics-port of scheduler or detokenizer ``name``, and the served name as its model_name label."""
+        named = ["--served-model-name", self.config.served_model_name] if self.config.served_model_name else []
+        return ["--metrics-port", str(self.metrics_ports[name]), *named]
 
     def _tokenizer_flags(self) -> list[str]:
         c = self.config
@@ -353,6 +376,9 @@ def parse_args(argv: list[str] | None) -> LaunchConfig:
                         help="the first scheduler's port; 0 (and the others) = a free loopback port")
     parser.add_argument("--detokenizer-port", type=int, default=0,
                         help="the first detokenizer's port; 0 (and the others) = a free loopback port")
+    for name in ("tokenizer", "scheduler", "detokenizer"):
+        parser.add_argument(f"--{name}-metrics-port", type=int, default=0,
+                            help=f"the first {name}'s Prometheus /metrics port; 0 (and the others) = a free loopback port")
     parser.add_argument(
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
         help="model dtype; auto = bfloat16 on CPUs with AMX or AVX-512-BF16, float32 elsewhere",
@@ -396,7 +422,9 @@ def parse_args(argv: list[str] | None) -> LaunchConfig:
     return LaunchConfig(
         model=args.model, host=args.host, port=args.port,
         tokenizer_port=args.tokenizer_port, scheduler_port=args.scheduler_port,
-        detokenizer_port=args.detokenizer_port, dtype=args.dtype, attention_backend=args.attention_backend,
+        detokenizer_port=args.detokenizer_port, dtype=args.dtype,
+        tokenizer_metrics_port=args.tokenizer_metrics_port, scheduler_metrics_port=args.scheduler_metrics_port,
+        detokenizer_metrics_port=args.detokenizer_metrics_port, attention_backend=args.attention_backend,
         served_model_name=args.served_model_name, api_key=args.api_key,
         context_length=args.context_length, max_running_requests=args.max_running_requests,
         max_total_tokens=args.max_total_tokens, max_queued_requests=args.max_queued_requests,
@@ -433,6 +461,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"ringserve: {name} gRPC at {addr}", flush=True)
         for line in launcher.topology():
             print(f"ringserve: {line}", flush=True)
+        for name, url in launcher.metrics_urls.items():
+            print(f"ringserve: {name} metrics at {url}", flush=True)
         status = launcher.watch()
     except KeyboardInterrupt:
         status = 0

@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from ringserve.launch import free_port, service_processes, stop_launched
 from ringserve.launch import wait_launched as wait_ready
@@ -35,6 +37,17 @@ class Stack:
     detokenizer: str
     model_name: str
     proc: subprocess.Popen
+    metrics_urls: dict[str, str]  # service -> its Prometheus /metrics URL
+
+    def scrape(self, name: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """Every sample of service ``name``'s /metrics: (sample name, sorted labels) -> value."""
+        r = httpx.get(self.metrics_urls[name], timeout=10)
+        assert r.status_code == 200, r.text
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(r.text)
+            for s in family.samples
+        }
 
     def scheduler_load(self) -> common_pb2.LoadReport:
         with grpc.insecure_channel(self.scheduler) as ch:
@@ -138,11 +151,14 @@ def launched(model_dir: Path, *extra: str, log_path: Path | None = None) -> Iter
     With ``log_path`` every process's output goes to that file instead of the test's.
     """
     ports = {name: free_port() for name in ("http", "tokenizer", "scheduler", "detokenizer")}
+    metrics_ports = {name: free_port() for name in ("tokenizer", "scheduler", "detokenizer")}
     cmd = [
         sys.executable, "-m", "ringserve.cli", "launch", "--model", str(model_dir),
         "--port", str(ports["http"]), "--tokenizer-port", str(ports["tokenizer"]),
         "--scheduler-port", str(ports["scheduler"]), "--detokenizer-port", str(ports["detokenizer"]),
-        "--dtype", "float32", *extra,
+        "--dtype", "float32",
+        *(arg for name, port in metrics_ports.items() for arg in (f"--{name}-metrics-port", str(port))),
+        *extra,
     ]
     log = open(log_path, "w") if log_path is not None else None  # noqa: SIM115 (closed below)
     proc = subprocess.Popen(cmd, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -157,6 +173,8 @@ def launched(model_dir: Path, *extra: str, log_path: Path | None = None) -> Iter
             detokenizer=f"127.0.0.1:{ports['detokenizer']}",
             model_name=model_dir.name,
             proc=proc,
+            metrics_urls={"gateway": f"{base}/metrics",
+                          **{name: f"http://127.0.0.1:{port}/metrics" for name, port in metrics_ports.items()}},
             log_path=log_path,
         )
     finally:

@@ -64,6 +64,12 @@ class SchedulerConfig:
     watchdog_timeout_s: float | None = None  # NOT_SERVING after this long with work and no step done
     max_queued_tokens: int | None = None  # None: no limit; see EngineLoop (prompt tokens held)
     transport: Transport = Transport()  # gRPC message size and TLS, server and detokenizer channel
+    metrics_port: int | None = None  # Prometheus /metrics on host:port; None = off, 0 = a free port
+    served_model_name: str | None = None  # the metrics' model_name label; None = the model directory's name
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.engine.model).name
 
     @property
     def address(self) -> str:

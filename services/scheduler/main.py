@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from ringserve import grpcutil
+from ringserve.metrics import add_metrics_port_flag
 from services.scheduler.config import (ATTENTION_BACKENDS, DTYPES, LOAD_FORMATS, SCHEDULE_POLICIES, EngineConfig,
                                       SchedulerConfig)
 
@@ -61,6 +62,9 @@ def parse_args(argv: list[str] | None) -> SchedulerConfig:
     p.add_argument("--max-queued-tokens", type=int, default=s.max_queued_tokens,
                    help="prompt tokens of the requests held (waiting and running) plus the new one's; "
                         "beyond it refuse with RESOURCE_EXHAUSTED (a request is never refused on an idle scheduler)")
+    add_metrics_port_flag(p)
+    p.add_argument("--served-model-name", default=None,
+                   help="model_name label of the metrics (default: the model directory's name)")
     grpcutil.add_transport_args(p)
     a = p.parse_args(argv)
     if a.max_queued_requests is not None and a.max_queued_requests < 0:
@@ -77,7 +81,8 @@ def parse_args(argv: list[str] | None) -> SchedulerConfig:
                            instance_id=a.instance_id, torch_threads=a.torch_threads,
                            max_queued_requests=a.max_queued_requests, grace_period_s=a.grace_period,
                            watchdog_timeout_s=a.watchdog_timeout, max_queued_tokens=a.max_queued_tokens,
-                           transport=grpcutil.transport_from_args(p, a))
+                           transport=grpcutil.transport_from_args(p, a),
+                           metrics_port=a.metrics_port, served_model_name=a.served_model_name)
 
 
 class Watchdog:
@@ -134,15 +139,20 @@ async def serve(cfg: SchedulerConfig, stop: asyncio.Event | None = None,
     import torch
 
     from ringserve.grpcutil import start_server
+    from ringserve.metrics import ServiceMetrics
     from ringserve.v1 import scheduler_pb2, scheduler_pb2_grpc
     from services.scheduler.detok_link import DetokenizerLink
     from services.scheduler.engine.engine import Engine
     from services.scheduler.engine.loop import EngineLoop
+    from services.scheduler.metrics import SchedulerMetrics
     from services.scheduler.servicer import SchedulerServicer
     from services.scheduler.wire import step_output_to_proto
 
     torch.set_num_threads(cfg.torch_threads or len(os.sched_getaffinity(0)))
     engine = Engine.from_config(cfg.engine)
+    metrics = ServiceMetrics(cfg.model_name)
+    SchedulerMetrics(engine, metrics)
+    metrics.serve(cfg.host, cfg.metrics_port)
     loop = EngineLoop(engine, lambda out: link.send_threadsafe(step_output_to_proto(out)),
                       max_queued_requests=cfg.max_queued_requests, max_queued_tokens=cfg.max_queued_tokens)
     link = DetokenizerLink(
@@ -189,6 +199,7 @@ async def serve(cfg: SchedulerConfig, stop: asyncio.Event | None = None,
         if watchdog_task is not None:
             watchdog_task.cancel()
         await server.stop(1.0)
+        metrics.stop()
         loop.stop()
         link_task.cancel()
         await asyncio.gather(link_task, return_exceptions=True)

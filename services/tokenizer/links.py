@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
@@ -26,6 +27,7 @@ import grpc
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential, wait_random
 
 from ringserve.grpcutil import channel as grpc_channel
+from ringserve.metrics import ignore_seconds
 from ringserve.v1 import common_pb2, detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.tokenizer.errors import unavailable
 
@@ -122,14 +124,16 @@ class SchedulerLink(Link):
     def __init__(self, target: str, instance_id: str, on_change: Callable[[Link, bool], None]):
         super().__init__("scheduler", target, on_change)
         self.instance_id = instance_id
-        self._queue: asyncio.Queue[scheduler_pb2.SchedulerInput] = asyncio.Queue()
+        # Each message with the perf_counter() time it was queued at.
+        self._queue: asyncio.Queue[tuple[scheduler_pb2.SchedulerInput, float]] = asyncio.Queue()
+        self.observe_dispatch = ignore_seconds  # seconds from queueing a request to its write on the stream
         # The scheduler's latest LoadReport event (sent about once a second); None while down.
         self.last_load: common_pb2.LoadReport | None = None
 
     def _put(self, msg: scheduler_pb2.SchedulerInput) -> None:
         if not self.up:
             raise unavailable(f"the scheduler at {self.target} is not connected")
-        self._queue.put_nowait(msg)
+        self._queue.put_nowait((msg, time.perf_counter()))
 
     def send_req(self, req: scheduler_pb2.TokenizedGenerateReqInput) -> None:
         """Queue a request. Raises RequestError (UNAVAILABLE) when the stream is down."""
@@ -157,7 +161,10 @@ class SchedulerLink(Link):
     async def _pump(self, call: grpc.aio.Call) -> None:
         async def write() -> None:
             while True:
-                await call.write(await self._queue.get())
+                msg, queued = await self._queue.get()
+                await call.write(msg)
+                if msg.HasField("req"):
+                    self.observe_dispatch(time.perf_counter() - queued)
 
         async def read() -> None:
             while (event := await call.read()) is not grpc.aio.EOF:

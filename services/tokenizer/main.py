@@ -25,10 +25,12 @@ from pathlib import Path
 
 from ringserve import grpcutil
 from ringserve.grpcutil import ServingServer, start_server
+from ringserve.metrics import ServiceMetrics, add_metrics_port_flag
 from ringserve.v1 import tokenizer_pb2_grpc
 from services.tokenizer.errors import unavailable
 from services.tokenizer.links import DetokenizerLink, Link, SchedulerLink
 from services.tokenizer.manager import TokenizerManager
+from services.tokenizer.metrics import install_tokenizer_metrics
 from services.tokenizer.replicas import Replica, ReplicaAddress, ReplicaSet
 from services.tokenizer.model import load_tokenizer, model_facts
 from services.tokenizer.servicer import SERVICE_NAME, TokenizerServicer
@@ -58,6 +60,7 @@ class TokenizerConfig:
     context_length: int | None = None  # default: config.json max_position_embeddings
     grace_period_s: float = 5.0  # on SIGTERM, how long in-flight calls may run on
     allow_special_tokens_in_messages: bool = False  # control tokens spelled in messages stay text
+    metrics_port: int | None = None  # Prometheus /metrics on host:port; None = off, 0 = a free port
     transport: grpcutil.Transport = grpcutil.Transport()  # message size and TLS, server and both links
 
     @property
@@ -89,6 +92,7 @@ class TokenizerService:
         ])
         self.manager.balancer = self.replicas
         self.server: ServingServer | None = None
+        self.metrics = ServiceMetrics(facts.served_model_name)
 
     @property
     def scheduler(self) -> SchedulerLink:
@@ -134,6 +138,8 @@ class TokenizerService:
             lambda: [r.scheduler.last_load for r in self.replicas.replicas],
             lambda: asyncio.gather(*(r.loads() for r in self.replicas.replicas)),
         )
+        install_tokenizer_metrics(self.metrics, self.manager, [r.scheduler for r in self.replicas.replicas], servicer)
+        self.metrics.serve(self.config.host, self.config.metrics_port)
         self.server = await start_server(
             self.config.address, [(tokenizer_pb2_grpc.add_TokenizerServicer_to_server, servicer, SERVICE_NAME)]
         )
@@ -150,6 +156,7 @@ class TokenizerService:
         for replica in self.replicas.replicas:
             await replica.detokenizer.stop()
             await replica.scheduler.stop()
+        self.metrics.stop()
 
 
 def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
@@ -170,6 +177,7 @@ def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
     p.add_argument("--allow-special-tokens-in-messages", action="store_true",
                    help="parse control tokens spelled in chat message text (e.g. <|im_end|>) as those "
                         "tokens; by default they are tokenized as plain text")
+    add_metrics_port_flag(p)
     grpcutil.add_transport_args(p)
     a = p.parse_args(argv)
     for spec in a.replica:
@@ -189,6 +197,7 @@ def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
         context_length=a.context_length,
         grace_period_s=a.grace_period,
         allow_special_tokens_in_messages=a.allow_special_tokens_in_messages,
+        metrics_port=a.metrics_port,
         transport=grpcutil.transport_from_args(p, a),
     )
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -34,6 +35,7 @@ from typing import Any, Protocol
 
 import grpc
 
+from ringserve.metrics import ignore_seconds
 from ringserve.v1 import common_pb2, detokenizer_pb2, scheduler_pb2, tokenizer_pb2
 from services.tokenizer.chat import render_chat
 from services.tokenizer.errors import (
@@ -166,6 +168,7 @@ class TokenizerManager:
         self.outstanding: Counter[Dispatcher] = Counter()
         self.rid_to_state: dict[str, ReqState] = {}
         self._parents: dict[str, int] = {}  # parent rid -> live sub-states
+        self.observe_tokenize = ignore_seconds  # seconds prepare() took (services/tokenizer/metrics.py)
 
     def attach(self, dispatcher: Dispatcher) -> None:
         self.dispatcher = dispatcher
@@ -448,7 +451,9 @@ class TokenizerManager:
                 when a link is down or lost; the scheduler's status for an error abort.
         Cancelling or closing the generator before the end aborts every dispatched choice.
         """
+        started = time.perf_counter()
         prepared = self.prepare(req)
+        self.observe_tokenize(time.perf_counter() - started)
         replica = self._choose(prepared)
         states = self.register(prepared)
         reason = "the Generate call ended before the request finished"

@@ -6,11 +6,13 @@ Every ``RequestError`` becomes a gRPC status with its message as details and
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import NoReturn
 
 import grpc
 
+from ringserve.metrics import ignore_seconds
 from ringserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from services.tokenizer.errors import RequestError
 from services.tokenizer.manager import TokenizerManager
@@ -51,13 +53,18 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         self.manager = manager
         self.scheduler_loads = scheduler_loads
         self.replica_loads = replica_loads
+        self.observe_send = ignore_seconds  # per finished Generate call: seconds its writes to the client took
 
     async def Generate(self, request: tokenizer_pb2.GenerateReqInput, context: grpc.aio.ServicerContext) -> None:
         """Stream GenerateOutputs; a cancelled call aborts the request (through ``aclose``)."""
         outputs = self.manager.generate(request)
+        sending = 0.0
         try:
             async for out in outputs:
+                started = time.perf_counter()
                 await context.write(out)
+                sending += time.perf_counter() - started
+            self.observe_send(sending)
         except RequestError as err:
             await _fail(context, err)
         finally:

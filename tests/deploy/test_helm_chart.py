@@ -115,7 +115,10 @@ def test_cpu_single_replica(rendered: dict[str, list[dict]]) -> None:
     tsvc = by(docs, "Service", f"{FULL}-tokenizer")
     assert tsvc["spec"]["clusterIP"] == "None"
     assert tsvc["spec"]["ports"][0]["port"] == 30010
+    assert tsvc["spec"]["ports"][1] == {"name": "metrics", "port": 9010, "targetPort": "metrics", "protocol": "TCP"}
     tok = container(by(docs, "Deployment", f"{FULL}-tokenizer")["spec"]["template"]["spec"], "tokenizer")
+    assert tok["ports"][1] == {"name": "metrics", "containerPort": 9010, "protocol": "TCP"}
+    assert "--metrics-port=9010" in tok["args"]
     for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
         assert tok[probe]["grpc"] == {"port": 30010}
     replica0 = f"{FULL}-replica-0.{FULL}-replica.{NAMESPACE}.svc.cluster.local"
@@ -138,6 +141,11 @@ def test_cpu_single_replica(rendered: dict[str, list[dict]]) -> None:
     assert "--detokenizer=$(SCHEDULER_DETOKENIZER_ADDR)" in sched["args"]
     assert "--dtype=$(SCHEDULER_DTYPE)" in sched["args"]
     assert "--max-queued-requests=$(SCHEDULER_MAX_QUEUED_REQUESTS)" in sched["args"]
+    # Metrics: one HTTP port per container (names unique in the pod), labelled with the served name.
+    assert sched["ports"][1] == {"name": "metrics-sched", "containerPort": 9020, "protocol": "TCP"}
+    assert detok["ports"][1] == {"name": "metrics-detok", "containerPort": 9030, "protocol": "TCP"}
+    for c, port in ((sched, 9020), (detok, 9030)):
+        assert f"--metrics-port={port}" in c["args"] and "--served-model-name=$(SERVED_MODEL_NAME)" in c["args"]
     assert "nvidia.com/gpu" not in sched["resources"].get("limits", {})
     assert "runtimeClassName" not in pod
     vols = {v["name"]: v for v in pod["volumes"]}
@@ -146,7 +154,8 @@ def test_cpu_single_replica(rendered: dict[str, list[dict]]) -> None:
     assert {"name": "dshm", "mountPath": "/dev/shm"} in sched["volumeMounts"]
     rsvc = by(docs, "Service", f"{FULL}-replica")
     assert rsvc["spec"]["clusterIP"] == "None"
-    assert sorted(p["port"] for p in rsvc["spec"]["ports"]) == [30020, 30030]
+    assert sorted(p["port"] for p in rsvc["spec"]["ports"]) == [9020, 9030, 30020, 30030]
+    assert {p["name"]: p["targetPort"] for p in rsvc["spec"]["ports"]}["metrics-detok"] == "metrics-detok"
 
     # Non-root everywhere.
     for d in docs:
@@ -166,6 +175,9 @@ def test_network_policy_exposes_only_gateway(rendered: dict[str, list[dict]]) ->
     rep = by(docs, "NetworkPolicy", f"{FULL}-replica")["spec"]
     assert rep["ingress"][0]["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "tokenizer"
     assert sorted(p["port"] for p in rep["ingress"][0]["ports"]) == [30020, 30030]
+    # Metrics ports are open to any source by default (Prometheus lives in another namespace).
+    assert tok["ingress"][1] == {"ports": [{"port": 9010, "protocol": "TCP"}]}
+    assert rep["ingress"][1] == {"ports": [{"port": 9020, "protocol": "TCP"}, {"port": 9030, "protocol": "TCP"}]}
 
 
 def test_gpu_multi_replica(rendered: dict[str, list[dict]], helm: Path) -> None:
@@ -205,11 +217,24 @@ def test_gpu_multi_replica(rendered: dict[str, list[dict]], helm: Path) -> None:
     sm = by(docs, "ServiceMonitor", f"{FULL}-gateway")
     assert sm["metadata"]["labels"]["release"] == "prometheus"
     assert sm["spec"]["endpoints"][0]["port"] == "http" and sm["spec"]["endpoints"][0]["path"] == "/metrics"
+    # Every ServiceMonitor endpoint names a port of the Service it selects.
+    monitors = [d for d in docs if d["kind"] == "ServiceMonitor"]
+    assert sorted(m["metadata"]["name"] for m in monitors) == [f"{FULL}-gateway", f"{FULL}-replica", f"{FULL}-tokenizer"]
+    for m in monitors:
+        component = m["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"]
+        svc = by(docs, "Service", f"{FULL}-{component}")
+        assert svc["metadata"]["labels"].items() >= m["spec"]["selector"]["matchLabels"].items()
+        ports = {p["name"] for p in svc["spec"]["ports"]}
+        assert {e["port"] for e in m["spec"]["endpoints"]} <= ports
+        assert all(e["path"] == "/metrics" and e["interval"] == "15s" for e in m["spec"]["endpoints"])
+    assert [e["port"] for e in by(docs, "ServiceMonitor", f"{FULL}-replica")["spec"]["endpoints"]] == [
+        "metrics-sched", "metrics-detok"]
 
     notes = render_notes(helm, "gpu-multi")
     assert "connects to all 2 replica pod(s)" in notes and f"{FULL}-replica-0.{FULL}-replica.{NAMESPACE}" in notes
     assert "round_robin" in notes and "WARNING" not in notes
     assert "connects to all 1 replica pod(s)" in render_notes(helm, "cpu-single")
+    assert "9020 (scheduler)" in notes and f"ServiceMonitors {FULL}-gateway, {FULL}-tokenizer and {FULL}-replica" in notes
 
 
 def render_notes(helm: Path, values: str) -> str:
