@@ -35,6 +35,10 @@ class LoadedDetokenizer(FakeDetokenizer):
         return common_pb2.LoadReport(instance_id=self.name, decode_states=len(self.subscribers))
 
 
+async def _count(items: list) -> int:
+    return len(items)
+
+
 def ask(rid: str, content: str) -> tokenizer_pb2.GenerateReqInput:
     chat = tokenizer_pb2.ChatInput(messages=[tokenizer_pb2.ChatMessage(role="user", content=content)])
     return tokenizer_pb2.GenerateReqInput(rid=rid, chat=chat, stream=True)
@@ -88,6 +92,7 @@ async def test_detokenizer_loss_fails_only_that_replicas_requests(two):
         await collect(on0)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     assert info.value.details() == f"lost the connection to the detokenizer at 127.0.0.1:{detok0_port}"
+    await wait_for_value(lambda: _count(s0.aborts), 1)  # the abort is written after the call failed
     assert [a.rid for a in s0.aborts] == [s0.reqs[0].rid] and s1.aborts == []  # told its scheduler to drop it
     assert on1.done() is False
     assert (await stub.GetLoad(common_pb2.Empty())).req_states == 1
@@ -102,6 +107,6 @@ async def test_detokenizer_loss_fails_only_that_replicas_requests(two):
     load = await stub.GetClusterLoad(common_pb2.Empty())
     assert [r.instance_id for r in load.detokenizers] == ["detok-1"]  # the lost one does not answer
     assert await stub.Abort(tokenizer_pb2.AbortRequest(rid=s1.reqs[0].rid)) == tokenizer_pb2.AbortResponse(found=True)
+    outs = await collect(on1)  # its last row comes from replica 1's scheduler once the abort arrived
     assert [a.rid for a in s1.aborts] == [s1.reqs[0].rid]  # the abort went to the replica holding the rid
-    outs = await collect(on1)
     assert outs[-1].finish_reason.type == common_pb2.FINISH_ABORT
