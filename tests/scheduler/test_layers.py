@@ -83,3 +83,21 @@ def test_rms_norm_equals_the_transformers_formula(sched_model):
         want = norm.weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + norm.eps)).to(dtype)
         got = norm(x)
         assert got.dtype == dtype and torch.equal(got, want)
+
+
+@torch.inference_mode()
+def test_packed_linear_is_bit_identical_to_nn_linear(smollm2_dir):
+    from services.scheduler.layers.linear import PackedLinear, pack_linears
+    from services.scheduler.models import load_model
+
+    model = load_model(smollm2_dir, torch.bfloat16)
+    mlp = model.layers[3].mlp
+    x = model.embed_tokens(torch.tensor([[5, 900, 20000]]).view(-1))  # [3, 576] real hidden states
+    want = [mlp.gate_up_proj(x), model.lm_head(x)]
+    assert pack_linears(model) == 30 * 4 + 1  # qkv, o, gate_up, down per layer, and the LM head
+    assert pack_linears(model) == 0
+    assert isinstance(mlp.gate_up_proj, PackedLinear)
+    for m in (3, 1):  # several rows and a single row through the same packed weight
+        got = [mlp.gate_up_proj(x[:m]), model.lm_head(x[:m])]
+        assert all(g.dtype == torch.bfloat16 and torch.equal(g, w[:m]) for g, w in zip(got, want))
+    assert torch.equal(model.embed_tokens.weight, load_model(smollm2_dir, torch.bfloat16).embed_tokens.weight)
