@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 
 PROTOS := $(wildcard protos/ringserve/v1/*.proto)
 
-.PHONY: setup proto model run test test-deploy bench bench-detok clean
+.PHONY: setup proto model run test test-deploy bench bench-detok soak clean
 
 setup: $(STAMPS)/venv $(STAMPS)/proto model
 
@@ -44,12 +44,23 @@ test: setup
 test-deploy: $(STAMPS)/venv
 	RINGSERVE_CACHE_DIR=$(CACHE_DIR) $(PY) -m pytest -q tests/deploy $(PYTEST_ARGS)
 
-# ringserve against the transformers baseline (and llama-server, given
-# BENCH_ARGS='--llama-server-bin PATH --llama-gguf FILE') at concurrency 1, 8, 32, 64;
-# shrink it with e.g. BENCH_ARGS='--concurrency 1,8 --output-len 64'.
+# ringserve, the transformers baseline and llama.cpp's llama-server (built once from the
+# llama-cpp-python sdist into $(CACHE_DIR)/llama-cpp: about 20 minutes on one core the first
+# time) side by side at concurrency 1, 8, 32, 64; shrink it with e.g.
+# BENCH_ARGS='--concurrency 1,8 --output-len 64'.
 BENCH_ARGS ?=
+LLAMA_GGUF ?= $(CACHE_DIR)/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
 bench: setup
-	$(VENV)/bin/ringserve bench compare --model $(MODEL) --json bench/results/compare.json $(BENCH_ARGS)
+	bin=$$(PIP=$(CURDIR)/$(VENV)/bin/pip bench/baselines/build_llama_server.sh $(CACHE_DIR)) && \
+	$(VENV)/bin/ringserve bench compare --model $(MODEL) --json bench/results/compare.json \
+		--llama-server-bin $$bin --llama-gguf $(LLAMA_GGUF) $(BENCH_ARGS)
+
+# A bounded soak run (5 minutes, 64 streams, 20% disconnects, one scheduler kill) that
+# exits non-zero unless every accounting gauge is back to baseline and no request hung;
+# shorten it with e.g. SOAK_ARGS='--duration 60 --streams 16'.
+SOAK_ARGS ?=
+soak: setup
+	$(VENV)/bin/ringserve bench soak --model $(MODEL) $(SOAK_ARGS)
 
 bench-detok: setup
 	$(PY) -m services.detokenizer.bench --cache-dir $(CACHE_DIR)

@@ -1,10 +1,15 @@
-"""``ringserve launch``: run the whole ring locally as four processes.
+"""``ringserve launch``: run the whole ring locally as separate processes.
 
 Starts the detokenizer, the scheduler, the tokenizer and the gateway as
 separate processes on loopback, in that order (each one connects only to
 services already started), waits until each reports SERVING on the standard
 gRPC health service (the gateway: ``GET /health`` = 200), prints the URL and
 each service's address and PID, and stops them all on Ctrl-C or SIGTERM.
+
+``--replicas M`` starts M model replicas (each a scheduler with its own
+detokenizer) and ``--tokenizers N`` N tokenizer instances, each talking to every
+replica; the gateway balances over the tokenizers with gRPC's round_robin. The
+port flags set the first instance's port; the others get free ports.
 
 Stopping is graceful and follows the request path: the gateway first (it stops
 accepting and finishes its open responses), then the tokenizer, the scheduler
@@ -13,6 +18,10 @@ exit before it is killed. If a service exits on its own, the others are stopped
 and the launcher exits with status 1 — unless ``--restart-on-failure``, which
 starts it again with the same flags and port (the tokenizer and the scheduler
 reconnect to it with backoff).
+
+Every service gets the same gRPC transport flags (``--grpc-max-message-bytes``, and
+``--tls-cert-file/--tls-key-file/--tls-ca-file`` for TLS or mutual TLS); the launcher's own
+health checks use them too.
 """
 
 from __future__ import annotations
@@ -32,6 +41,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ringserve import grpcutil
+from ringserve.cli import LAUNCHER_PID_ENV
+
 STARTUP_TIMEOUT_S = 600.0
 RESTART_DELAY_S = 0.5  # before restarting a service that exited (a crash loop stays slow)
 STOP_MARGIN_S = 5.0  # beyond --grace-period, before a service that did not exit is killed
@@ -45,7 +57,13 @@ class LaunchConfig:
     tokenizer_port: int = 0  # 0: pick a free loopback port
     scheduler_port: int = 0
     detokenizer_port: int = 0
+    # Prometheus /metrics ports of the first instance of each gRPC service (the others, and 0:
+    # a free loopback port); the gateway serves its /metrics on --port
+    tokenizer_metrics_port: int = 0
+    scheduler_metrics_port: int = 0
+    detokenizer_metrics_port: int = 0
     dtype: str = "auto"  # the scheduler picks bf16 on AMX / AVX-512-BF16 CPUs, else fp32
+    attention_backend: str = "auto"  # the scheduler picks triton on CUDA devices, torch on CPU
     served_model_name: str | None = None
     api_key: str | None = None
     context_length: int | None = None
@@ -55,17 +73,15 @@ class LaunchConfig:
     grace_period_s: float = 5.0
     watchdog_timeout_s: float | None = None
     restart_on_failure: bool = False
+    tokenizers: int = 1  # tokenizer instances, each connected to every replica
+    replicas: int = 1  # model replicas: a scheduler and its detokenizer each
     allow_special_tokens_in_messages: bool = False
+    max_queued_tokens: int | None = None
+    request_timeout_s: float | None = None  # None: the gateway's default
+    max_request_body_bytes: int | None = None  # None: the gateway's default
+    log_requests: bool = False
+    transport: grpcutil.Transport = grpcutil.Transport()  # every service's gRPC servers and channels
     extra_scheduler_args: tuple[str, ...] = field(default_factory=tuple)
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM if the launcher dies (Linux), so no service is orphaned."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def free_port() -> int:
@@ -75,8 +91,44 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _grpc_serving(address: str, timeout_s: float = 1.0) -> bool:
-    with grpc.insecure_channel(address) as channel:
+def service_processes(launcher_pid: int, name: str) -> list[tuple[int, list[str]]]:
+    """(pid, arguments after the service name) of each running process of service ``name``
+    started by the launcher ``launcher_pid``.
+
+    Found among the launcher's children by command line (Linux /proc), so it follows a
+    service that ``--restart-on-failure`` started again.
+    """
+    try:
+        with open(f"/proc/{launcher_pid}/task/{launcher_pid}/children") as f:
+            children = [int(p) for p in f.read().split()]
+    except FileNotFoundError:
+        children = []
+    out = []
+    for child in children:
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                args = [a.decode() for a in f.read().split(b"\0") if a]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if "ringserve.cli" in args and args[args.index("ringserve.cli") + 1 :][:1] == [name]:
+            out.append((child, args[args.index("ringserve.cli") + 2 :]))
+    return out
+
+
+def service_pid(launcher_pid: int, name: str) -> int:
+    """PID of the (first) running process of service ``name`` under the launcher ``launcher_pid``.
+
+    Raises:
+        LookupError: no such service is running under that launcher.
+    """
+    for pid, _ in service_processes(launcher_pid, name):
+        return pid
+    raise LookupError(f"no running {name} under launcher {launcher_pid}")
+
+
+def grpc_serving(address: str, transport: grpcutil.Transport, timeout_s: float = 1.0) -> bool:
+    """Whether the gRPC health service at ``address`` reports SERVING (for the whole server)."""
+    with grpcutil.sync_channel(address, transport) as channel:
         try:
             resp = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
@@ -94,20 +146,60 @@ def _http_ok(url: str, timeout_s: float = 1.0) -> bool:
         return False
 
 
+def wait_launched(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
+    """Wait until ``url`` (a launched ring's gateway /health) answers 200.
+
+    Raises:
+        RuntimeError: ``proc`` (``ringserve launch``) exited, or no 200 within ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"ringserve launch exited with {proc.returncode}")
+        if _http_ok(url):
+            return
+        time.sleep(0.3)
+    raise RuntimeError("ringserve launch did not become ready")
+
+
+def stop_launched(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """SIGTERM ``ringserve launch`` (it stops its services gracefully); SIGKILL its whole
+    process group after ``timeout_s``. The launcher must run in a session of its own."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _names(service: str, count: int) -> list[str]:
+    """Process names: the service's name alone for one instance, else ``service-i``."""
+    return [service] if count == 1 else [f"{service}-{i}" for i in range(count)]
+
+
 class Launcher:
-    """Owns the four service processes."""
+    """Owns the service processes (keyed by name: "scheduler", or "scheduler-1" with several)."""
 
     def __init__(self, config: LaunchConfig):
+        if config.tokenizers < 1 or config.replicas < 1:
+            raise ValueError("--tokenizers and --replicas must be at least 1")
         self.config = config
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.addresses: dict[str, str] = {}
+        self.metrics_ports: dict[str, int] = {}  # gRPC service process name -> its Prometheus port
+        self.metrics_urls: dict[str, str] = {}  # process name -> its Prometheus /metrics URL
         self._args: dict[str, list[str]] = {}
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "ringserve.cli", name, *args]
+        service = name.split("-")[0]  # "scheduler-1" runs `ringserve scheduler`
+        cmd = [sys.executable, "-m", "ringserve.cli", service, *args]
         # Idle OpenMP workers must not spin: the services share the cores.
-        env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
-        proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent, env=env)
+        env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
+               LAUNCHER_PID_ENV: str(os.getpid())}
+        # No preexec_fn: the child sets its parent-death signal itself (ringserve.cli).
+        proc = subprocess.Popen(cmd, start_new_session=True, env=env)
         self.procs = [(n, p) for n, p in self.procs if n != name] + [(name, proc)]
         self._args[name] = args
         print(f"ringserve: {name} pid {proc.pid}", flush=True)
@@ -124,23 +216,98 @@ class Launcher:
             time.sleep(0.2)
         raise RuntimeError(f"{name} did not report SERVING within {STARTUP_TIMEOUT_S:.0f} s")
 
+    def _start_all(self, names: list[str], args_of) -> None:
+        """Spawn the instances ``names`` (args from ``args_of(i)``) at once, then wait for each."""
+        for i, name in enumerate(names):
+            self._spawn(name, args_of(i))
+        for name in names:
+            self._wait(name, lambda name=name: grpc_serving(self.addresses[name], self.config.transport))
+
     def start(self) -> None:
         c = self.config
-        ports = {
-            "detokenizer": c.detokenizer_port or free_port(),
-            "scheduler": c.scheduler_port or free_port(),
-            "tokenizer": c.tokenizer_port or free_port(),
-        }
-        self.addresses = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
+        detoks, scheds, toks = _names("detokenizer", c.replicas), _names("scheduler", c.replicas), _names("tokenizer", c.tokenizers)
+        first = {"detokenizer": c.detokenizer_port, "scheduler": c.scheduler_port, "tokenizer": c.tokenizer_port}
+        for names in (detoks, scheds, toks):
+            for i, name in enumerate(names):
+                port = (first[name.split("-")[0]] if i == 0 else 0) or free_port()
+                self.addresses[name] = f"127.0.0.1:{port}"
+        health_host = "127.0.0.1" if c.host in ("0.0.0.0", "::") else c.host
+        self.metrics_urls = {"gateway": f"http://{health_host}:{c.port}/metrics"}
+        first_metrics = {"detokenizer": c.detokenizer_metrics_port, "scheduler": c.scheduler_metrics_port,
+                         "tokenizer": c.tokenizer_metrics_port}
+        for names in (detoks, scheds, toks):
+            for i, name in enumerate(names):
+                port = (first_metrics[name.split("-")[0]] if i == 0 else 0) or free_port()
+                self.metrics_ports[name] = port
+                self.metrics_urls[name] = f"http://127.0.0.1:{port}/metrics"
         model = str(c.model)
+        transport = c.transport.args()
 
-        self._spawn("detokenizer", ["--model", model, "--port", str(ports["detokenizer"]),
-                                    "--grace-period", str(c.grace_period_s)])
-        self._wait("detokenizer", lambda: _grpc_serving(self.addresses["detokenizer"]))
+        def port_of(name: str) -> str:
+            return self.addresses[name].rsplit(":", 1)[1]
 
+        self._start_all(detoks, lambda i: ["--model", model, "--port", port_of(detoks[i]),
+                                           "--grace-period", str(c.grace_period_s), *transport,
+                                           *self._metrics_flags(detoks[i])])
+        self._start_all(scheds, lambda i: self._scheduler_args(port_of(scheds[i]), self.addresses[detoks[i]], i)
+                        + self._metrics_flags(scheds[i]))
+
+        if c.replicas == 1:
+            upstream = ["--scheduler", self.addresses[scheds[0]], "--detokenizer", self.addresses[detoks[0]]]
+        else:
+            upstream = [a for s, d in zip(scheds, detoks) for a in ("--replica", f"{self.addresses[s]},{self.addresses[d]}")]
+        self._start_all(toks, lambda i: ["--model", model, "--port", port_of(toks[i]), *upstream, *self._tokenizer_flags(),
+                                         "--metrics-port", str(self.metrics_ports[toks[i]])])
+
+        tokenizer_target = self.addresses[toks[0]] if c.tokenizers == 1 else "ipv4:" + ",".join(self.addresses[t] for t in toks)
+        gw_args = [
+            "--host", c.host, "--port", str(c.port), "--tokenizer", tokenizer_target,
+        ]
+        if c.api_key:
+            gw_args += ["--api-key", c.api_key]
+        if c.request_timeout_s is not None:
+            gw_args += ["--request-timeout", str(c.request_timeout_s)]
+        if c.max_request_body_bytes is not None:
+            gw_args += ["--max-request-body-bytes", str(c.max_request_body_bytes)]
+        if c.log_requests:
+            gw_args.append("--log-requests")
+        self._spawn("gateway", gw_args + transport)
+        self._wait("gateway", lambda: _http_ok(f"http://{health_host}:{c.port}/health"))
+
+    def topology(self) -> list[str]:
+        """Lines that show who talks to whom."""
+        c = self.config
+        toks = [self.addresses[t] for t in _names("tokenizer", c.tokenizers)]
+        lines = [f"gateway :{c.port} -> {len(toks)} tokenizer(s) {', '.join(toks)}"
+                 + (" (gRPC round_robin)" if len(toks) > 1 else "")]
+        for i, (s, d) in enumerate(zip(_names("scheduler", c.replicas), _names("detokenizer", c.replicas))):
+            lines.append(f"replica {i}: scheduler {self.addresses[s]} -> detokenizer {self.addresses[d]}"
+                         " -> every tokenizer")
+        return lines
+
+    def _metrics_flags(self, name: str) -> list[str]:
+        """--metrics-port of scheduler or detokenizer ``name``, and the served name as its model_name label."""
+        named = ["--served-model-name", self.config.served_model_name] if self.config.served_model_name else []
+        return ["--metrics-port", str(self.metrics_ports[name]), *named]
+
+    def _tokenizer_flags(self) -> list[str]:
+        c = self.config
+        args = []
+        if c.served_model_name:
+            args += ["--served-model-name", c.served_model_name]
+        if c.context_length:
+            args += ["--context-length", str(c.context_length)]
+        args += ["--grace-period", str(c.grace_period_s)]
+        if c.allow_special_tokens_in_messages:
+            args.append("--allow-special-tokens-in-messages")
+        return args + c.transport.args()
+
+    def _scheduler_args(self, port: str, detokenizer: str, index: int) -> list[str]:
+        c = self.config
         sched_args = [
-            "--model", model, "--port", str(ports["scheduler"]),
-            "--detokenizer", self.addresses["detokenizer"], "--dtype", c.dtype,
+            "--model", str(c.model), "--port", port,
+            "--detokenizer", detokenizer, "--dtype", c.dtype, "--instance-id", f"scheduler-{index}",
+            "--attention-backend", c.attention_backend,
         ]
         if c.max_running_requests:
             sched_args += ["--max-running-requests", str(c.max_running_requests)]
@@ -152,33 +319,10 @@ class Launcher:
             sched_args += ["--max-queued-requests", str(c.max_queued_requests)]
         if c.watchdog_timeout_s is not None:
             sched_args += ["--watchdog-timeout", str(c.watchdog_timeout_s)]
-        sched_args += ["--grace-period", str(c.grace_period_s)]
-        self._spawn("scheduler", sched_args + list(c.extra_scheduler_args))
-        self._wait("scheduler", lambda: _grpc_serving(self.addresses["scheduler"]))
-
-        tok_args = [
-            "--model", model, "--port", str(ports["tokenizer"]),
-            "--scheduler", self.addresses["scheduler"],
-            "--detokenizer", self.addresses["detokenizer"],
-        ]
-        if c.served_model_name:
-            tok_args += ["--served-model-name", c.served_model_name]
-        if c.context_length:
-            tok_args += ["--context-length", str(c.context_length)]
-        tok_args += ["--grace-period", str(c.grace_period_s)]
-        if c.allow_special_tokens_in_messages:
-            tok_args.append("--allow-special-tokens-in-messages")
-        self._spawn("tokenizer", tok_args)
-        self._wait("tokenizer", lambda: _grpc_serving(self.addresses["tokenizer"]))
-
-        gw_args = [
-            "--host", c.host, "--port", str(c.port), "--tokenizer", self.addresses["tokenizer"],
-        ]
-        if c.api_key:
-            gw_args += ["--api-key", c.api_key]
-        self._spawn("gateway", gw_args)
-        health_host = "127.0.0.1" if c.host in ("0.0.0.0", "::") else c.host
-        self._wait("gateway", lambda: _http_ok(f"http://{health_host}:{c.port}/health"))
+        if c.max_queued_tokens is not None:
+            sched_args += ["--max-queued-tokens", str(c.max_queued_tokens)]
+        sched_args += ["--grace-period", str(c.grace_period_s), *c.transport.args()]
+        return sched_args + list(c.extra_scheduler_args)
 
     def stop(self) -> None:
         """Stop the services one by one along the request path (gateway first).
@@ -187,10 +331,8 @@ class Launcher:
         requests and exit; one still running then is killed.
         """
         order = ("gateway", "tokenizer", "scheduler", "detokenizer")
-        procs = dict(self.procs)
-        for name in order:
-            proc = procs.get(name)
-            if proc is None or proc.poll() is not None:
+        for name, proc in sorted(self.procs, key=lambda item: order.index(item[0].split("-")[0])):
+            if proc.poll() is not None:
                 continue
             proc.send_signal(signal.SIGTERM)
             try:
@@ -228,13 +370,22 @@ def parse_args(argv: list[str] | None) -> LaunchConfig:
     )
     parser.add_argument("--host", default="127.0.0.1", help="gateway bind address")
     parser.add_argument("--port", type=int, default=8000, help="gateway HTTP port")
-    parser.add_argument("--tokenizer-port", type=int, default=0, help="0 = a free loopback port")
-    parser.add_argument("--scheduler-port", type=int, default=0, help="0 = a free loopback port")
-    parser.add_argument("--detokenizer-port", type=int, default=0, help="0 = a free loopback port")
+    parser.add_argument("--tokenizer-port", type=int, default=0,
+                        help="the first tokenizer's port; 0 (and the others) = a free loopback port")
+    parser.add_argument("--scheduler-port", type=int, default=0,
+                        help="the first scheduler's port; 0 (and the others) = a free loopback port")
+    parser.add_argument("--detokenizer-port", type=int, default=0,
+                        help="the first detokenizer's port; 0 (and the others) = a free loopback port")
+    for name in ("tokenizer", "scheduler", "detokenizer"):
+        parser.add_argument(f"--{name}-metrics-port", type=int, default=0,
+                            help=f"the first {name}'s Prometheus /metrics port; 0 (and the others) = a free loopback port")
     parser.add_argument(
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
         help="model dtype; auto = bfloat16 on CPUs with AMX or AVX-512-BF16, float32 elsewhere",
     )
+    parser.add_argument("--attention-backend", default=LaunchConfig.attention_backend,
+                        choices=["auto", "torch", "triton"],
+                        help="scheduler: auto = triton on CUDA devices, torch on CPU")
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--context-length", type=int, default=None)
@@ -246,21 +397,44 @@ def parse_args(argv: list[str] | None) -> LaunchConfig:
                         help="seconds each service gets on SIGTERM to finish in-flight requests")
     parser.add_argument("--watchdog-timeout", type=float, default=None,
                         help="scheduler: NOT_SERVING after this many seconds of work pending and no step done")
+    parser.add_argument("--tokenizers", type=int, default=LaunchConfig.tokenizers,
+                        help="tokenizer instances (the gateway balances over them with gRPC round_robin)")
+    parser.add_argument("--replicas", type=int, default=LaunchConfig.replicas,
+                        help="model replicas, each a scheduler with its detokenizer; every tokenizer "
+                             "picks one per request (least outstanding work, then prefix affinity)")
     parser.add_argument("--restart-on-failure", action="store_true",
                         help="restart a service that exits (same flags and port) instead of stopping all")
     parser.add_argument("--allow-special-tokens-in-messages", action="store_true",
                         help="tokenizer: parse control tokens spelled in chat messages as those tokens")
+    parser.add_argument("--max-queued-tokens", type=int, default=None,
+                        help="scheduler: prompt tokens held (waiting and running) plus the new request's; "
+                             "beyond it refuse (HTTP 429)")
+    parser.add_argument("--request-timeout", type=float, default=None,
+                        help="gateway: seconds a generation may take, else HTTP 504 (default: the gateway's, 600)")
+    parser.add_argument("--max-request-body-bytes", type=int, default=None,
+                        help="gateway: larger request bodies get HTTP 413 (default: the gateway's, 16 MiB)")
+    parser.add_argument("--log-requests", action="store_true",
+                        help="gateway: log prompts and outputs (never logged by default)")
+    grpcutil.add_transport_args(parser)
     args = parser.parse_args(argv)
+    if args.tokenizers < 1 or args.replicas < 1:
+        parser.error("--tokenizers and --replicas must be at least 1")
     return LaunchConfig(
         model=args.model, host=args.host, port=args.port,
         tokenizer_port=args.tokenizer_port, scheduler_port=args.scheduler_port,
         detokenizer_port=args.detokenizer_port, dtype=args.dtype,
+        tokenizer_metrics_port=args.tokenizer_metrics_port, scheduler_metrics_port=args.scheduler_metrics_port,
+        detokenizer_metrics_port=args.detokenizer_metrics_port, attention_backend=args.attention_backend,
         served_model_name=args.served_model_name, api_key=args.api_key,
         context_length=args.context_length, max_running_requests=args.max_running_requests,
         max_total_tokens=args.max_total_tokens, max_queued_requests=args.max_queued_requests,
         grace_period_s=args.grace_period, watchdog_timeout_s=args.watchdog_timeout,
         restart_on_failure=args.restart_on_failure,
+        tokenizers=args.tokenizers, replicas=args.replicas,
         allow_special_tokens_in_messages=args.allow_special_tokens_in_messages,
+        max_queued_tokens=args.max_queued_tokens, request_timeout_s=args.request_timeout,
+        max_request_body_bytes=args.max_request_body_bytes, log_requests=args.log_requests,
+        transport=grpcutil.transport_from_args(parser, args),
     )
 
 
@@ -285,6 +459,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"ringserve: serving {config.model.name} at http://{host}:{config.port}/v1", flush=True)
         for name, addr in launcher.addresses.items():
             print(f"ringserve: {name} gRPC at {addr}", flush=True)
+        for line in launcher.topology():
+            print(f"ringserve: {line}", flush=True)
+        for name, url in launcher.metrics_urls.items():
+            print(f"ringserve: {name} metrics at {url}", flush=True)
         status = launcher.watch()
     except KeyboardInterrupt:
         status = 0

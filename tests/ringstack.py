@@ -22,8 +22,10 @@ from pathlib import Path
 import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
-from ringserve.launch import free_port
+from ringserve.launch import free_port, service_processes, stop_launched
+from ringserve.launch import wait_launched as wait_ready
 from ringserve.v1 import common_pb2, detokenizer_pb2_grpc, scheduler_pb2_grpc, tokenizer_pb2_grpc
 
 
@@ -35,6 +37,17 @@ class Stack:
     detokenizer: str
     model_name: str
     proc: subprocess.Popen
+    metrics_urls: dict[str, str]  # service -> its Prometheus /metrics URL
+
+    def scrape(self, name: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """Every sample of service ``name``'s /metrics: (sample name, sorted labels) -> value."""
+        r = httpx.get(self.metrics_urls[name], timeout=10)
+        assert r.status_code == 200, r.text
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(r.text)
+            for s in family.samples
+        }
 
     def scheduler_load(self) -> common_pb2.LoadReport:
         with grpc.insecure_channel(self.scheduler) as ch:
@@ -73,37 +86,11 @@ class Stack:
             time.sleep(0.05)
 
 
-def wait_ready(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"ringserve launch exited with {proc.returncode}")
-        try:
-            if httpx.get(url, timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError("ringserve launch did not become ready")
-
-
 SERVICES = ("gateway", "tokenizer", "scheduler", "detokenizer")
 
 
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(p) for p in f.read().split()]
-    except FileNotFoundError:
-        return []
-
-
-def _cmdline(pid: int) -> list[str]:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return [a.decode() for a in f.read().split(b"\0") if a]
-    except (FileNotFoundError, ProcessLookupError):
-        return []
+def _flag(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
 
 
 @dataclass
@@ -114,18 +101,28 @@ class OwnStack(Stack):
         assert self.log_path is not None
         return self.log_path.read_text(errors="replace")
 
-    def pid(self, name: str) -> int:
-        """PID of the running process of service ``name`` (a child of the launcher)."""
+    def _instances(self, name: str) -> list[tuple[int, list[str]]]:
+        """(pid, arguments after the service name) of each running process of service ``name``."""
         assert name in SERVICES
-        for child in _children(self.proc.pid):
-            args = _cmdline(child)
-            if "ringserve.cli" in args and args[args.index("ringserve.cli") + 1] == name:
-                return child
-        raise LookupError(f"no running {name} under launcher {self.proc.pid}")
+        return service_processes(self.proc.pid, name)
 
-    def kill(self, name: str) -> int:
-        """SIGKILL service ``name``; return its PID."""
-        pid = self.pid(name)
+    def pid(self, name: str, address: str | None = None) -> int:
+        """PID of the running process of service ``name`` (a child of the launcher); with
+        several instances, ``address`` ("127.0.0.1:port") picks the one listening there."""
+        for child, args in self._instances(name):
+            if address is None or f"127.0.0.1:{_flag(args, '--port')}" == address:
+                return child
+        raise LookupError(f"no running {name} {address or ''} under launcher {self.proc.pid}")
+
+    def replicas(self) -> list[tuple[str, str]]:
+        """(scheduler, detokenizer) address of every model replica, ordered by scheduler instance id."""
+        found = sorted((_flag(args, "--instance-id"), _flag(args, "--port"), _flag(args, "--detokenizer"))
+                       for _, args in self._instances("scheduler"))
+        return [(f"127.0.0.1:{port}", detok) for _, port, detok in found]
+
+    def kill(self, name: str, address: str | None = None) -> int:
+        """SIGKILL service ``name`` (the instance at ``address`` if given); return its PID."""
+        pid = self.pid(name, address)
         os.kill(pid, signal.SIGKILL)
         return pid
 
@@ -154,11 +151,14 @@ def launched(model_dir: Path, *extra: str, log_path: Path | None = None) -> Iter
     With ``log_path`` every process's output goes to that file instead of the test's.
     """
     ports = {name: free_port() for name in ("http", "tokenizer", "scheduler", "detokenizer")}
+    metrics_ports = {name: free_port() for name in ("tokenizer", "scheduler", "detokenizer")}
     cmd = [
         sys.executable, "-m", "ringserve.cli", "launch", "--model", str(model_dir),
         "--port", str(ports["http"]), "--tokenizer-port", str(ports["tokenizer"]),
         "--scheduler-port", str(ports["scheduler"]), "--detokenizer-port", str(ports["detokenizer"]),
-        "--dtype", "float32", *extra,
+        "--dtype", "float32",
+        *(arg for name, port in metrics_ports.items() for arg in (f"--{name}-metrics-port", str(port))),
+        *extra,
     ]
     log = open(log_path, "w") if log_path is not None else None  # noqa: SIM115 (closed below)
     proc = subprocess.Popen(cmd, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -173,15 +173,11 @@ def launched(model_dir: Path, *extra: str, log_path: Path | None = None) -> Iter
             detokenizer=f"127.0.0.1:{ports['detokenizer']}",
             model_name=model_dir.name,
             proc=proc,
+            metrics_urls={"gateway": f"{base}/metrics",
+                          **{name: f"http://127.0.0.1:{port}/metrics" for name, port in metrics_ports.items()}},
             log_path=log_path,
         )
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_launched(proc)
         if log is not None:
             log.close()

@@ -1,4 +1,4 @@
-"""``ringserve bench serve|compare``."""
+"""``ringserve bench serve|compare|soak``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import importlib
 COMMANDS = {
     "serve": ("ringserve.bench.serve", "load an OpenAI-compatible server (SGLang bench_serving / vLLM bench serve style)"),
     "compare": ("ringserve.bench.compare", "ringserve against the baselines, one table (make bench)"),
+    "soak": ("ringserve.bench.soak", "a bounded soak run with disconnects and a scheduler kill (make soak)"),
 }
 
 

@@ -12,8 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ringserve import grpcutil
+from ringserve.metrics import ServiceMetrics, add_metrics_port_flag
 from ringserve.v1 import detokenizer_pb2, detokenizer_pb2_grpc
 from services.detokenizer.manager import DEFAULT_MAX_DECODE_STATES, DetokenizerManager
+from services.detokenizer.metrics import install_detokenizer_metrics
 from services.detokenizer.servicer import DetokenizerServicer
 
 log = logging.getLogger("ringserve.detokenizer")
@@ -28,6 +30,9 @@ class DetokenizerConfig:
     port: int = 30030
     max_decode_states: int = DEFAULT_MAX_DECODE_STATES
     grace_period_s: float = 5.0  # on SIGTERM, how long live decode states may run on
+    transport: grpcutil.Transport = grpcutil.Transport()  # message size, TLS
+    metrics_port: int | None = None  # Prometheus /metrics on host:port; None = off, 0 = a free port
+    served_model_name: str | None = None  # the metrics' model_name label; None = the model directory's name
 
     @property
     def address(self) -> str:
@@ -44,13 +49,19 @@ def parse_args(argv: list[str] | None = None) -> DetokenizerConfig:
                    help="live per-request decode states kept at most; a request beyond it is aborted")
     p.add_argument("--grace-period", type=float, default=d.grace_period_s,
                    help="seconds in-flight requests get to finish on SIGTERM")
+    add_metrics_port_flag(p)
+    p.add_argument("--served-model-name", default=None,
+                   help="model_name label of the metrics (default: the model directory's name)")
+    grpcutil.add_transport_args(p)
     a = p.parse_args(argv)
     return DetokenizerConfig(model=a.model, host=a.host, port=a.port, max_decode_states=a.max_decode_states,
-                             grace_period_s=a.grace_period)
+                             grace_period_s=a.grace_period, transport=grpcutil.transport_from_args(p, a),
+                             metrics_port=a.metrics_port, served_model_name=a.served_model_name)
 
 
 async def start(config: DetokenizerConfig) -> tuple[grpcutil.ServingServer, DetokenizerServicer]:
-    """Load the vocabulary and start the server; health is SERVING when this returns.
+    """Load the vocabulary and start the server (and the metrics endpoint, when
+    ``config.metrics_port`` is set); health is SERVING when this returns.
 
     Raises:
         FileNotFoundError: no tokenizer.json under ``config.model``.
@@ -58,6 +69,9 @@ async def start(config: DetokenizerConfig) -> tuple[grpcutil.ServingServer, Deto
     """
     manager = DetokenizerManager(config.model, max_decode_states=config.max_decode_states)
     servicer = DetokenizerServicer(manager, instance_id=f"detokenizer@{socket.gethostname()}:{config.port}")
+    servicer.metrics = ServiceMetrics(config.served_model_name or config.model.resolve().name)
+    install_detokenizer_metrics(servicer.metrics, servicer)
+    servicer.metrics.serve(config.host, config.metrics_port)
     name = detokenizer_pb2.DESCRIPTOR.services_by_name["Detokenizer"].full_name
     server = await grpcutil.start_server(
         config.address, [(detokenizer_pb2_grpc.add_DetokenizerServicer_to_server, servicer, name)])
@@ -86,11 +100,15 @@ async def serve(config: DetokenizerConfig) -> None:
     while servicer.manager.num_decode_states and loop.time() < deadline:
         await asyncio.sleep(0.05)
     await server.stop(1.0)
+    if servicer.metrics is not None:
+        servicer.metrics.stop()
 
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(serve(parse_args(argv)))
+    config = parse_args(argv)
+    grpcutil.configure(config.transport)
+    asyncio.run(serve(config))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from ringserve.metrics import ServiceMetrics, ignore_seconds
 from ringserve.v1 import common_pb2, detokenizer_pb2, detokenizer_pb2_grpc
 from services.detokenizer.manager import DetokenizerManager
 
@@ -72,6 +73,8 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServicer):
         self.instance_id = instance_id
         self.subscribers: dict[str, asyncio.Queue[detokenizer_pb2.BatchStrOutput]] = {}
         self.streams = 0  # open scheduler streams
+        self.observe_step = ignore_seconds  # seconds route() took for one step (services/detokenizer/metrics.py)
+        self.metrics: ServiceMetrics | None = None  # the service's registry and endpoint (main.start)
 
     def load(self) -> common_pb2.LoadReport:
         return common_pb2.LoadReport(instance_id=self.instance_id,
@@ -79,10 +82,12 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServicer):
 
     def route(self, batch: detokenizer_pb2.BatchTokenIDOutput) -> None:
         """Decode one step and hand each tokenizer its BatchStrOutput."""
+        started = time.perf_counter()
         for tokenizer_id, out in self.manager.handle_batch(batch).items():
             queue = self.subscribers.get(tokenizer_id)
             if queue is not None:
                 queue.put_nowait(out)
+        self.observe_step(time.perf_counter() - started)
 
     async def Stream(self, request_iterator: AsyncIterator[detokenizer_pb2.BatchTokenIDOutput],
                      context: grpc.aio.ServicerContext) -> AsyncIterator[detokenizer_pb2.DetokenizerEvent]:

@@ -18,6 +18,7 @@ from google.protobuf.message import Message
 from starlette.datastructures import Headers
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Message as ASGIMessage
 
 from ringserve.v1 import common_pb2, tokenizer_pb2
 
@@ -62,6 +63,61 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class BodyLimitMiddleware:
+    """Pure ASGI: a request body over ``limit`` bytes gets 413 before anything parses it.
+
+    A declared Content-Length is checked at once; a chunked body (no Content-Length) is
+    read and counted up to the limit, then handed on whole. Later ``receive`` calls (the
+    disconnect watch of streaming responses) go to the server as before.
+    """
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    def _too_large(self, size: str) -> Response:
+        return GatewayError(
+            f"the request body ({size}) exceeds the limit of {self.limit} bytes (--max-request-body-bytes)",
+            413, "invalid_request_error", None, "request_too_large",
+        ).response()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length")
+        if declared is not None and declared.isdigit():
+            if int(declared) > self.limit:
+                await self._too_large(f"{int(declared)} bytes")(scope, receive, send)
+                return
+            await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break  # the client left: let the app see the disconnect
+            size += len(message.get("body", b""))
+            if size > self.limit:
+                await self._too_large(f"over {self.limit} bytes so far")(scope, receive, send)
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                message = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                break
+        replayed = False
+
+        async def replay() -> ASGIMessage:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return message
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
 class CurlJsonMiddleware:
     """Read a form-encoded POST body as JSON: ``curl -d '{...}'`` sends JSON with curl's
     default Content-Type, and every endpoint here takes JSON only."""
@@ -86,6 +142,30 @@ def _proto_dict(msg: Message) -> dict:
         value = getattr(msg, f.name)
         out[f.name] = value if isinstance(value, (bool, int, float, str)) else list(value)
     return out
+
+
+def cluster_load_json(loads: list[tokenizer_pb2.ClusterLoad]) -> dict[str, list[dict]]:
+    """/get_load: one entry per service instance, every LoadReport field in each.
+
+    Args:
+        loads: one ClusterLoad per tokenizer instance. Replicas shared by several
+            tokenizers appear once (deduplicated by instance_id, first report kept).
+
+    Returns:
+        ``{"tokenizer": [...], "scheduler": [...], "detokenizer": [...]}``.
+    """
+    schedulers: dict[str, dict] = {}
+    detokenizers: dict[str, dict] = {}
+    for load in loads:
+        for report in load.schedulers:
+            schedulers.setdefault(report.instance_id, _proto_dict(report))
+        for report in load.detokenizers:
+            detokenizers.setdefault(report.instance_id, _proto_dict(report))
+    return {
+        "tokenizer": [_proto_dict(load.tokenizer) for load in loads],
+        "scheduler": list(schedulers.values()),
+        "detokenizer": list(detokenizers.values()),
+    }
 
 
 def _model_entry(card_name: str, root: str, context_length: int) -> dict:
@@ -160,6 +240,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         app.add_exception_handler(exc_type, handler)
     app.add_exception_handler(sse.ClientDisconnected, lambda *_: Response(status_code=499))
     app.add_middleware(CurlJsonMiddleware)
+    app.add_middleware(BodyLimitMiddleware, limit=config.max_request_body_bytes)
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
 
@@ -203,8 +284,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @app.get("/get_load", responses=schemas.ERRORS)
     async def get_load(request: Request) -> Response:
-        load = await client_of(request).unary("GetLoad", common_pb2.Empty())
-        return sse.json_response(_proto_dict(load))
+        return sse.json_response(cluster_load_json(await client_of(request).cluster_load()))
 
     @app.get("/health", responses=schemas.ok(schemas.HealthResponse))
     async def health(request: Request) -> Response:

@@ -4,16 +4,29 @@
 error the tokenizer can report before dispatch (validation, context length, duplicate rid,
 queue full) reaches the client as a JSON error, never after the first SSE byte.
 Cancelling a call (client disconnect) makes the tokenizer send AbortReq downstream.
+Each ``Generate`` call carries the gateway's ``request_timeout_s`` as its gRPC deadline;
+when it passes, the tokenizer aborts the rid and the call ends DEADLINE_EXCEEDED, which
+reaches the client as 504 ``timeout_error`` (an error event then ``[DONE]`` once
+streaming). With ``log_requests`` the request and each output's text are logged.
+
+Several tokenizer instances are reached through one channel whose target resolves to
+all of them (``ipv4:a:p,b:p``, or ``dns:///<headless-service>:<port>``): gRPC's own
+``round_robin`` load balancing spreads the calls (each call stays on one instance, the
+one that owns its rid).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
+import socket
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
+from google.protobuf import text_format
 
 from ringserve import grpcutil
 from ringserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
@@ -21,6 +34,12 @@ from ringserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from .config import GatewayConfig
 from .errors import GatewayError, from_rpc_error
 from .metrics import GatewayMetrics, RequestMetrics
+
+logger = logging.getLogger(__name__)
+
+# gRPC's built-in round_robin policy over every address the target resolves to
+# (the default, pick_first, would send every call to the first one).
+ROUND_ROBIN = ("grpc.service_config", json.dumps({"loadBalancingConfig": [{"round_robin": {}}]}))
 
 # Bounds the per-id cache of logprob token pieces (a vocabulary is at most a few 100k ids).
 _MAX_CACHED_PIECES = 1 << 20
@@ -42,10 +61,14 @@ class GenerateStream:
         call: grpc.aio.UnaryStreamCall,
         first: tokenizer_pb2.GenerateOutput | None,
         metrics: RequestMetrics | None = None,
+        on_error: Callable[[grpc.aio.AioRpcError], GatewayError] = from_rpc_error,
+        on_output: Callable[[tokenizer_pb2.GenerateOutput], None] | None = None,
     ) -> None:
         self._call = call
         self._first = first
         self._metrics = metrics
+        self._on_error = on_error
+        self._on_output = on_output
 
     async def __aiter__(self) -> AsyncIterator[tokenizer_pb2.GenerateOutput]:
         """Yield every output; a gRPC error raises GatewayError."""
@@ -58,11 +81,13 @@ class GenerateStream:
                 try:
                     out = await self._call.read()
                 except grpc.aio.AioRpcError as exc:
-                    raise from_rpc_error(exc) from None
+                    raise self._on_error(exc) from None
                 if out is grpc.aio.EOF:
                     return
                 if self._metrics is not None:
                     self._metrics.on_output(out)
+                if self._on_output is not None:
+                    self._on_output(out)
                 yield out
         finally:
             self._close_metrics()
@@ -90,7 +115,7 @@ class TokenizerClient:
 
     def __init__(self, config: GatewayConfig, metrics: GatewayMetrics | None = None) -> None:
         self._config = config
-        self._channel = grpcutil.insecure_channel(config.tokenizer)
+        self._channel = grpcutil.channel(config.tokenizer, config.transport, extra_options=(ROUND_ROBIN,))
         self.stub = tokenizer_pb2_grpc.TokenizerStub(self._channel)
         self.metrics = metrics or GatewayMetrics(config.served_model_name)
         self._card: ModelCard | None = None
@@ -106,16 +131,22 @@ class TokenizerClient:
             GatewayError: the status the tokenizer returned before its first output.
         """
         started = time.monotonic()
-        call = self.stub.Generate(req)
+        call = self.stub.Generate(req, timeout=self._config.request_timeout_s)
+        log_output = None
+        if self._config.log_requests:
+            logger.info("request %s: %s", req.rid, text_format.MessageToString(req, as_one_line=True))
+            log_output = lambda out: logger.info("output %s: %r", out.rid, out.text)  # noqa: E731
         try:
             first = await call.read()
         except grpc.aio.AioRpcError as exc:
-            raise from_rpc_error(exc) from None
+            raise self._rpc_error(exc) from None
         except BaseException:
             call.cancel()
             raise
         if first is grpc.aio.EOF:
             return GenerateStream(call, None)
+        if log_output is not None:
+            log_output(first)
         tracker = None
         if observe:
             if not self.metrics.model_name:
@@ -127,7 +158,16 @@ class TokenizerClient:
             n = req.sampling_params.n if req.sampling_params.HasField("n") else 1
             tracker = self.metrics.request(n, req.stream, started)
             tracker.on_output(first)
-        return GenerateStream(call, first, tracker)
+        return GenerateStream(call, first, tracker, self._rpc_error, log_output)
+
+    def _rpc_error(self, exc: grpc.aio.AioRpcError) -> GatewayError:
+        """``from_rpc_error``, naming ``--request-timeout`` when the Generate deadline passed."""
+        if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self._config.request_timeout_s is not None:
+            return GatewayError(
+                f"the request did not finish within {self._config.request_timeout_s:g} s (--request-timeout)",
+                504, "timeout_error", None, "timeout",
+            )
+        return from_rpc_error(exc)
 
     async def open_streams(self, reqs: Sequence[tokenizer_pb2.GenerateReqInput]) -> list[GenerateStream]:
         """``open_stream`` for each request, concurrently; on any error every call is cancelled."""
@@ -185,6 +225,24 @@ class TokenizerClient:
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from None
 
+    async def cluster_load(self) -> list[tokenizer_pb2.ClusterLoad]:
+        """``GetClusterLoad`` of every tokenizer instance the target resolves to.
+
+        Raises:
+            GatewayError: the target does not resolve, or an instance does not answer.
+        """
+        addresses = await resolve_target(self._config.tokenizer)
+
+        async def one(address: str) -> tokenizer_pb2.ClusterLoad:
+            async with grpcutil.channel(address, self._config.transport) as channel:
+                stub = tokenizer_pb2_grpc.TokenizerStub(channel)
+                try:
+                    return await stub.GetClusterLoad(common_pb2.Empty(), timeout=self._config.rpc_timeout_s)
+                except grpc.aio.AioRpcError as exc:
+                    raise from_rpc_error(exc) from None
+
+        return list(await asyncio.gather(*(one(a) for a in addresses)))
+
     async def token_pieces(self, ids: Sequence[int]) -> dict[int, TokenPiece]:
         """The text and raw bytes of each token id alone (special tokens kept), for logprobs.
 
@@ -202,3 +260,37 @@ class TokenizerClient:
             for token_id, text, raw in zip(missing, resp.texts, resp.token_bytes):  # type: ignore[attr-defined]
                 self._pieces[token_id] = TokenPiece(text, raw)
         return {i: self._pieces[i] for i in ids}
+
+
+async def resolve_target(target: str) -> list[str]:
+    """Every address a gRPC channel target names, as plain channel targets.
+
+    ``host:port`` and ``unix:path`` name one; ``ipv4:a:p,b:p`` (and ``ipv6:``) list
+    several; ``dns:///name:port`` (or ``dns:name:port``) names every address the name
+    resolves to now, as ``ip:port`` (gRPC's name syntax, doc/naming.md).
+
+    Raises:
+        GatewayError(503): a dns name that does not resolve.
+    """
+    scheme, sep, rest = target.partition(":")
+    if sep and scheme in ("ipv4", "ipv6"):
+        return [a for a in rest.split(",") if a]
+    if not (sep and scheme == "dns"):
+        return [target]
+    host_port = rest.removeprefix("//").split("/", 1)[-1]  # drop an optional authority
+    host, _, port = host_port.rpartition(":")
+    if not host or not port.isdigit():
+        host, port = host_port, "443"  # gRPC's default port for a dns target
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await loop.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise GatewayError(f"the tokenizer target {target!r} does not resolve: {exc}", 503,
+                           "service_unavailable_error") from None
+    out: list[str] = []
+    for family, _, _, _, sockaddr in infos:
+        ip = sockaddr[0]
+        address = f"[{ip}]:{sockaddr[1]}" if family == socket.AF_INET6 else f"{ip}:{sockaddr[1]}"
+        if address not in out:
+            out.append(address)
+    return out

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ringserve.grpcutil import Transport
+
 
 @dataclass(frozen=True)
 class GatewayConfig:
@@ -15,3 +17,9 @@ class GatewayConfig:
     rpc_timeout_s: float = 5.0  # deadline of the unary calls (model info, tokenize, abort, load)
     health_timeout_s: float = 2.0
     health_generate_timeout_s: float = 20.0  # /health_generate: one token through the ring, else 503
+    # Deadline of each generation's Generate call (HTTP 504 timeout_error when it passes);
+    # None: no deadline. Ten minutes lets a long CPU generation finish under load.
+    request_timeout_s: float | None = 600.0
+    max_request_body_bytes: int = 16 * 1024 * 1024  # larger bodies: 413, before any parsing
+    log_requests: bool = False  # log prompts and outputs (INFO); off: they never reach a log
+    transport: Transport = Transport()  # gRPC message size and TLS of the channel to the tokenizer

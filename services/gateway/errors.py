@@ -17,6 +17,7 @@ Every error leaves the gateway as ``{"error": {"message", "type", "param", "code
 from __future__ import annotations
 
 import logging
+import traceback
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -84,7 +85,8 @@ def from_grpc_status(
     status, type_, default_code, retry = _GRPC_STATUS.get(code, (500, "server_error", "internal_error", False))
     message = details or code.name.lower()
     if status == 500:
-        logger.error("tokenizer returned %s: %s", code.name, details)
+        # The details go to the client only: they may quote the request.
+        logger.error("tokenizer returned %s", code.name)
     param = metadata.get("param") or ("rid" if code == grpc.StatusCode.ALREADY_EXISTS else None)
     return GatewayError(message, status, type_, param, metadata.get("code") or default_code, retry)
 
@@ -189,7 +191,9 @@ async def handle_http_error(_: Request, exc: Exception) -> Response:
 
 
 async def handle_unexpected(_: Request, exc: Exception) -> Response:
-    logger.exception("unhandled error in the gateway")
+    # The traceback without the exception's message, which may quote the request body.
+    trace = "".join(traceback.format_tb(exc.__traceback__))
+    logger.error("unhandled %s in the gateway:\n%s", type(exc).__name__, trace)
     return GatewayError("internal server error", 500, "server_error", None, "internal_error").response()
 
 

@@ -7,6 +7,8 @@ import logging
 
 import uvicorn
 
+from ringserve import grpcutil
+
 from .app import create_app
 from .config import GatewayConfig
 
@@ -30,18 +32,33 @@ def parse_args(argv: list[str] | None) -> GatewayConfig:
         default=None,
         help="model name to serve (default: the tokenizer's served model name)",
     )
+    parser.add_argument("--request-timeout", type=float, default=defaults.request_timeout_s,
+                        help="seconds a generation may take before it is aborted with HTTP 504 "
+                             "(the Generate call's gRPC deadline; <= 0: none; default %(default)s)")
+    parser.add_argument("--max-request-body-bytes", type=int, default=defaults.max_request_body_bytes,
+                        help="larger request bodies get HTTP 413 before parsing (default %(default)s)")
+    parser.add_argument("--log-requests", action="store_true",
+                        help="log prompts and outputs; by default they are never written to the log")
+    grpcutil.add_transport_args(parser)
     args = parser.parse_args(argv)
+    if args.max_request_body_bytes <= 0:
+        parser.error("--max-request-body-bytes must be > 0")
     return GatewayConfig(
         host=args.host,
         port=args.port,
         tokenizer=args.tokenizer,
         api_key=args.api_key,
         served_model_name=args.served_model_name,
+        request_timeout_s=args.request_timeout if args.request_timeout and args.request_timeout > 0 else None,
+        max_request_body_bytes=args.max_request_body_bytes,
+        log_requests=args.log_requests,
+        transport=grpcutil.transport_from_args(parser, args),
     )
 
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
+    grpcutil.configure(config.transport)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s gateway: %(message)s")
     uvicorn.run(
         create_app(config),

@@ -17,7 +17,8 @@ What is measured and when (the gateway sees outputs, not engine steps):
 - ``ringserve:request_success_total{finished_reason}``: choices that ended with stop or length.
 - ``ringserve:num_aborted_requests_total``: choices that ended with abort, or whose call ended
   before they finished (client disconnect, error).
-- ``ringserve:num_requests_running``: Generate calls open now.
+- ``ringserve:gateway_requests_in_flight``: Generate calls open now (the scheduler's
+  ``ringserve:num_requests_running`` is its running batch).
 
 Each app has its own registry, so several gateways (tests) can live in one process.
 ``/health_generate`` probes are not counted (as in SGLang).
@@ -63,7 +64,7 @@ class GatewayMetrics:
         self.success = Counter("ringserve:request_success", "Choices finished by stop or length.",
                                [*labels, "finished_reason"], registry=r)
         self.aborted = Counter("ringserve:num_aborted_requests", "Choices aborted or cut off.", labels, registry=r)
-        self.running = Gauge("ringserve:num_requests_running", "Generate calls in flight.", labels, registry=r)
+        self.running = Gauge("ringserve:gateway_requests_in_flight", "Generate calls in flight.", labels, registry=r)
 
     def exposition(self) -> bytes:
         """The Prometheus text format of every family."""

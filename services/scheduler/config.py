@@ -5,9 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ringserve.grpcutil import Transport
+
 DTYPES = ("auto", "float32", "bfloat16")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 LOAD_FORMATS = ("auto", "dummy")
+# "auto" and the names of layers.attention_backend.ATTENTION_BACKENDS (kept torch-free here).
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,8 @@ class EngineConfig:
         disable_radix_cache: run without the prefix cache.
         schedule_policy: admission order, "fcfs" or "lpm" (longest cached prefix first).
         load_format: "auto" (safetensors) or "dummy" (random weights for config.json).
+        attention_backend: "torch", "triton", or "auto" = triton when the weights are on
+            a CUDA device, torch on CPU (triton on CPU needs TRITON_INTERPRET=1).
     """
 
     model: Path
@@ -39,6 +45,7 @@ class EngineConfig:
     disable_radix_cache: bool = False
     schedule_policy: str = "fcfs"
     load_format: str = "auto"
+    attention_backend: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -55,6 +62,14 @@ class SchedulerConfig:
     max_queued_requests: int | None = None  # None: no limit; beyond it RESOURCE_EXHAUSTED
     grace_period_s: float = 5.0  # on SIGTERM: refuse new requests, let in-flight ones finish this long
     watchdog_timeout_s: float | None = None  # NOT_SERVING after this long with work and no step done
+    max_queued_tokens: int | None = None  # None: no limit; see EngineLoop (prompt tokens held)
+    transport: Transport = Transport()  # gRPC message size and TLS, server and detokenizer channel
+    metrics_port: int | None = None  # Prometheus /metrics on host:port; None = off, 0 = a free port
+    served_model_name: str | None = None  # the metrics' model_name label; None = the model directory's name
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.engine.model).name
 
     @property
     def address(self) -> str:

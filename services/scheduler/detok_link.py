@@ -19,7 +19,7 @@ from collections.abc import Callable
 import grpc
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
-from ringserve.grpcutil import insecure_channel
+from ringserve.grpcutil import channel as grpc_channel
 from ringserve.v1 import detokenizer_pb2, detokenizer_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class DetokenizerLink:
                 await self._session()
 
     async def _session(self) -> None:
-        async with insecure_channel(self.target) as channel:
+        async with grpc_channel(self.target) as channel:
             call = detokenizer_pb2_grpc.DetokenizerStub(channel).Stream()
             await call.wait_for_connection()
             self.num_connects += 1

@@ -19,7 +19,10 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from services.scheduler.config import DTYPES, LOAD_FORMATS, SCHEDULE_POLICIES, EngineConfig, SchedulerConfig
+from ringserve import grpcutil
+from ringserve.metrics import add_metrics_port_flag
+from services.scheduler.config import (ATTENTION_BACKENDS, DTYPES, LOAD_FORMATS, SCHEDULE_POLICIES, EngineConfig,
+                                      SchedulerConfig)
 
 log = logging.getLogger("ringserve.scheduler")
 
@@ -47,6 +50,8 @@ def parse_args(argv: list[str] | None) -> SchedulerConfig:
                    help="admission order: first come first served, or longest cached prefix first")
     p.add_argument("--load-format", choices=LOAD_FORMATS, default=e.load_format,
                    help="dummy = random weights of config.json's shapes (benchmarks)")
+    p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=e.attention_backend,
+                   help="auto = triton on CUDA devices, torch on CPU; triton on CPU needs TRITON_INTERPRET=1 (tests)")
     p.add_argument("--torch-threads", type=int, default=None, help="default: the number of usable cores")
     p.add_argument("--max-queued-requests", type=int, default=s.max_queued_requests,
                    help="requests allowed to wait for a request slot; beyond it refuse with RESOURCE_EXHAUSTED")
@@ -54,19 +59,30 @@ def parse_args(argv: list[str] | None) -> SchedulerConfig:
                    help="seconds in-flight requests get to finish on SIGTERM")
     p.add_argument("--watchdog-timeout", type=float, default=s.watchdog_timeout_s,
                    help="health NOT_SERVING after this many seconds with work pending and no step finished")
+    p.add_argument("--max-queued-tokens", type=int, default=s.max_queued_tokens,
+                   help="prompt tokens of the requests held (waiting and running) plus the new one's; "
+                        "beyond it refuse with RESOURCE_EXHAUSTED (a request is never refused on an idle scheduler)")
+    add_metrics_port_flag(p)
+    p.add_argument("--served-model-name", default=None,
+                   help="model_name label of the metrics (default: the model directory's name)")
+    grpcutil.add_transport_args(p)
     a = p.parse_args(argv)
     if a.max_queued_requests is not None and a.max_queued_requests < 0:
         p.error("--max-queued-requests must be >= 0")
+    if a.max_queued_tokens is not None and a.max_queued_tokens <= 0:
+        p.error("--max-queued-tokens must be > 0")
     engine = EngineConfig(
         model=a.model, dtype=a.dtype, max_running_requests=a.max_running_requests, max_total_tokens=a.max_total_tokens,
         max_prefill_tokens=a.max_prefill_tokens, context_length=a.context_length, seed=a.seed,
         chunked_prefill_size=a.chunked_prefill_size, disable_radix_cache=a.disable_radix_cache,
-        schedule_policy=a.schedule_policy, load_format=a.load_format,
+        schedule_policy=a.schedule_policy, load_format=a.load_format, attention_backend=a.attention_backend,
     )
     return SchedulerConfig(engine=engine, host=a.host, port=a.port, detokenizer=a.detokenizer,
                            instance_id=a.instance_id, torch_threads=a.torch_threads,
                            max_queued_requests=a.max_queued_requests, grace_period_s=a.grace_period,
-                           watchdog_timeout_s=a.watchdog_timeout)
+                           watchdog_timeout_s=a.watchdog_timeout, max_queued_tokens=a.max_queued_tokens,
+                           transport=grpcutil.transport_from_args(p, a),
+                           metrics_port=a.metrics_port, served_model_name=a.served_model_name)
 
 
 class Watchdog:
@@ -123,17 +139,22 @@ async def serve(cfg: SchedulerConfig, stop: asyncio.Event | None = None,
     import torch
 
     from ringserve.grpcutil import start_server
+    from ringserve.metrics import ServiceMetrics
     from ringserve.v1 import scheduler_pb2, scheduler_pb2_grpc
     from services.scheduler.detok_link import DetokenizerLink
     from services.scheduler.engine.engine import Engine
     from services.scheduler.engine.loop import EngineLoop
+    from services.scheduler.metrics import SchedulerMetrics
     from services.scheduler.servicer import SchedulerServicer
     from services.scheduler.wire import step_output_to_proto
 
     torch.set_num_threads(cfg.torch_threads or len(os.sched_getaffinity(0)))
     engine = Engine.from_config(cfg.engine)
+    metrics = ServiceMetrics(cfg.model_name)
+    SchedulerMetrics(engine, metrics)
+    metrics.serve(cfg.host, cfg.metrics_port)
     loop = EngineLoop(engine, lambda out: link.send_threadsafe(step_output_to_proto(out)),
-                      max_queued_requests=cfg.max_queued_requests)
+                      max_queued_requests=cfg.max_queued_requests, max_queued_tokens=cfg.max_queued_tokens)
     link = DetokenizerLink(
         cfg.detokenizer,
         on_lost=lambda: loop.abort(message="lost the detokenizer stream and its decode state",
@@ -178,6 +199,7 @@ async def serve(cfg: SchedulerConfig, stop: asyncio.Event | None = None,
         if watchdog_task is not None:
             watchdog_task.cancel()
         await server.stop(1.0)
+        metrics.stop()
         loop.stop()
         link_task.cancel()
         await asyncio.gather(link_task, return_exceptions=True)
@@ -185,6 +207,7 @@ async def serve(cfg: SchedulerConfig, stop: asyncio.Event | None = None,
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv)
+    grpcutil.configure(cfg.transport)
     # Before torch loads OpenMP: spinning OpenMP workers on a machine shared with the other
     # services made decode steps 5-10x slower (measured: batch 16, 2 cores, load 5:
     # 306 ms passive against 840-5284 ms spinning).

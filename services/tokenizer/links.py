@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 import grpc
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential, wait_random
 
-from ringserve.grpcutil import insecure_channel
+from ringserve.grpcutil import channel as grpc_channel
+from ringserve.metrics import ignore_seconds
 from ringserve.v1 import common_pb2, detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.tokenizer.errors import unavailable
 
@@ -55,6 +57,7 @@ class Link(ABC):
         self.on_change = on_change
         self.up = False
         self.sessions = 0  # successful connections so far
+        self.channel: grpc.aio.Channel | None = None  # the session's channel while up (unary calls)
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
 
@@ -79,10 +82,11 @@ class Link(ABC):
                     with attempt:
                         if channel is not None:
                             await channel.close()
-                        channel = insecure_channel(self.target)
+                        channel = grpc_channel(self.target)
                         await asyncio.wait_for(channel.channel_ready(), CONNECT_TIMEOUT_S)
                         call = await self._open(channel)
                 self.sessions += 1
+                self.channel = channel
                 self._set(True)
                 await self._pump(call)
                 logger.warning("%s stream at %s closed", self.name, self.target)
@@ -93,6 +97,7 @@ class Link(ABC):
                 logger.exception("%s stream at %s failed", self.name, self.target)
                 failed = True
             finally:
+                self.channel = None
                 self._set(False)
                 if channel is not None:
                     await channel.close()
@@ -119,14 +124,16 @@ class SchedulerLink(Link):
     def __init__(self, target: str, instance_id: str, on_change: Callable[[Link, bool], None]):
         super().__init__("scheduler", target, on_change)
         self.instance_id = instance_id
-        self._queue: asyncio.Queue[scheduler_pb2.SchedulerInput] = asyncio.Queue()
+        # Each message with the perf_counter() time it was queued at.
+        self._queue: asyncio.Queue[tuple[scheduler_pb2.SchedulerInput, float]] = asyncio.Queue()
+        self.observe_dispatch = ignore_seconds  # seconds from queueing a request to its write on the stream
         # The scheduler's latest LoadReport event (sent about once a second); None while down.
         self.last_load: common_pb2.LoadReport | None = None
 
     def _put(self, msg: scheduler_pb2.SchedulerInput) -> None:
         if not self.up:
             raise unavailable(f"the scheduler at {self.target} is not connected")
-        self._queue.put_nowait(msg)
+        self._queue.put_nowait((msg, time.perf_counter()))
 
     def send_req(self, req: scheduler_pb2.TokenizedGenerateReqInput) -> None:
         """Queue a request. Raises RequestError (UNAVAILABLE) when the stream is down."""
@@ -154,7 +161,10 @@ class SchedulerLink(Link):
     async def _pump(self, call: grpc.aio.Call) -> None:
         async def write() -> None:
             while True:
-                await call.write(await self._queue.get())
+                msg, queued = await self._queue.get()
+                await call.write(msg)
+                if msg.HasField("req"):
+                    self.observe_dispatch(time.perf_counter() - queued)
 
         async def read() -> None:
             while (event := await call.read()) is not grpc.aio.EOF:

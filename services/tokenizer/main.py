@@ -1,12 +1,15 @@
 """``ringserve tokenizer``: flags, start-up, health and shutdown of the tokenizer service.
 
-Flags are parsed once into ``TokenizerConfig``. Health reports SERVING once the
-tokenizer is loaded and both the scheduler stream and the detokenizer
-subscription are up, and NOT_SERVING while either is reconnecting. SIGTERM and
-SIGINT turn health NOT_SERVING and stop accepting calls; in-flight calls get
-``--grace-period`` seconds to finish (both links stay up meanwhile), then the rest
-are cancelled (which aborts them at the scheduler), pending aborts are flushed and
-both links closed.
+Flags are parsed once into ``TokenizerConfig``. The instance talks to one or more
+model replicas (``--replica SCHED_ADDR,DETOK_ADDR``, repeatable; by default the one
+pair ``--scheduler``/``--detokenizer``) and picks one per request
+(``services.tokenizer.router``). Health reports SERVING once the tokenizer is
+loaded and at least one replica has both its scheduler stream and its detokenizer
+subscription up, and NOT_SERVING while none has. Losing one replica's link fails
+only the requests dispatched to that replica. SIGTERM and SIGINT turn health
+NOT_SERVING and stop accepting calls; in-flight calls get ``--grace-period``
+seconds to finish (the links stay up meanwhile), then the rest are cancelled (which
+aborts them at their scheduler), pending aborts are flushed and the links closed.
 """
 
 from __future__ import annotations
@@ -20,11 +23,15 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ringserve import grpcutil
 from ringserve.grpcutil import ServingServer, start_server
+from ringserve.metrics import ServiceMetrics, add_metrics_port_flag
 from ringserve.v1 import tokenizer_pb2_grpc
 from services.tokenizer.errors import unavailable
 from services.tokenizer.links import DetokenizerLink, Link, SchedulerLink
 from services.tokenizer.manager import TokenizerManager
+from services.tokenizer.metrics import install_tokenizer_metrics
+from services.tokenizer.replicas import Replica, ReplicaAddress, ReplicaSet
 from services.tokenizer.model import load_tokenizer, model_facts
 from services.tokenizer.servicer import SERVICE_NAME, TokenizerServicer
 
@@ -46,34 +53,56 @@ class TokenizerConfig:
     port: int = 30010  # 0 picks a free port
     scheduler: str = "127.0.0.1:30020"
     detokenizer: str = "127.0.0.1:30030"
+    # "SCHED_ADDR,DETOK_ADDR" per model replica; empty: the one replica scheduler + detokenizer.
+    replicas: tuple[str, ...] = ()
     instance_id: str = field(default_factory=default_instance_id)
     served_model_name: str | None = None  # default: the model directory's name
     context_length: int | None = None  # default: config.json max_position_embeddings
     grace_period_s: float = 5.0  # on SIGTERM, how long in-flight calls may run on
     allow_special_tokens_in_messages: bool = False  # control tokens spelled in messages stay text
+    metrics_port: int | None = None  # Prometheus /metrics on host:port; None = off, 0 = a free port
+    transport: grpcutil.Transport = grpcutil.Transport()  # message size and TLS, server and both links
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
+    @property
+    def replica_addresses(self) -> tuple[ReplicaAddress, ...]:
+        """Every replica's addresses. Raises ValueError for a malformed ``replicas`` entry."""
+        if not self.replicas:
+            return (ReplicaAddress(self.scheduler, self.detokenizer),)
+        return tuple(ReplicaAddress.parse(spec) for spec in self.replicas)
+
 
 class TokenizerService:
-    """The manager, its two links and the gRPC server, started and stopped together."""
+    """The manager, the links of every replica and the gRPC server, started and stopped together."""
 
     def __init__(self, config: TokenizerConfig):
         self.config = config
         tokenizer = load_tokenizer(config.model)
         facts = model_facts(config.model, tokenizer, config.served_model_name, config.context_length)
         self.manager = TokenizerManager(
-            tokenizer, facts, config.instance_id, outputs_up=False,
+            tokenizer, facts, config.instance_id,
             allow_special_tokens_in_messages=config.allow_special_tokens_in_messages,
         )
-        self.scheduler = SchedulerLink(config.scheduler, config.instance_id, self._on_link)
-        self.detokenizer = DetokenizerLink(
-            config.detokenizer, config.instance_id, self.manager.handle_batch, self._on_link
-        )
-        self.manager.attach(self.scheduler)
+        self.replicas = ReplicaSet([
+            Replica(address, config.instance_id, self.manager.handle_batch, self._on_link)
+            for address in config.replica_addresses
+        ])
+        self.manager.balancer = self.replicas
         self.server: ServingServer | None = None
+        self.metrics = ServiceMetrics(facts.served_model_name)
+
+    @property
+    def scheduler(self) -> SchedulerLink:
+        """The first replica's scheduler link."""
+        return self.replicas.replicas[0].scheduler
+
+    @property
+    def detokenizer(self) -> DetokenizerLink:
+        """The first replica's detokenizer link."""
+        return self.replicas.replicas[0].detokenizer
 
     @property
     def port(self) -> int:
@@ -82,16 +111,18 @@ class TokenizerService:
 
     @property
     def ready(self) -> bool:
-        return self.scheduler.up and self.detokenizer.up
+        return self.replicas.any_up
 
     def _on_link(self, link: Link, up: bool) -> None:
-        if link is self.detokenizer:
-            self.manager.outputs_up = up
+        replica = self.replicas.of(link)
         if not up:
             failed = self.manager.fail_all(
                 unavailable(f"lost the connection to the {link.name} at {link.target}"),
-                send_aborts=link is self.detokenizer,
+                send_aborts=link is replica.detokenizer,
+                replica=replica,
             )
+            if link is replica.scheduler:  # it may have restarted with an empty prefix cache
+                self.replicas.router.forget(replica.name)
             logger.warning("%s link down; failed %d in-flight requests", link.name, failed)
         else:
             logger.info("%s link up (%s)", link.name, link.target)
@@ -102,21 +133,30 @@ class TokenizerService:
             await self.server.set_serving(self.ready)
 
     async def start(self) -> None:
-        servicer = TokenizerServicer(self.manager, lambda: self.scheduler.last_load)
+        servicer = TokenizerServicer(
+            self.manager,
+            lambda: [r.scheduler.last_load for r in self.replicas.replicas],
+            lambda: asyncio.gather(*(r.loads() for r in self.replicas.replicas)),
+        )
+        install_tokenizer_metrics(self.metrics, self.manager, [r.scheduler for r in self.replicas.replicas], servicer)
+        self.metrics.serve(self.config.host, self.config.metrics_port)
         self.server = await start_server(
             self.config.address, [(tokenizer_pb2_grpc.add_TokenizerServicer_to_server, servicer, SERVICE_NAME)]
         )
-        self.scheduler.start()
-        self.detokenizer.start()
-        logger.info("tokenizer %s listening on %s:%d", self.config.instance_id, self.config.host, self.port)
+        for replica in self.replicas.replicas:
+            replica.start()
+        logger.info("tokenizer %s listening on %s:%d, replicas %s", self.config.instance_id, self.config.host,
+                    self.port, ", ".join(f"{r.address.scheduler}+{r.address.detokenizer}" for r in self.replicas.replicas))
 
     async def stop(self) -> None:
         if self.server is not None:
             await self.server.set_serving(False)
             await self.server.stop(self.config.grace_period_s)
-        await self.scheduler.flush(ABORT_FLUSH_S)
-        await self.detokenizer.stop()
-        await self.scheduler.stop()
+        await asyncio.gather(*(r.scheduler.flush(ABORT_FLUSH_S) for r in self.replicas.replicas))
+        for replica in self.replicas.replicas:
+            await replica.detokenizer.stop()
+            await replica.scheduler.stop()
+        self.metrics.stop()
 
 
 def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
@@ -126,6 +166,9 @@ def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
     p.add_argument("--port", type=int, default=TokenizerConfig.port, help="0 picks a free port")
     p.add_argument("--scheduler", default=TokenizerConfig.scheduler, help="scheduler address")
     p.add_argument("--detokenizer", default=TokenizerConfig.detokenizer, help="detokenizer address")
+    p.add_argument("--replica", action="append", default=[], metavar="SCHED_ADDR,DETOK_ADDR",
+                   help="a model replica (a scheduler and its detokenizer); repeat for several; "
+                        "given, it replaces --scheduler/--detokenizer")
     p.add_argument("--instance-id", default=None, help="default: tok-<hostname>-<pid>")
     p.add_argument("--served-model-name", default=None, help="default: the model directory's name")
     p.add_argument("--context-length", type=int, default=None, help="default: config.json max_position_embeddings")
@@ -134,18 +177,28 @@ def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
     p.add_argument("--allow-special-tokens-in-messages", action="store_true",
                    help="parse control tokens spelled in chat message text (e.g. <|im_end|>) as those "
                         "tokens; by default they are tokenized as plain text")
+    add_metrics_port_flag(p)
+    grpcutil.add_transport_args(p)
     a = p.parse_args(argv)
+    for spec in a.replica:
+        try:
+            ReplicaAddress.parse(spec)
+        except ValueError as exc:
+            p.error(str(exc))
     return TokenizerConfig(
         model=a.model,
         host=a.host,
         port=a.port,
         scheduler=a.scheduler,
         detokenizer=a.detokenizer,
+        replicas=tuple(a.replica),
         instance_id=a.instance_id or default_instance_id(),
         served_model_name=a.served_model_name,
         context_length=a.context_length,
         grace_period_s=a.grace_period,
         allow_special_tokens_in_messages=a.allow_special_tokens_in_messages,
+        metrics_port=a.metrics_port,
+        transport=grpcutil.transport_from_args(p, a),
     )
 
 
@@ -164,6 +217,7 @@ async def serve(config: TokenizerConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
+    grpcutil.configure(config.transport)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s tokenizer %(name)s: %(message)s")
     asyncio.run(serve(config))
 

@@ -17,20 +17,25 @@ Life cycle of one request (DESIGN.md, invariants 2 and 4):
 5. the call ends early (client cancel, error): states never dispatched are
    dropped; dispatched, unfinished ones get an AbortReq (``abort_sent``) and stay
    until the scheduler's final (abort) row arrives, which deletes them.
-6. a lost scheduler or detokenizer link fails every state with UNAVAILABLE.
+6. a lost scheduler or detokenizer link fails every state dispatched to that
+   replica with UNAVAILABLE (with several replicas, ``Balancer`` picks one per
+   request and the others' requests go on).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections import Counter
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import grpc
 
+from ringserve.metrics import ignore_seconds
 from ringserve.v1 import common_pb2, detokenizer_pb2, scheduler_pb2, tokenizer_pb2
 from services.tokenizer.chat import render_chat
 from services.tokenizer.errors import (
@@ -99,6 +104,18 @@ class Dispatcher(Protocol):
     def send_abort(self, abort: scheduler_pb2.AbortReq) -> None: ...
 
 
+class Balancer(Protocol):
+    """Picks the replica (a Dispatcher) for a request among several (see ``services.tokenizer.replicas``)."""
+
+    def pick(self, input_ids: Sequence[int], outstanding: Mapping[Dispatcher, int]) -> Dispatcher:
+        """The replica for a prompt, given this instance's in-flight requests per replica.
+
+        Raises:
+            RequestError: UNAVAILABLE when no replica has both links up.
+        """
+        ...
+
+
 @dataclass(frozen=True)
 class Prepared:
     """A validated request: its parent rid and one TokenizedGenerateReqInput per choice."""
@@ -119,8 +136,10 @@ class TokenizerManager:
         tokenizer: a transformers tokenizer (``encode``, ``decode``, ``apply_chat_template``).
         facts: model facts (context length, vocab size, ...).
         instance_id: this tokenizer instance's id, sent with every request.
-        dispatcher: the scheduler link; set later with ``attach`` when None.
+        dispatcher: the scheduler link of the only replica; set later with ``attach`` when None.
         outputs_up: whether the detokenizer subscription is up (the service keeps it current).
+        balancer: several replicas; when given, each request goes to ``balancer.pick``
+            (``dispatcher`` and ``outputs_up`` are then unused).
         allow_special_tokens_in_messages: parse control tokens that chat message text
             spells (``<|im_end|>``) as those tokens; by default they stay text (see
             ``services.tokenizer.special``).
@@ -134,6 +153,7 @@ class TokenizerManager:
         dispatcher: Dispatcher | None = None,
         outputs_up: bool = True,
         allow_special_tokens_in_messages: bool = False,
+        balancer: Balancer | None = None,
     ):
         self.tokenizer = tokenizer
         self.guard = None if allow_special_tokens_in_messages else SpecialTokenGuard(tokenizer)
@@ -143,8 +163,12 @@ class TokenizerManager:
         # Whether outputs can reach this instance (the detokenizer subscription is up);
         # requests are refused while they cannot, instead of waiting forever.
         self.outputs_up = outputs_up
+        self.balancer = balancer
+        # Dispatched, not yet forgotten states per replica: the router's "outstanding work".
+        self.outstanding: Counter[Dispatcher] = Counter()
         self.rid_to_state: dict[str, ReqState] = {}
         self._parents: dict[str, int] = {}  # parent rid -> live sub-states
+        self.observe_tokenize = ignore_seconds  # seconds prepare() took (services/tokenizer/metrics.py)
 
     def attach(self, dispatcher: Dispatcher) -> None:
         self.dispatcher = dispatcher
@@ -279,6 +303,10 @@ class TokenizerManager:
         if self.rid_to_state.get(st.rid) is not st:
             return
         del self.rid_to_state[st.rid]
+        if st.dispatched and st.replica is not None:
+            self.outstanding[st.replica] -= 1
+            if not self.outstanding[st.replica]:
+                del self.outstanding[st.replica]
         left = self._parents[st.parent_rid] - 1
         if left:
             self._parents[st.parent_rid] = left
@@ -290,8 +318,8 @@ class TokenizerManager:
         if st.abort_sent or st.finished:
             return
         try:
-            assert self.dispatcher is not None
-            self.dispatcher.send_abort(
+            assert st.replica is not None
+            st.replica.send_abort(
                 scheduler_pb2.AbortReq(rid=st.rid, reason=reason, tokenizer_id=self.instance_id)
             )
         except RequestError:
@@ -328,18 +356,20 @@ class TokenizerManager:
                 self._forget(st)
         return bool(states)
 
-    def fail_all(self, error: RequestError, send_aborts: bool) -> int:
+    def fail_all(self, error: RequestError, send_aborts: bool, replica: Dispatcher | None = None) -> int:
         """Fail every in-flight request with ``error`` (a link went down); return how many.
 
-        With ``send_aborts`` (the detokenizer link is lost but the scheduler's is up),
-        dispatched requests are also aborted at the scheduler. States are dropped at
-        once: no final row can arrive on a lost link.
+        With ``replica``, only the requests dispatched to that replica fail (one of its
+        links went down; the other replicas' requests go on). With ``send_aborts`` (the
+        detokenizer link is lost but the scheduler's is up), dispatched requests are also
+        aborted at the scheduler. States are dropped at once: no final row can arrive on
+        a lost link.
         """
-        states = list(self.rid_to_state.values())
+        states = [st for st in self.rid_to_state.values() if replica is None or st.replica is replica]
         for st in states:
-            if send_aborts and st.dispatched and not st.abort_sent and self.dispatcher is not None:
+            if send_aborts and st.dispatched and not st.abort_sent and st.replica is not None:
                 try:
-                    self.dispatcher.send_abort(
+                    st.replica.send_abort(
                         scheduler_pb2.AbortReq(rid=st.rid, reason=error.message, tokenizer_id=self.instance_id)
                     )
                 except RequestError:
@@ -421,17 +451,18 @@ class TokenizerManager:
                 when a link is down or lost; the scheduler's status for an error abort.
         Cancelling or closing the generator before the end aborts every dispatched choice.
         """
+        started = time.perf_counter()
         prepared = self.prepare(req)
-        if self.dispatcher is None:
-            raise unavailable("the scheduler is not connected")
-        if not self.outputs_up:
-            raise unavailable("the detokenizer subscription is down")
+        self.observe_tokenize(time.perf_counter() - started)
+        replica = self._choose(prepared)
         states = self.register(prepared)
         reason = "the Generate call ended before the request finished"
         try:
             for st, sub in zip(states, prepared.subs):
-                self.dispatcher.send_req(sub)
+                replica.send_req(sub)  # every choice on one replica: they share the prompt's cache
                 st.dispatched = True
+                st.replica = replica
+                self.outstanding[replica] += 1
             event = states[0].event
             pending = list(states)
             while pending:
@@ -456,6 +487,16 @@ class TokenizerManager:
             raise
         finally:
             self.release(states, reason)
+
+    def _choose(self, prepared: Prepared) -> Dispatcher:
+        """The replica for ``prepared``. Raises RequestError (UNAVAILABLE) when none can take it."""
+        if self.balancer is not None:
+            return self.balancer.pick(prepared.subs[0].input_ids, self.outstanding)
+        if self.dispatcher is None:
+            raise unavailable("the scheduler is not connected")
+        if not self.outputs_up:
+            raise unavailable("the detokenizer subscription is down")
+        return self.dispatcher
 
     # --- unary helpers -----------------------------------------------------------------------
 

@@ -6,11 +6,13 @@ Every ``RequestError`` becomes a gRPC status with its message as details and
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from typing import NoReturn
 
 import grpc
 
+from ringserve.metrics import ignore_seconds
 from ringserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from services.tokenizer.errors import RequestError
 from services.tokenizer.manager import TokenizerManager
@@ -23,29 +25,46 @@ async def _fail(context: grpc.aio.ServicerContext, err: RequestError) -> NoRetur
     raise AssertionError("context.abort returned")
 
 
-# Occupancy copied from the scheduler's latest LoadReport into the tokenizer's own, so one
-# GetLoad (the gateway's /get_load) shows capacity: running and waiting requests, slots, KV.
+# Occupancy summed from the schedulers' latest LoadReports into the tokenizer's own, so one
+# GetLoad shows capacity: running and waiting requests, slots, KV.
 _SCHEDULER_LOAD_FIELDS = (
     "num_running_reqs", "num_waiting_reqs", "req_slots_used", "kv_used_tokens", "kv_cached_tokens", "kv_total_tokens",
 )
 
 
+ReplicaLoads = Callable[[], Awaitable[Sequence[tuple[common_pb2.LoadReport | None, common_pb2.LoadReport | None]]]]
+
+
+async def _no_replicas() -> list:
+    return []
+
+
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
     """Args:
-        scheduler_load: the scheduler's latest LoadReport (about 1 s old at most), or None.
+        scheduler_loads: each replica's scheduler's latest streamed LoadReport (about 1 s
+            old at most; None while its link is down).
+        replica_loads: fresh (scheduler, detokenizer) LoadReports of every replica (None
+            for a peer that did not answer), for GetClusterLoad.
     """
 
     def __init__(self, manager: TokenizerManager,
-                 scheduler_load: Callable[[], common_pb2.LoadReport | None] = lambda: None):
+                 scheduler_loads: Callable[[], Sequence[common_pb2.LoadReport | None]] = lambda: [],
+                 replica_loads: ReplicaLoads = _no_replicas):
         self.manager = manager
-        self.scheduler_load = scheduler_load
+        self.scheduler_loads = scheduler_loads
+        self.replica_loads = replica_loads
+        self.observe_send = ignore_seconds  # per finished Generate call: seconds its writes to the client took
 
     async def Generate(self, request: tokenizer_pb2.GenerateReqInput, context: grpc.aio.ServicerContext) -> None:
         """Stream GenerateOutputs; a cancelled call aborts the request (through ``aclose``)."""
         outputs = self.manager.generate(request)
+        sending = 0.0
         try:
             async for out in outputs:
+                started = time.perf_counter()
                 await context.write(out)
+                sending += time.perf_counter() - started
+            self.observe_send(sending)
         except RequestError as err:
             await _fail(context, err)
         finally:
@@ -80,10 +99,20 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
             await _fail(context, err)
 
     async def GetLoad(self, request: common_pb2.Empty, context: grpc.aio.ServicerContext) -> common_pb2.LoadReport:
-        """This instance's ReqState count plus the scheduler's last reported occupancy."""
+        """This instance's ReqState count plus its schedulers' last reported occupancy, summed."""
         report = self.manager.load()
-        upstream = self.scheduler_load()
-        if upstream is not None:
-            for name in _SCHEDULER_LOAD_FIELDS:
-                setattr(report, name, getattr(upstream, name))
+        for upstream in self.scheduler_loads():
+            if upstream is not None:
+                for name in _SCHEDULER_LOAD_FIELDS:
+                    setattr(report, name, getattr(report, name) + getattr(upstream, name))
         return report
+
+    async def GetClusterLoad(self, request: common_pb2.Empty, context: grpc.aio.ServicerContext) -> tokenizer_pb2.ClusterLoad:
+        """This instance's own report and each replica's fresh scheduler and detokenizer reports."""
+        out = tokenizer_pb2.ClusterLoad(tokenizer=self.manager.load())
+        for sched, detok in await self.replica_loads():
+            if sched is not None:
+                out.schedulers.append(sched)
+            if detok is not None:
+                out.detokenizers.append(detok)
+        return out

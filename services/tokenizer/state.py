@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Any
 
 from ringserve.v1 import common_pb2, detokenizer_pb2, tokenizer_pb2
 from services.tokenizer.errors import RequestError
@@ -80,6 +81,7 @@ class ReqState:
     abort_sent: bool = False
     finished: bool = False
     detached: bool = False  # its Generate call is gone; waiting for the final row
+    replica: Any = None  # the manager's Dispatcher it was sent to (aborts go there too)
     error: RequestError | None = None
     # Non-stream accumulators: chunks are joined once, at the end.
     text_chunks: list[str] = field(default_factory=list)

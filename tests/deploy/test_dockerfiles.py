@@ -20,6 +20,7 @@ except ModuleNotFoundError:  # Python 3.10
 REPO = Path(__file__).resolve().parents[2]
 SERVICES = ["gateway", "tokenizer", "scheduler", "detokenizer"]
 PORTS = {"gateway": 8000, "tokenizer": 30010, "scheduler": 30020, "detokenizer": 30030}
+METRICS_PORTS = {"tokenizer": 9010, "scheduler": 9020, "detokenizer": 9030}  # as the Helm chart
 EXTRAS = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
 
 
@@ -109,6 +110,11 @@ def test_healthcheck_entrypoint_and_port(service: str) -> None:
     probe = "/health" if service == "gateway" else "grpc_health"
     assert probe in health[-1] and str(PORTS[service]) in health[-1]
     assert ("EXPOSE", str(PORTS[service])) in instrs
+    if service != "gateway":  # the gateway serves /metrics on its HTTP port
+        metrics = METRICS_PORTS[service]
+        assert ("EXPOSE", str(metrics)) in instrs
+        cmd = [rest for word, rest in instrs if word == "CMD"][-1]
+        assert f'"--metrics-port", "{metrics}"' in cmd
     entry = [rest for word, rest in instrs if word == "ENTRYPOINT"]
     assert entry and entry[-1] == f'["ringserve", "{service}"]'
 

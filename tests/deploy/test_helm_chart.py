@@ -93,9 +93,7 @@ def test_cpu_single_replica(rendered: dict[str, list[dict]]) -> None:
     assert ("HorizontalPodAutoscaler", f"{FULL}-gateway") not in kinds
 
     cm = by(docs, "ConfigMap", f"{FULL}-config")["data"]
-    replica0 = f"{FULL}-replica-0.{FULL}-replica.{NAMESPACE}.svc.cluster.local"
-    assert cm["SCHEDULER_ADDR"] == f"{replica0}:30020"
-    assert cm["DETOKENIZER_ADDR"] == f"{replica0}:30030"
+    assert "SCHEDULER_ADDR" not in cm and "DETOKENIZER_ADDR" not in cm
     assert cm["SCHEDULER_DETOKENIZER_ADDR"] == "127.0.0.1:30030"
     assert cm["TOKENIZER_ADDR"] == f"dns:///{FULL}-tokenizer.{NAMESPACE}.svc.cluster.local:30010"
     assert cm["MODEL_DIR"] == "/models/SmolLM2-135M-Instruct"
@@ -113,15 +111,19 @@ def test_cpu_single_replica(rendered: dict[str, list[dict]]) -> None:
     svc = by(docs, "Service", f"{FULL}-gateway")
     assert svc["spec"]["ports"][0]["port"] == 80 and svc["spec"]["ports"][0]["targetPort"] == "http"
 
-    # Tokenizer: headless Service, native grpc probes, wired to replica pod 0.
+    # Tokenizer: headless Service, native grpc probes, wired to the one replica pod.
     tsvc = by(docs, "Service", f"{FULL}-tokenizer")
     assert tsvc["spec"]["clusterIP"] == "None"
     assert tsvc["spec"]["ports"][0]["port"] == 30010
+    assert tsvc["spec"]["ports"][1] == {"name": "metrics", "port": 9010, "targetPort": "metrics", "protocol": "TCP"}
     tok = container(by(docs, "Deployment", f"{FULL}-tokenizer")["spec"]["template"]["spec"], "tokenizer")
+    assert tok["ports"][1] == {"name": "metrics", "containerPort": 9010, "protocol": "TCP"}
+    assert "--metrics-port=9010" in tok["args"]
     for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
         assert tok[probe]["grpc"] == {"port": 30010}
-    assert "--scheduler=$(SCHEDULER_ADDR)" in tok["args"]
-    assert "--detokenizer=$(DETOKENIZER_ADDR)" in tok["args"]
+    replica0 = f"{FULL}-replica-0.{FULL}-replica.{NAMESPACE}.svc.cluster.local"
+    assert [a for a in tok["args"] if a.startswith(("--replica", "--scheduler", "--detokenizer"))] == [
+        f"--replica={replica0}:30020,{replica0}:30030"]
     assert "--model=$(MODEL_DIR)" in tok["args"]
 
     # Replica: one pod, scheduler + detokenizer, grpc probes, startupProbe for model loading.
@@ -139,6 +141,11 @@ def test_cpu_single_replica(rendered: dict[str, list[dict]]) -> None:
     assert "--detokenizer=$(SCHEDULER_DETOKENIZER_ADDR)" in sched["args"]
     assert "--dtype=$(SCHEDULER_DTYPE)" in sched["args"]
     assert "--max-queued-requests=$(SCHEDULER_MAX_QUEUED_REQUESTS)" in sched["args"]
+    # Metrics: one HTTP port per container (names unique in the pod), labelled with the served name.
+    assert sched["ports"][1] == {"name": "metrics-sched", "containerPort": 9020, "protocol": "TCP"}
+    assert detok["ports"][1] == {"name": "metrics-detok", "containerPort": 9030, "protocol": "TCP"}
+    for c, port in ((sched, 9020), (detok, 9030)):
+        assert f"--metrics-port={port}" in c["args"] and "--served-model-name=$(SERVED_MODEL_NAME)" in c["args"]
     assert "nvidia.com/gpu" not in sched["resources"].get("limits", {})
     assert "runtimeClassName" not in pod
     vols = {v["name"]: v for v in pod["volumes"]}
@@ -147,7 +154,8 @@ def test_cpu_single_replica(rendered: dict[str, list[dict]]) -> None:
     assert {"name": "dshm", "mountPath": "/dev/shm"} in sched["volumeMounts"]
     rsvc = by(docs, "Service", f"{FULL}-replica")
     assert rsvc["spec"]["clusterIP"] == "None"
-    assert sorted(p["port"] for p in rsvc["spec"]["ports"]) == [30020, 30030]
+    assert sorted(p["port"] for p in rsvc["spec"]["ports"]) == [9020, 9030, 30020, 30030]
+    assert {p["name"]: p["targetPort"] for p in rsvc["spec"]["ports"]}["metrics-detok"] == "metrics-detok"
 
     # Non-root everywhere.
     for d in docs:
@@ -167,6 +175,9 @@ def test_network_policy_exposes_only_gateway(rendered: dict[str, list[dict]]) ->
     rep = by(docs, "NetworkPolicy", f"{FULL}-replica")["spec"]
     assert rep["ingress"][0]["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "tokenizer"
     assert sorted(p["port"] for p in rep["ingress"][0]["ports"]) == [30020, 30030]
+    # Metrics ports are open to any source by default (Prometheus lives in another namespace).
+    assert tok["ingress"][1] == {"ports": [{"port": 9010, "protocol": "TCP"}]}
+    assert rep["ingress"][1] == {"ports": [{"port": 9020, "protocol": "TCP"}, {"port": 9030, "protocol": "TCP"}]}
 
 
 def test_gpu_multi_replica(rendered: dict[str, list[dict]], helm: Path) -> None:
@@ -191,8 +202,11 @@ def test_gpu_multi_replica(rendered: dict[str, list[dict]], helm: Path) -> None:
     cm = by(docs, "ConfigMap", f"{FULL}-config")["data"]
     assert cm["SCHEDULER_DTYPE"] == "bfloat16" and cm["SCHEDULER_POLICY"] == "lpm"
     assert cm["MODEL_DIR"] == "/models/Llama-3.1-8B-Instruct"
-    # The tokenizer still reaches only replica pod 0 (single-replica routing).
-    assert cm["SCHEDULER_ADDR"].startswith(f"{FULL}-replica-0.{FULL}-replica.")
+    # Every tokenizer pod reaches both replica pods by their StatefulSet DNS names.
+    tok = container(by(docs, "Deployment", f"{FULL}-tokenizer")["spec"]["template"]["spec"], "tokenizer")
+    hosts = [f"{FULL}-replica-{i}.{FULL}-replica.{NAMESPACE}.svc.cluster.local" for i in (0, 1)]
+    assert [a for a in tok["args"] if a.startswith("--replica")] == [f"--replica={h}:30020,{h}:30030" for h in hosts]
+    assert cm["TOKENIZER_ADDR"] == f"dns:///{FULL}-tokenizer.{NAMESPACE}.svc.cluster.local:30010"
 
     hpa = by(docs, "HorizontalPodAutoscaler", f"{FULL}-tokenizer")["spec"]
     assert hpa["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": f"{FULL}-tokenizer"}
@@ -203,10 +217,24 @@ def test_gpu_multi_replica(rendered: dict[str, list[dict]], helm: Path) -> None:
     sm = by(docs, "ServiceMonitor", f"{FULL}-gateway")
     assert sm["metadata"]["labels"]["release"] == "prometheus"
     assert sm["spec"]["endpoints"][0]["port"] == "http" and sm["spec"]["endpoints"][0]["path"] == "/metrics"
+    # Every ServiceMonitor endpoint names a port of the Service it selects.
+    monitors = [d for d in docs if d["kind"] == "ServiceMonitor"]
+    assert sorted(m["metadata"]["name"] for m in monitors) == [f"{FULL}-gateway", f"{FULL}-replica", f"{FULL}-tokenizer"]
+    for m in monitors:
+        component = m["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"]
+        svc = by(docs, "Service", f"{FULL}-{component}")
+        assert svc["metadata"]["labels"].items() >= m["spec"]["selector"]["matchLabels"].items()
+        ports = {p["name"] for p in svc["spec"]["ports"]}
+        assert {e["port"] for e in m["spec"]["endpoints"]} <= ports
+        assert all(e["path"] == "/metrics" and e["interval"] == "15s" for e in m["spec"]["endpoints"])
+    assert [e["port"] for e in by(docs, "ServiceMonitor", f"{FULL}-replica")["spec"]["endpoints"]] == [
+        "metrics-sched", "metrics-detok"]
 
     notes = render_notes(helm, "gpu-multi")
-    assert "ONE scheduler" in notes and f"{FULL}-replica-0.{FULL}-replica.{NAMESPACE}" in notes
-    assert "ONE scheduler" not in render_notes(helm, "cpu-single")
+    assert "connects to all 2 replica pod(s)" in notes and f"{FULL}-replica-0.{FULL}-replica.{NAMESPACE}" in notes
+    assert "round_robin" in notes and "WARNING" not in notes
+    assert "connects to all 1 replica pod(s)" in render_notes(helm, "cpu-single")
+    assert "9020 (scheduler)" in notes and f"ServiceMonitors {FULL}-gateway, {FULL}-tokenizer and {FULL}-replica" in notes
 
 
 def render_notes(helm: Path, values: str) -> str:
@@ -254,6 +282,36 @@ def test_tls_and_api_key(rendered: dict[str, list[dict]]) -> None:
         assert init["image"] == "registry.example.com/models/smollm2:0.1.2"
         assert {"name": "model", "mountPath": "/models"} in init["volumeMounts"]
         assert "emptyDir" in {v["name"]: v for v in pod["volumes"]}["model"]
+
+
+GRPC_TLS_ARGS = ["--tls-cert-file=/etc/ringserve/grpc-tls/tls.crt", "--tls-key-file=/etc/ringserve/grpc-tls/tls.key",
+                 "--tls-ca-file=/etc/ringserve/grpc-tls/ca.crt"]
+
+
+def test_grpc_mutual_tls(rendered: dict[str, list[dict]]) -> None:
+    """Every service gets the --tls-* flags and the Secret; gRPC probes (which cannot speak
+    TLS) become `ringserve health` with the same flags."""
+    docs = rendered["tls-apikey"]
+    pods = {"gateway": by(docs, "Deployment", f"{FULL}-gateway"), "tokenizer": by(docs, "Deployment", f"{FULL}-tokenizer"),
+            "scheduler": by(docs, "StatefulSet", f"{FULL}-replica"), "detokenizer": by(docs, "StatefulSet", f"{FULL}-replica")}
+    ports = {"tokenizer": 30010, "scheduler": 30020, "detokenizer": 30030}
+    for name, workload in pods.items():
+        pod = workload["spec"]["template"]["spec"]
+        c = container(pod, name)
+        assert [a for a in c["args"] if a.startswith("--tls-")] == GRPC_TLS_ARGS, name
+        assert {"name": "grpc-tls", "mountPath": "/etc/ringserve/grpc-tls", "readOnly": True} in c["volumeMounts"]
+        assert {v["name"]: v for v in pod["volumes"]}["grpc-tls"] == {
+            "name": "grpc-tls", "secret": {"secretName": "ringserve-grpc-mtls"}}
+        if name in ports:
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                assert c[probe]["exec"]["command"] == ["ringserve", "health", f"localhost:{ports[name]}",
+                                                       *GRPC_TLS_ARGS], (name, probe)
+                assert "grpc" not in c[probe]
+    # Without grpcTls: plain gRPC probes and no TLS flags.
+    plain = container(by(rendered["cpu-single"], "Deployment", f"{FULL}-tokenizer")["spec"]["template"]["spec"],
+                      "tokenizer")
+    assert plain["readinessProbe"]["grpc"] == {"port": 30010}
+    assert not [a for a in plain["args"] if a.startswith("--tls-")]
 
 
 def test_api_key_requires_value(helm: Path) -> None:

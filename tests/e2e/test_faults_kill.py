@@ -36,14 +36,18 @@ def long_story(ring, stream: bool) -> dict:
                 stream=stream, ignore_eos=True)
 
 
-async def read_stream(client: httpx.AsyncClient, body: dict) -> tuple[list[dict | str], float]:
-    """Read a whole SSE response: (its events, parsed; [DONE] as the string, monotonic end time)."""
+async def read_stream(client: httpx.AsyncClient, body: dict,
+                      first_event: asyncio.Event | None = None) -> tuple[list[dict | str], float]:
+    """Read a whole SSE response: (its events, parsed; [DONE] as the string, monotonic end time).
+    ``first_event`` is set when the first event has arrived."""
     events: list[dict | str] = []
     async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
         assert resp.status_code == 200, await resp.aread()
         async for line in resp.aiter_lines():
             if line.startswith("data: "):
                 events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
+                if first_event is not None:
+                    first_event.set()
     return events, time.monotonic()
 
 
@@ -81,11 +85,13 @@ async def kill_under_load(ring, service: str) -> None:
 
 
 async def serves_again(ring, timeout_s: float = 120) -> None:
-    """The killed service is back: health 200, a request succeeds, everything back to baseline."""
+    """The killed service is back: readiness (/health_generate: one token through the whole
+    ring) 200, then a request succeeds, everything back to baseline. /health alone is
+    liveness: it can be 200 while a restarted peer is still reconnecting."""
     async with httpx.AsyncClient(base_url=ring.base_url, timeout=60) as client:
         deadline = time.monotonic() + timeout_s
-        while (await client.get("/health")).status_code != 200:
-            assert time.monotonic() < deadline, "the gateway's /health did not come back"
+        while (await client.get("/health_generate")).status_code != 200:
+            assert time.monotonic() < deadline, "the gateway's /health_generate did not come back"
             await asyncio.sleep(0.2)
         resp = await client.post("/v1/chat/completions", json=chat(ring, max_tokens=16))
         assert resp.status_code == 200, resp.text
@@ -123,13 +129,18 @@ async def test_tokenizer_killed_gateway_503_until_back(ring):
 
 
 async def finishes_through_sigterm(ring, send_sigterm) -> None:
-    """A 40-token stream is running when ``send_sigterm()`` runs; it still ends normally."""
+    """A 40-token stream is running when ``send_sigterm()`` runs; it still ends normally.
+
+    The signal goes once the first event reached the client, so that every service holds
+    the request (before its first output the detokenizer has no state for it)."""
     ring.wait_idle()
     async with httpx.AsyncClient(base_url=ring.base_url, timeout=60) as client:
         body = chat(ring, [{"role": "user", "content": "Write a very long story."}], max_tokens=40,
                     stream=True, ignore_eos=True)
-        streamed = asyncio.create_task(read_stream(client, body))
-        await wait_until(lambda: ring.scheduler_load().num_running_reqs == 1, 30, "running")
+        first_event = asyncio.Event()
+        streamed = asyncio.create_task(read_stream(client, body, first_event))
+        await asyncio.wait_for(first_event.wait(), 30)
+        assert ring.scheduler_load().num_running_reqs == 1
         send_sigterm()
         events, _ = await asyncio.wait_for(streamed, 30)
     finishes = [c["finish_reason"] for e in events if isinstance(e, dict) for c in e.get("choices", [])]

@@ -58,8 +58,10 @@ async def test_c12_saturated_liveness_capacity_and_429(ring):
         # Capacity is reported apart from liveness (the scheduler's report is at most ~1 s old).
         await asyncio.sleep(1.2)
         load = (await client.get("/get_load")).json()
-        assert (load["num_running_reqs"], load["num_waiting_reqs"], load["req_slots_used"]) == (2, 1, 2)
-        assert load["req_states"] == 3
+        [sched] = load["scheduler"]
+        assert (sched["num_running_reqs"], sched["num_waiting_reqs"], sched["req_slots_used"]) == (2, 1, 2)
+        assert [t["req_states"] for t in load["tokenizer"]] == [3]
+        assert [d["decode_states"] for d in load["detokenizer"]] == [2]
 
         # Beyond the queue limit: refused at once, 429 with Retry-After and an OpenAI error body.
         for stream in (False, True):

@@ -101,6 +101,14 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
     async def GetLoad(self, request, context):
         return common_pb2.LoadReport(instance_id="tok-0", num_running_reqs=2, num_waiting_reqs=1)
 
+    async def GetClusterLoad(self, request, context):
+        return tokenizer_pb2.ClusterLoad(
+            tokenizer=common_pb2.LoadReport(instance_id="tok-0", req_states=3),
+            schedulers=[common_pb2.LoadReport(instance_id="scheduler-0", num_running_reqs=2, num_waiting_reqs=1,
+                                              req_slots_used=2, kv_used_tokens=40, kv_cached_tokens=7)],
+            detokenizers=[common_pb2.LoadReport(instance_id="detokenizer-0", decode_states=2)],
+        )
+
 
 @dataclass
 class Stack:

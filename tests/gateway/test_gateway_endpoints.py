@@ -134,7 +134,14 @@ async def test_models(stack):
 
 async def test_load_tokenize_detokenize_abort(stack):
     load = (await stack.client.get("/get_load")).json()
-    assert load["num_running_reqs"] == 2 and load["num_waiting_reqs"] == 1 and load["kv_used_tokens"] == 0
+    assert sorted(load) == ["detokenizer", "scheduler", "tokenizer"]
+    assert [(t["instance_id"], t["req_states"]) for t in load["tokenizer"]] == [("tok-0", 3)]
+    assert [
+        (s["instance_id"], s["num_running_reqs"], s["num_waiting_reqs"], s["req_slots_used"], s["kv_used_tokens"],
+         s["kv_cached_tokens"])
+        for s in load["scheduler"]
+    ] == [("scheduler-0", 2, 1, 2, 40, 7)]
+    assert [(d["instance_id"], d["decode_states"]) for d in load["detokenizer"]] == [("detokenizer-0", 2)]
     got = (await stack.client.post("/v1/tokenize", json={"prompt": "abc"})).json()
     assert got == {"tokens": [1, 2, 3], "count": 3, "max_model_len": 2048, "prompt": "abc"}
     got = (await stack.client.post("/v1/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})).json()

@@ -47,7 +47,7 @@ async def test_metrics_count_a_streamed_n2_request_exactly(stack):
     assert _delta(before, after, "ringserve:e2e_request_latency_seconds_count") == 1
     # choice 0: 1 then 2 more tokens (2 ITL samples); choice 1: 1 then 1 more (1 sample)
     assert _delta(before, after, "ringserve:inter_token_latency_seconds_count") == 3
-    assert after[("ringserve:num_requests_running", (("model_name", "smol"),))] == 0
+    assert after[("ringserve:gateway_requests_in_flight", (("model_name", "smol"),))] == 0
 
 
 async def test_metrics_non_stream_and_abort(stack):

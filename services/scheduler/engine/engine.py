@@ -6,6 +6,7 @@ Plain Python over torch; knows nothing of gRPC. Not thread-safe: one thread driv
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from tokenizers import Tokenizer
 from services.scheduler.config import EngineConfig
 from services.scheduler.engine.kv_pool import ReqToTokenPool, TokenToKVPool
 from services.scheduler.engine.model_runner import ModelRunner
+from services.scheduler.engine.observer import EngineObserver
 from services.scheduler.engine.output import StepOutput
 from services.scheduler.engine.radix_cache import RadixCache
 from services.scheduler.engine.req import FinishReason, FinishType, Req, ReqInput
@@ -72,17 +74,19 @@ class Engine:
         self.peak_decode_batch_size = 0
         self.num_aborted_reqs = 0
         self.num_finished_reqs = 0
+        self.observer = EngineObserver()  # metrics hooks (services/scheduler/metrics.py)
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> "Engine":
         """Load model, tokenizer.json and EOS ids from ``cfg.model``.
 
         Raises:
-            ValueError: unsupported architecture or dtype, or no EOS id.
+            ValueError: unsupported architecture, dtype or attention backend, or no EOS id.
+            RuntimeError: an attention backend that cannot run on the model's device.
             FileNotFoundError: missing config.json, tokenizer.json or weights.
         """
         model_dir = Path(cfg.model)
-        model = load_model(model_dir, resolve_dtype(cfg.dtype), cfg.load_format)
+        model = load_model(model_dir, resolve_dtype(cfg.dtype), cfg.load_format, cfg.attention_backend)
         tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         return cls(model, tokenizer, load_eos_ids(model_dir, tokenizer), cfg)
 
@@ -101,6 +105,7 @@ class Engine:
             return
         self.reqs[req.rid] = req
         self.policy.waiting.append(req)
+        self.observer.on_queued(req)
 
     def refuse(self, spec: ReqInput, message: str, status: str) -> None:
         """Answer a request that is not admitted (overload, shutdown) with its final FINISH_ABORT row."""
@@ -146,9 +151,12 @@ class Engine:
 
     def step(self) -> StepOutput | None:
         """Run one scheduling step; returns its rows, or None when no row was produced."""
+        started = time.monotonic()
         plan = self.policy.schedule()
         if plan is not None:
-            self.process_results(plan, self.runner.forward(plan))
+            logits = self.runner.forward(plan)
+            self.observer.on_step(plan, started)
+            self.process_results(plan, logits)
         return self._take_output()
 
     def process_results(self, plan: Plan, logits: torch.Tensor) -> None:
@@ -185,6 +193,7 @@ class Engine:
                 self.policy.remove(req)
                 del self.reqs[req.rid]
                 self.num_finished_reqs += 1
+                self.observer.on_finish(req)
         num_decode = len(plan.reqs) - plan.num_extend
         if num_decode:
             self.num_decode_steps += 1
@@ -194,6 +203,7 @@ class Engine:
         req.finish_reason = FinishReason(FinishType.ABORT, message=message, status=status)
         self._out.add_row(req, [])
         self.num_aborted_reqs += 1
+        self.observer.on_finish(req)
 
     def _take_output(self) -> StepOutput | None:
         out, self._out = self._out, StepOutput()

@@ -8,7 +8,11 @@ idle thread sleeps on an event rather than spinning.
 Admission happens in the engine thread, where the queue length is exact: with
 ``max_queued_requests`` set, a request that would make more than that many requests wait
 for a free request slot is refused at once (a FINISH_ABORT row with status
-RESOURCE_EXHAUSTED, which the gateway answers with 429). ``drain()`` refuses every new
+RESOURCE_EXHAUSTED, which the gateway answers with 429). The token budget
+``max_queued_tokens`` refuses the same way a request whose prompt tokens, added to the
+prompt tokens of every request the scheduler holds (waiting and running), would exceed
+it; a scheduler that holds nothing admits any request (its size is bounded by the
+context length), so a budget below one prompt can never lock a request out forever. ``drain()`` refuses every new
 request (UNAVAILABLE) while the ones in flight finish, for a graceful shutdown.
 ``stalled_s()`` feeds the service's watchdog: how long the thread has had work and not
 come back from a step.
@@ -35,12 +39,15 @@ class EngineLoop:
     Args:
         max_queued_requests: requests allowed to wait beyond the free request slots;
             None = no limit.
+        max_queued_tokens: prompt tokens (held requests' plus the new one's) admitted at
+            most; None = no limit.
     """
 
     def __init__(self, engine: Engine, on_output: Callable[[StepOutput], None],
-                 max_queued_requests: int | None = None):
+                 max_queued_requests: int | None = None, max_queued_tokens: int | None = None):
         self.engine = engine
         self.max_queued_requests = max_queued_requests
+        self.max_queued_tokens = max_queued_tokens
         self._on_output = on_output
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -101,6 +108,17 @@ class EngineLoop:
                     spec,
                     f"the server is overloaded: {load.num_waiting_reqs} requests are already waiting "
                     f"(--max-queued-requests {limit}); retry later",
+                    "RESOURCE_EXHAUSTED",
+                )
+                return
+        budget = self.max_queued_tokens
+        if budget is not None and self.engine.reqs:
+            held = sum(req.prompt_len for req in self.engine.reqs.values())
+            if held + len(spec.input_ids) > budget:
+                self.engine.refuse(
+                    spec,
+                    f"the server is overloaded: {held} prompt tokens are already held and this request "
+                    f"has {len(spec.input_ids)} (--max-queued-tokens {budget}); retry later",
                     "RESOURCE_EXHAUSTED",
                 )
                 return

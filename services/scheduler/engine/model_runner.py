@@ -65,7 +65,7 @@ class ModelRunner:
             valid = torch.arange(kv_indices.shape[1])[None, :] < seq_lens[:, None]  # [B, L]
             mask = torch.zeros(valid.shape, dtype=torch.float32).masked_fill_(~valid, float("-inf"))
             mask = mask[:, None, None, :]  # [B, 1, 1, L]
-        return input_ids, positions, DecodeLayout(kv_indices, mask)
+        return input_ids, positions, DecodeLayout(kv_indices, seq_lens, mask)
 
     def _extend_inputs(self, plan: Plan, end: int):
         reqs = plan.reqs[:end]
@@ -91,4 +91,4 @@ class ModelRunner:
         if len(reqs) > 1 or int(prefix[0]) > 0:
             keys = torch.arange(kv_indices.shape[1])
             mask = (keys[None, None, :] <= q_pos[:, :, None])[:, None]  # [B, 1, Lq, L]
-        return input_ids, positions, ExtendLayout(kv_indices, q_index, q_valid, mask), torch.cumsum(ext, 0) - 1
+        return input_ids, positions, ExtendLayout(kv_indices, prefix, ext, q_index, q_valid, mask), torch.cumsum(ext, 0) - 1

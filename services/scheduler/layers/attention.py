@@ -1,4 +1,5 @@
-"""Attention over a token-granular paged KV cache, in torch on CPU.
+"""Attention over a token-granular paged KV cache, in torch on CPU: the ``torch`` attention
+backend (``layers.attention_backend``) and the reference the Triton kernels are checked against.
 
 Each request's keys and values live at scattered rows of per-layer pools
 [num_tokens, kv_heads, head_dim]; a request slot's row of the req-to-token table lists
@@ -40,6 +41,8 @@ class ExtendLayout:
     Attributes:
         kv_indices: int64 [B, L], KV pool rows of each request's keys 0..L-1 (padded rows
             point at any valid row and are masked).
+        prefix_lens: int64 [B], cached tokens of each request before this step's new ones.
+        extend_lens: int64 [B], new tokens of each request (packed in request order).
         q_index: int64 [B, Lq], packed token index of each padded query.
         q_valid: int64 [T], flat index into [B * Lq] of each packed token.
         mask: bool [B, 1, Lq, L], True where a query may attend a key; None for a single
@@ -47,6 +50,8 @@ class ExtendLayout:
     """
 
     kv_indices: torch.Tensor
+    prefix_lens: torch.Tensor
+    extend_lens: torch.Tensor
     q_index: torch.Tensor
     q_valid: torch.Tensor
     mask: torch.Tensor | None = None
@@ -58,11 +63,13 @@ class DecodeLayout:
 
     Attributes:
         kv_indices: int64 [B, L], as in ``ExtendLayout``.
+        seq_lens: int64 [B], keys of each request, the new token's included.
         mask: float32 [B, 1, 1, L] additive mask (0 / -inf), or None when every request
             has L keys.
     """
 
     kv_indices: torch.Tensor
+    seq_lens: torch.Tensor
     mask: torch.Tensor | None = None
 
 
@@ -100,9 +107,7 @@ def paged_attention(
     Returns:
         [T, Hq * D] in q's dtype.
     """
-    k_buf, v_buf = kv.k_buffer[layer_id], kv.v_buffer[layer_id]
-    k_buf.index_copy_(0, meta.out_cache_loc, k.to(k_buf.dtype))
-    v_buf.index_copy_(0, meta.out_cache_loc, v.to(v_buf.dtype))
+    k_buf, v_buf = store_kv(k, v, layer_id, meta.out_cache_loc, kv)
     n = meta.num_extend_tokens
     outs = []
     if meta.extend is not None:
@@ -112,6 +117,16 @@ def paged_attention(
         outs.append(_decode(q[n:].to(k_buf.dtype), k_buf, v_buf, meta.decode.kv_indices, meta.decode.mask, scale))
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out.to(q.dtype)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, layer_id: int, out_cache_loc: torch.Tensor,
+             kv: KVBuffers) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write the step's new k, v [T, Hkv, D] at pool rows ``out_cache_loc`` (int64 [T]) of layer
+    ``layer_id``, cast to the pool's dtype; returns that layer's (k_buffer, v_buffer)."""
+    k_buf, v_buf = kv.k_buffer[layer_id], kv.v_buffer[layer_id]
+    k_buf.index_copy_(0, out_cache_loc, k.to(k_buf.dtype))
+    v_buf.index_copy_(0, out_cache_loc, v.to(v_buf.dtype))
+    return k_buf, v_buf
 
 
 def _gather(k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

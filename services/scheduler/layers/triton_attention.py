@@ -7,8 +7,14 @@ place and never gathered into a padded copy. Decode: one program per (request, q
 head). Extend (prefill with or without a cached prefix): one program per (request, query
 head, block of ``BLOCK_M`` new tokens), causal from the request's prefix on. Softmax
 statistics and sums accumulate in float32 whatever the cache dtype (the extend kernel's
-products run through ``tl.dot``: TF32 on GPUs for a float32 cache). Checked against the
+products run through ``tl.dot``: TF32 on GPUs for a float32 cache; float32 under the
+interpreter, whose ``tl.dot`` cannot multiply 16-bit floats). Checked against the
 torch reference under ``TRITON_INTERPRET=1`` on CPU tensors.
+
+The decode kernel follows the LightLLM / SGLang ``decode_attention`` layout without its
+split-KV second stage (one program walks a request's whole sequence); the extend kernel
+follows SGLang's ``extend_attention`` with prefix and new tokens read through the same
+req-to-token row, and FlashAttention's (Dao et al. 2022) tiling of queries by ``BLOCK_M``.
 """
 
 from __future__ import annotations
@@ -16,6 +22,19 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+
+def interpreted() -> bool:
+    """Whether these kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` was set when
+    this module was imported): the only way they run on CPU tensors."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_decode_kernel, InterpretedFunction)
+
+
+def _check_head_dim(d: int) -> None:
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"the Triton attention kernels need head_dim a power of two >= 16 (tl.arange, tl.dot); got {d}")
 
 
 @triton.jit
@@ -52,23 +71,30 @@ def _decode_kernel(
 
 
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indices: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float, block_n: int = 64) -> torch.Tensor:
+                     seq_lens: torch.Tensor, scale: float, block_n: int = 64,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """One query per request against its paged keys and values.
 
     Args:
-        q: [B, Hq, D]; k_buf, v_buf: [num_tokens, Hkv, D] (the layer's KV pool buffers);
-        kv_indices: int [B, L], KV pool rows of each request's keys in position order
-            (columns past ``seq_lens[b]`` are ignored); seq_lens: int [B], keys per request.
-        D must be a power of two (Triton block shapes).
+        q: [B, Hq, D] (any float dtype); k_buf, v_buf: [num_tokens, Hkv, D] (the layer's KV
+            pool buffers, Hq a multiple of Hkv); kv_indices: int [B, L], KV pool rows of
+            each request's keys in position order (columns past ``seq_lens[b]`` are
+            ignored); seq_lens: int [B], keys per request (>= 1). All on one device.
+        out: optional [B, Hq, D] in q's dtype to write into (rows of a larger output).
 
     Returns:
         [B, Hq * D] in q's dtype.
+
+    Raises:
+        ValueError: D not a power of two >= 16 (Triton block shapes).
     """
     b, hq, d = q.shape
+    _check_head_dim(d)
     hkv = k_buf.shape[1]
     q = q.contiguous()
     kv_indices = kv_indices.contiguous()
-    out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
     _decode_kernel[(b, hq)](
         q, k_buf, v_buf, kv_indices, seq_lens.to(torch.int32).contiguous(), out, scale,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), kv_indices.stride(0), out.stride(0), out.stride(1),
@@ -82,6 +108,7 @@ def _extend_kernel(
     Q, K, V, KV_INDICES, Q_STARTS, PREFIX_LENS, EXTEND_LENS, OUT, scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_ib, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -94,6 +121,8 @@ def _extend_kernel(
     d = tl.arange(0, HEAD_DIM)
     q_offs = (q_start + m)[:, None] * stride_qt + h * stride_qh + d[None, :]
     q = tl.load(Q + q_offs, mask=valid_m[:, None], other=0.0)  # [BLOCK_M, D]
+    if UPCAST:
+        q = q.to(tl.float32)
     q_pos = prefix + m  # query i sits at position prefix + i and sees keys 0..prefix + i
     m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -105,6 +134,8 @@ def _extend_kernel(
         rows = tl.load(KV_INDICES + b * stride_ib + n, mask=valid_n, other=0).to(tl.int64)
         offs = rows[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
         k = tl.load(K + offs, mask=valid_n[:, None], other=0.0)  # [BLOCK_N, D]
+        if UPCAST:
+            k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [BLOCK_M, BLOCK_N]
         s = tl.where(valid_n[None, :] & (n[None, :] <= q_pos[:, None]), s, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -112,6 +143,8 @@ def _extend_kernel(
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         v = tl.load(V + offs, mask=valid_n[:, None], other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
@@ -122,29 +155,45 @@ def _extend_kernel(
 
 def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indices: torch.Tensor,
                      prefix_lens: torch.Tensor, extend_lens: torch.Tensor, scale: float,
-                     block_m: int = 32, block_n: int = 32) -> torch.Tensor:
+                     block_m: int = 32, block_n: int = 32, q_starts: torch.Tensor | None = None,
+                     max_extend_len: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """New tokens of each request against its cached prefix and themselves (causal).
 
     Args:
         q: [T, Hq, D], packed: request b's ``extend_lens[b]`` queries follow request b-1's.
         k_buf, v_buf: [num_tokens, Hkv, D], already holding the new tokens' K/V.
         kv_indices: int [B, L], KV pool rows of positions 0..prefix_lens[b]+extend_lens[b]-1.
-        prefix_lens, extend_lens: int [B]. D must be a power of two.
+        prefix_lens, extend_lens: int [B] (extend_lens >= 1). All on one device.
+        q_starts, max_extend_len: optional precomputed ``cumsum(extend_lens) - extend_lens``
+            (int32 [B]) and ``max(extend_lens)`` (a host int: it sizes the grid), so a
+            caller running many layers derives them once and never syncs per layer.
+        out: optional [T, Hq, D] in q's dtype to write into (rows of a larger output).
 
     Returns:
         [T, Hq * D] in q's dtype.
+
+    Raises:
+        ValueError: D not a power of two >= 16 (Triton block shapes).
     """
     t, hq, d = q.shape
+    _check_head_dim(d)
     hkv = k_buf.shape[1]
     q = q.contiguous()
     kv_indices = kv_indices.contiguous()
     ext = extend_lens.to(torch.int32)
-    starts = (torch.cumsum(ext, 0) - ext).to(torch.int32).contiguous()
-    out = torch.empty(t, hq, d, dtype=q.dtype, device=q.device)
-    grid = (ext.numel(), hq, triton.cdiv(int(ext.max()), block_m))
+    starts = (torch.cumsum(ext, 0) - ext) if q_starts is None else q_starts
+    starts = starts.to(torch.int32).contiguous()
+    if max_extend_len is None:
+        max_extend_len = int(ext.max())
+    if out is None:
+        out = torch.empty(t, hq, d, dtype=q.dtype, device=q.device)
+    grid = (ext.numel(), hq, triton.cdiv(max_extend_len, block_m))
     _extend_kernel[grid](
         q, k_buf, v_buf, kv_indices, starts, prefix_lens.to(torch.int32).contiguous(), ext.contiguous(), out, scale,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), kv_indices.stride(0), out.stride(0), out.stride(1),
         GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
+        # Triton's interpreter multiplies 16-bit floats in tl.dot as their raw bits (numpy
+        # has no bfloat16; triton 3.9's create_dot converts only 8-bit floats): fp32 there.
+        UPCAST=interpreted() and q.dtype != torch.float32,
     )
     return out.view(t, hq * d)

@@ -20,24 +20,27 @@ ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
 }
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, load_format: str = "auto") -> LlamaForCausalLM:
+def load_model(model_dir: Path, dtype: torch.dtype, load_format: str = "auto",
+               attention_backend: str = "auto") -> LlamaForCausalLM:
     """Load the model that ``model_dir``/config.json names.
 
     Args:
         load_format: "auto" reads the directory's safetensors; "dummy" gives random
             weights of the config's shapes (benchmarks of sizes no package ships).
+        attention_backend: "auto", "torch" or "triton" (``layers.attention_backend``).
 
     Raises:
-        ValueError: the config names no architecture this registry supports, or an
-            unknown load format.
+        ValueError: the config names no architecture this registry supports, an
+            unknown load format or an unknown attention backend.
+        RuntimeError: an attention backend that cannot run where the weights are.
     """
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     archs = cfg.get("architectures") or []
     for arch in archs:
         if arch in ARCHITECTURES:
             if load_format == "auto":
-                return ARCHITECTURES[arch].load(Path(model_dir), dtype)
+                return ARCHITECTURES[arch].load(Path(model_dir), dtype, attention_backend)
             if load_format == "dummy":
-                return ARCHITECTURES[arch].dummy(cfg, dtype)
+                return ARCHITECTURES[arch].dummy(cfg, dtype, attention_backend=attention_backend)
             raise ValueError(f"unknown load format {load_format!r}; supported: auto, dummy")
     raise ValueError(f"unsupported architectures {archs}; supported: {sorted(ARCHITECTURES)}")

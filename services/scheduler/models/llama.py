@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from services.scheduler.layers.attention import AttnMetadata, KVBuffers, paged_attention
+from services.scheduler.layers.attention import AttnMetadata, KVBuffers
+from services.scheduler.layers.attention_backend import AttentionBackend, create_attention_backend
 from services.scheduler.layers.norm import RMSNorm
 from services.scheduler.layers.rotary import RotaryEmbedding, apply_rotary_packed
 
@@ -73,9 +74,10 @@ class LlamaConfig:
 
 
 class LlamaAttention(torch.nn.Module):
-    def __init__(self, cfg: LlamaConfig, layer_id: int):
+    def __init__(self, cfg: LlamaConfig, layer_id: int, attn_backend: AttentionBackend):
         super().__init__()
         self.layer_id = layer_id
+        self.attn_backend = attn_backend
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
@@ -93,7 +95,7 @@ class LlamaAttention(torch.nn.Module):
         qk = apply_rotary_packed(qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, Hq, D], [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        return self.o_proj(paged_attention(q, k, v, self.layer_id, meta, kv, self.scale))
+        return self.o_proj(self.attn_backend.forward(q, k, v, self.layer_id, meta, kv, self.scale))
 
 
 class LlamaMLP(torch.nn.Module):
@@ -108,9 +110,9 @@ class LlamaMLP(torch.nn.Module):
 
 
 class LlamaDecoderLayer(torch.nn.Module):
-    def __init__(self, cfg: LlamaConfig, layer_id: int):
+    def __init__(self, cfg: LlamaConfig, layer_id: int, attn_backend: AttentionBackend):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_id)
+        self.self_attn = LlamaAttention(cfg, layer_id, attn_backend)
         self.mlp = LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -121,26 +123,37 @@ class LlamaDecoderLayer(torch.nn.Module):
 
 
 class LlamaForCausalLM(torch.nn.Module):
-    """The decoder plus LM head. Built on the meta device; ``load`` materializes it."""
+    """The decoder plus LM head. Built on the meta device; ``load`` materializes it.
 
-    def __init__(self, cfg: LlamaConfig):
+    Args:
+        attn_backend: the attention every layer calls (``layers.attention_backend``).
+    """
+
+    def __init__(self, cfg: LlamaConfig, attn_backend: AttentionBackend):
         super().__init__()
         self.config = cfg
+        self.attn_backend = attn_backend
         with torch.device("cpu"):
             # Real tensors even when the module tree is built on the meta device.
             self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = torch.nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = torch.nn.ModuleList(LlamaDecoderLayer(cfg, i, attn_backend) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     @classmethod
-    def load(cls, model_dir: Path, dtype: torch.dtype) -> "LlamaForCausalLM":
+    def load(cls, model_dir: Path, dtype: torch.dtype, attention_backend: str = "auto") -> "LlamaForCausalLM":
         """Build from ``model_dir``/config.json and every ``*.safetensors`` file in it.
+
+        Args:
+            attention_backend: a name for ``create_attention_backend``, resolved for the
+                device the weights load on.
 
         Raises:
             FileNotFoundError: no safetensors file.
-            RuntimeError: missing or unexpected weights (named by load_state_dict).
+            RuntimeError: missing or unexpected weights (named by load_state_dict), or an
+                attention backend that cannot run on the weights' device.
+            ValueError: an unknown attention backend.
         """
         cfg = LlamaConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
         files = sorted(model_dir.glob("*.safetensors"))
@@ -149,20 +162,23 @@ class LlamaForCausalLM(torch.nn.Module):
         raw: dict[str, torch.Tensor] = {}
         for f in files:
             raw.update(load_file(str(f)))
+        backend = create_attention_backend(attention_backend, next(iter(raw.values())).device)
         with torch.device("meta"):
-            model = cls(cfg)
+            model = cls(cfg, backend)
         state = _fuse(raw, cfg, dtype)
         model.load_state_dict(state, strict=True, assign=True)
         return model.eval()
 
     @classmethod
-    def dummy(cls, hf_config: dict, dtype: torch.dtype, seed: int = 0) -> "LlamaForCausalLM":
+    def dummy(cls, hf_config: dict, dtype: torch.dtype, seed: int = 0, attention_backend: str = "auto") -> "LlamaForCausalLM":
         """Random weights for an HF config dict: N(0, 0.02) matrices (as HF's
-        ``initializer_range``), unit norms, zero biases; reproducible through ``seed``."""
+        ``initializer_range``), unit norms, zero biases; reproducible through ``seed``.
+        ``attention_backend`` and its errors as in ``load`` (the weights are made on CPU)."""
         cfg = LlamaConfig.from_hf(hf_config)
         gen = torch.Generator().manual_seed(seed)
+        backend = create_attention_backend(attention_backend, gen.device)
         with torch.device("meta"):
-            model = cls(cfg)
+            model = cls(cfg, backend)
         state = {}
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -177,7 +193,11 @@ class LlamaForCausalLM(torch.nn.Module):
         return model.eval()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata, kv: KVBuffers) -> torch.Tensor:
-        """input_ids, positions: int64 [T] packed over requests -> final hidden states [T, hidden]."""
+        """input_ids, positions: int64 [T] packed over requests -> final hidden states [T, hidden].
+
+        The attention backend prepares ``meta`` here, once for all layers.
+        """
+        self.attn_backend.init_forward_metadata(meta)
         h = self.embed_tokens(input_ids)
         rope = self.rotary(positions, h.dtype)
         for layer in self.layers:

@@ -46,14 +46,55 @@ app.kubernetes.io/component: {{ .component }}
 {{- default (printf "%s-tls" (include "ringserve.fullname" .)) .Values.tls.existingSecret -}}
 {{- end -}}
 
+{{/* gRPC mutual TLS (grpcTls.*): every service's flags, the Secret's volume and its mount. */}}
+{{- define "ringserve.grpcTlsDir" -}}/etc/ringserve/grpc-tls{{- end -}}
+{{- define "ringserve.grpcTlsArgs" -}}
+{{- if .Values.grpcTls.enabled }}
+- --tls-cert-file={{ include "ringserve.grpcTlsDir" . }}/tls.crt
+- --tls-key-file={{ include "ringserve.grpcTlsDir" . }}/tls.key
+- --tls-ca-file={{ include "ringserve.grpcTlsDir" . }}/ca.crt
+{{- end }}
+{{- end -}}
+{{- define "ringserve.grpcTlsMount" -}}
+{{- if .Values.grpcTls.enabled }}
+- name: grpc-tls
+  mountPath: {{ include "ringserve.grpcTlsDir" . }}
+  readOnly: true
+{{- end }}
+{{- end -}}
+{{- define "ringserve.grpcTlsVolume" -}}
+{{- if .Values.grpcTls.enabled }}
+- name: grpc-tls
+  secret:
+    secretName: {{ required "grpcTls.existingSecret is required when grpcTls.enabled" .Values.grpcTls.existingSecret }}
+{{- end }}
+{{- end -}}
+
+{{/* The probe action on a service's gRPC health: Kubernetes' gRPC probe, or under grpcTls
+(which that probe cannot speak) `ringserve health` with the TLS flags. Takes (dict "ctx" $ "port" N). */}}
+{{- define "ringserve.grpcProbe" -}}
+{{- if .ctx.Values.grpcTls.enabled }}
+exec:
+  command:
+    - ringserve
+    - health
+    - localhost:{{ .port }}
+    {{- include "ringserve.grpcTlsArgs" .ctx | nindent 4 }}
+{{- else }}
+grpc:
+  port: {{ .port }}
+{{- end }}
+{{- end -}}
+
 {{/* Address of the tokenizer Service (headless: gRPC's DNS resolver sees every pod). */}}
 {{- define "ringserve.tokenizerAddr" -}}
 {{- printf "dns:///%s.%s.svc.cluster.local:%v" (include "ringserve.tokenizer" .) .Release.Namespace .Values.ports.tokenizer -}}
 {{- end -}}
 
-{{/* Stable DNS name of model replica pod 0 behind the replica headless Service. */}}
-{{- define "ringserve.replica0Host" -}}
-{{- printf "%s-0.%s.%s.svc.cluster.local" (include "ringserve.replica" .) (include "ringserve.replica" .) .Release.Namespace -}}
+{{/* Stable DNS name of model replica pod .index behind the replica headless Service:
+     call with (dict "ctx" $ "index" i). */}}
+{{- define "ringserve.replicaHost" -}}
+{{- printf "%s-%v.%s.%s.svc.cluster.local" (include "ringserve.replica" .ctx) .index (include "ringserve.replica" .ctx) .ctx.Release.Namespace -}}
 {{- end -}}
 
 {{- define "ringserve.modelDir" -}}/models/{{ .Values.model.name }}{{- end -}}

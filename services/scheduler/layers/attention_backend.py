@@ -1,0 +1,161 @@
+"""Attention backends behind an explicit registry: ``torch`` (CPU, and the reference) and ``triton`` (GPU).
+
+Every backend does the same thing for one step described by ``AttnMetadata``: write the
+step's new K/V into the layer's paged pool at ``out_cache_loc``, then attend the extend
+part (prefill, with or without a cached prefix) and the decode part (one query per
+request), packed extend first. The model holds one backend, chosen when it is built
+(``--attention-backend``), calls ``init_forward_metadata`` once per step and ``forward``
+once per layer (the SGLang ``AttentionBackend`` split).
+
+Mixed steps (chunked prefill beside running decodes) run each part with its own kernel in
+both backends: the Triton decode kernel for the decode rows and the Triton extend kernel
+for the extend rows, writing into disjoint slices of one output, so decode rows are never
+padded to a chunk's length and neither kernel pays for the other's shape.
+
+No silent fallback: an unknown name raises with the known ones, and ``triton`` on a CPU
+device raises unless Triton's interpreter was on (``TRITON_INTERPRET=1``) when the
+kernels were defined.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from services.scheduler.layers.attention import AttnMetadata, KVBuffers, paged_attention, store_kv
+
+
+class AttentionBackend(ABC):
+    """One attention implementation over the paged KV cache.
+
+    Args:
+        device: where the model's weights and KV pool live.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+
+    def init_forward_metadata(self, meta: AttnMetadata) -> None:
+        """Prepare what every layer of this step shares (called once per forward, before the layers)."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, meta: AttnMetadata,
+                kv: KVBuffers, scale: float) -> torch.Tensor:
+        """Write k/v into layer ``layer_id``'s pool at ``meta.out_cache_loc``, then attend.
+
+        Args:
+            q: [T, Hq, D]; k, v: [T, Hkv, D] in the model dtype, packed extend tokens first,
+                then one token per decoding request.
+            scale: softmax scale, usually D ** -0.5.
+
+        Returns:
+            [T, Hq * D] in q's dtype.
+        """
+
+
+class TorchAttnBackend(AttentionBackend):
+    """Gathered K/V, batched matmuls (decode) and SDPA (extend) in the cache dtype, softmax in fp32: ``layers.attention.paged_attention``."""
+
+    name = "torch"
+
+    def forward(self, q, k, v, layer_id, meta, kv, scale):
+        return paged_attention(q, k, v, layer_id, meta, kv, scale)
+
+
+@dataclass
+class _TritonStep:
+    """One step's kernel arguments on the backend's device (int32 lengths, as the kernels load them)."""
+
+    meta: AttnMetadata
+    extend_kv_indices: torch.Tensor | None = None  # [B, L]
+    prefix_lens: torch.Tensor | None = None  # [B]
+    extend_lens: torch.Tensor | None = None  # [B]
+    q_starts: torch.Tensor | None = None  # [B], packed index of each request's first new token
+    max_extend_len: int = 0
+    decode_kv_indices: torch.Tensor | None = None  # [B, L]
+    seq_lens: torch.Tensor | None = None  # [B]
+
+
+class TritonAttnBackend(AttentionBackend):
+    """The Triton kernels of ``layers.triton_attention``, reading K/V in place through the req-to-token rows.
+
+    Raises:
+        RuntimeError: the device is not CUDA and the kernels were not defined under
+            Triton's interpreter (``TRITON_INTERPRET=1`` must be in the environment before
+            triton is first imported).
+    """
+
+    name = "triton"
+
+    def __init__(self, device: torch.device):
+        super().__init__(device)
+        # Imported here, not at module load: the torch backend must not need triton, and
+        # the interpreter choice is made when triton defines the kernels.
+        from services.scheduler.layers import triton_attention
+
+        self.kernels = triton_attention
+        if self.device.type != "cuda" and not self.kernels.interpreted():
+            raise RuntimeError(
+                f"attention backend 'triton' on a {self.device.type} device needs Triton's interpreter: set "
+                "TRITON_INTERPRET=1 in the environment before the process starts (it is read when triton "
+                "defines the kernels), or use --attention-backend torch")
+        self._step: _TritonStep | None = None
+
+    def init_forward_metadata(self, meta: AttnMetadata) -> None:
+        """Move the step's indices to the device and derive the extend kernel's offsets, once for all layers."""
+        step = _TritonStep(meta)
+        dev = self.device
+        if meta.extend is not None:
+            ext = meta.extend.extend_lens.to(torch.int32)
+            step.max_extend_len = int(ext.max())  # on the host: the grid size, no device sync per layer
+            step.q_starts = (torch.cumsum(ext, 0, dtype=torch.int32) - ext).to(dev)
+            step.extend_lens = ext.to(dev)
+            step.prefix_lens = meta.extend.prefix_lens.to(dev, torch.int32)
+            step.extend_kv_indices = meta.extend.kv_indices.to(dev)
+        if meta.decode is not None:
+            step.seq_lens = meta.decode.seq_lens.to(dev, torch.int32)
+            step.decode_kv_indices = meta.decode.kv_indices.to(dev)
+        self._step = step
+
+    def forward(self, q, k, v, layer_id, meta, kv, scale):
+        step = self._step
+        if step is None or step.meta is not meta:
+            raise RuntimeError("TritonAttnBackend.forward before init_forward_metadata for this step's metadata")
+        k_buf, v_buf = store_kv(k, v, layer_id, meta.out_cache_loc, kv)
+        t, hq, d = q.shape
+        n = meta.num_extend_tokens
+        out = torch.empty(t, hq, d, dtype=q.dtype, device=q.device)
+        if step.extend_kv_indices is not None:
+            self.kernels.extend_attention(
+                q[:n], k_buf, v_buf, step.extend_kv_indices, step.prefix_lens, step.extend_lens, scale,
+                q_starts=step.q_starts, max_extend_len=step.max_extend_len, out=out[:n])
+        if step.decode_kv_indices is not None:
+            self.kernels.decode_attention(q[n:], k_buf, v_buf, step.decode_kv_indices, step.seq_lens, scale,
+                                          out=out[n:])
+        return out.view(t, hq * d)
+
+
+ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {
+    TorchAttnBackend.name: TorchAttnBackend,
+    TritonAttnBackend.name: TritonAttnBackend,
+}
+
+
+def create_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """The backend called ``name`` for ``device``; "auto" is triton on CUDA devices, torch elsewhere.
+
+    Raises:
+        ValueError: ``name`` is neither "auto" nor in ``ATTENTION_BACKENDS`` (the message lists them).
+        RuntimeError: from the backend, when it cannot run on ``device`` (see ``TritonAttnBackend``).
+    """
+    device = torch.device(device)
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; known: auto, {', '.join(sorted(ATTENTION_BACKENDS))}")
+    return ATTENTION_BACKENDS[name](device)

@@ -1,0 +1,126 @@
+"""The scheduler's Prometheus metrics: engine occupancy read at scrape time, request
+stage latencies and token counters fed by the engine's hooks (``EngineObserver``).
+
+Definitions follow vLLM's v1 engine metrics:
+
+- queue time: from the request joining the engine's waiting queue to the start of the
+  step that first schedules it;
+- prefill time: from that step's start to the forward pass that completes its prompt
+  (the step that samples its first token);
+- decode time: from there to the request's end (any finish reason);
+- prefix cache queries / hits: at a request's first admission, its prompt tokens and the
+  prompt tokens the radix cache supplied (``usage.prompt_tokens_details.cached_tokens``);
+- KV cache usage: rows held by requests over the pool's rows; rows only the prefix
+  cache holds are evictable and count as free.
+
+Cost: one dict entry per in-flight request; per step a loop over the extend rows only
+(decode rows are counted with ``len``); two histogram observations per request.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import Counter
+
+from ringserve.metrics import PREFIX, Read, ServiceMetrics
+from services.scheduler.engine.engine import Engine
+from services.scheduler.engine.observer import EngineObserver
+from services.scheduler.engine.req import FinishType, Req
+from services.scheduler.engine.schedule import Plan
+
+_REASONS = {FinishType.STOP: "stop", FinishType.LENGTH: "length", FinishType.ABORT: "abort"}
+
+
+class SchedulerMetrics(EngineObserver):
+    """Installs itself as ``engine.observer`` and registers the scheduler's families in
+    ``metrics.registry``.
+
+    Args:
+        engine: the engine to observe (its hooks run in the engine thread; the scrape-time
+            reads in the HTTP server's thread only read ints and lengths).
+        metrics: the service's registry and endpoint.
+    """
+
+    def __init__(self, engine: Engine, metrics: ServiceMetrics):
+        self.engine = engine
+        self._times: dict[Req, list[float]] = {}  # req -> [queued, first scheduled, first token]
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        m = metrics
+        self.queue_time = m.histogram("request_queue_time_seconds",
+                                      "Seconds from joining the scheduler's waiting queue to the first step that schedules the request.")
+        self.prefill_time = m.histogram("request_prefill_time_seconds",
+                                        "Seconds from the first step that schedules a request to the forward pass that completes its prompt.")
+        self.decode_time = m.histogram("request_decode_time_seconds",
+                                       "Seconds from a request's first token to its end.")
+        finished = Counter(PREFIX + "scheduler_requests_finished", "Requests that left the scheduler, by finish reason.",
+                           ["model_name", "finished_reason"], registry=m.registry)
+        self._finished = {t: finished.labels(m.model_name, name) for t, name in _REASONS.items()}
+        load = engine.load
+        m.add_reads([
+            Read("num_requests_running", "Requests in the running batch (a chunk-prefilling one included).", "gauge",
+                 lambda: load().num_running_reqs),
+            Read("num_requests_waiting", "Requests waiting for a request slot or KV room.", "gauge",
+                 lambda: load().num_waiting_reqs),
+            Read("req_slots_used", "Request slots in use.", "gauge", lambda: engine.req_pool.used),
+            Read("req_slots_total", "Request slots (--max-running-requests).", "gauge",
+                 lambda: engine.cfg.max_running_requests),
+            Read("kv_cache_usage_perc", "KV cache usage: rows held by requests over all rows (1 = full; rows only "
+                 "the prefix cache holds count as free).", "gauge", self._kv_usage),
+            Read("kv_used_tokens", "KV cache rows (tokens) held by requests.", "gauge",
+                 lambda: load().kv_used_tokens),
+            Read("kv_cached_tokens", "KV cache rows (tokens) held only by the prefix cache: evictable.", "gauge",
+                 lambda: load().kv_cached_tokens),
+            Read("kv_total_tokens", "KV cache rows (tokens) in the pool (--max-total-tokens).", "gauge",
+                 lambda: engine.kv_pool.size),
+            Read("prefix_cache_queries", "Prompt tokens looked up in the prefix cache (at each request's first "
+                 "admission).", "counter", lambda: self.prefix_cache_queries),
+            Read("prefix_cache_hits", "Prompt tokens the prefix cache supplied.", "counter",
+                 lambda: self.prefix_cache_hits),
+            Read("scheduler_prompt_tokens", "Prompt tokens prefilled (counted once per request, when its prompt "
+                 "completes).", "counter", lambda: self.prompt_tokens),
+            Read("scheduler_generation_tokens", "Tokens sampled.", "counter", lambda: self.generation_tokens),
+            Read("num_retractions", "Requests retracted (preempted) to free KV cache for running decodes.", "counter",
+                 lambda: engine.policy.num_retracted),
+            Read("num_decode_steps", "Steps that decoded at least one request.", "counter",
+                 lambda: engine.num_decode_steps),
+        ])
+        engine.observer = self
+
+    def _kv_usage(self) -> float:
+        load = self.engine.load()
+        return load.kv_used_tokens / load.kv_total_tokens if load.kv_total_tokens else 0.0
+
+    # ---- engine hooks (engine thread) ---------------------------------------------
+    def on_queued(self, req: Req) -> None:
+        self._times[req] = [time.monotonic(), 0.0, 0.0]
+
+    def on_step(self, plan: Plan, started: float) -> None:
+        now = time.monotonic()
+        n = plan.num_extend
+        sampled = len(plan.reqs) - n  # one token per decode row
+        for req, prefix_len, extend_len in zip(plan.reqs[:n], plan.prefix_lens, plan.extend_lens):
+            t = self._times.get(req)
+            if t is None:
+                continue
+            if not t[1]:
+                t[1] = started
+                self.queue_time.observe(started - t[0])
+                self.prefix_cache_queries += req.prompt_len
+                self.prefix_cache_hits += req.cached_tokens or 0
+            if prefix_len + extend_len == req.seq_len:  # the prompt (and any output) is in: it samples
+                sampled += 1
+                if not t[2]:
+                    t[2] = now
+                    self.prefill_time.observe(now - t[1])
+                    self.prompt_tokens += req.prompt_len
+        self.generation_tokens += sampled
+
+    def on_finish(self, req: Req) -> None:
+        self._finished[req.finish_reason.type].inc()
+        t = self._times.pop(req, None)
+        if t is not None and t[2]:
+            self.decode_time.observe(time.monotonic() - t[2])
