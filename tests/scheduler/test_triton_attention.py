@@ -12,7 +12,7 @@ from pathlib import Path
 
 CHECK = r"""
 import json, torch
-from services.scheduler.layers.attention import _decode, _gather
+from services.scheduler.layers.attention import _decode
 from services.scheduler.layers.triton_attention import decode_attention, extend_attention
 
 torch.manual_seed(0)
@@ -24,10 +24,9 @@ for dtype in (torch.float32, torch.bfloat16):
     kv_indices = torch.stack([torch.randperm(pool)[:width] for _ in range(b)])  # scattered rows
     q = torch.randn(b, hq, d).to(dtype)
     got = decode_attention(q, k_buf, v_buf, kv_indices, seq_lens, 0.25, block_n=4)
-    keys, values = _gather(k_buf, v_buf, kv_indices)
     valid = torch.arange(width)[None, :] < seq_lens[:, None]
     mask = torch.zeros(valid.shape).masked_fill_(~valid, float("-inf"))[:, None, None, :]
-    want = _decode(q.float(), keys, values, mask, 0.25)
+    want = _decode(q.float(), k_buf.float(), v_buf.float(), kv_indices, mask, 0.25)
     errors[str(dtype)] = [list(got.shape), str(got.dtype), (got.float() - want).abs().max().item()]
 
 # Extend: a fresh prompt, a single new token after a prefix, and 20 tokens after a prefix of 3.

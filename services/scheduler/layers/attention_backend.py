@@ -59,7 +59,7 @@ class AttentionBackend(ABC):
 
 
 class TorchAttnBackend(AttentionBackend):
-    """Gathered K/V, grouped matmuls (decode) and SDPA (extend) in float32: ``layers.attention.paged_attention``."""
+    """Gathered K/V, batched matmuls (decode) and SDPA (extend) in the cache dtype, softmax in fp32: ``layers.attention.paged_attention``."""
 
     name = "torch"
 

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from services.scheduler.layers.attention import AttnMetadata, KVBuffers
 from services.scheduler.layers.attention_backend import AttentionBackend, create_attention_backend
 from services.scheduler.layers.norm import RMSNorm
-from services.scheduler.layers.rotary import RotaryEmbedding, apply_rotary
+from services.scheduler.layers.rotary import RotaryEmbedding, apply_rotary_packed
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, head_dim]
 
@@ -90,11 +90,11 @@ class LlamaAttention(torch.nn.Module):
     def forward(self, h: torch.Tensor, rope: Rope, meta: AttnMetadata, kv: KVBuffers) -> torch.Tensor:
         """h: [T, hidden] -> [T, hidden]."""
         t = h.shape[0]
-        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        qk, v = self.qkv_proj(h).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # q and k heads are rotated together (one pass), then split as views.
+        qk = apply_rotary_packed(qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, Hq, D], [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, *rope)
         return self.o_proj(self.attn_backend.forward(q, k, v, self.layer_id, meta, kv, self.scale))
 
 

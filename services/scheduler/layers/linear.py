@@ -1,0 +1,58 @@
+"""Linear layers with their bf16 weights pre-packed for oneDNN (CPU).
+
+``torch.nn.Linear`` hands oneDNN a plain [out, in] weight on every call, and oneDNN's
+bf16 matmul repacks it into its blocked (VNNI) layout each time. Packing once at load
+(``torch.ops.mkldnn._reorder_linear_weight``, what torch.compile's CPU freezing pass
+does) and calling ``torch.ops.mkldnn._linear_pointwise`` gives bit-identical outputs
+and was measured 2.1x faster at batch 1 for a [3072, 576] weight (0.069 against
+0.143 ms, one core) and 1.5x for the [49152, 576] LM head (4.6 against 7.0 ms); 10-15 %
+at batch 64. Decode at small batch reads every weight once per step, so this is most of
+a batch-1 step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """True for a bf16 CPU weight when this torch has oneDNN with bf16 support."""
+    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+            and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+class PackedLinear(torch.nn.Module):
+    """``y = x @ W^T + b`` with W held in oneDNN's blocked layout (not a parameter: it is
+    opaque, so ``state_dict`` and ``.to()`` do not see it; pack after placing the model).
+
+    Args:
+        linear: a bf16 CPU ``nn.Linear`` (see ``can_pack``); its weight is copied, so the
+            caller drops the module to free the plain weight.
+    """
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        # The batch-size hint only tunes the layout; a weight packed for 1 runs any M.
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, in_features] bf16 -> [T, out_features] bf16."""
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def pack_linears(model: torch.nn.Module) -> int:
+    """Replace every packable ``nn.Linear`` in ``model`` by a ``PackedLinear``, in place.
+
+    Returns how many were replaced (0 for an fp32 model, a GPU model, or a torch without
+    oneDNN bf16); calling it again replaces nothing.
+    """
+    count = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, torch.nn.Linear) and can_pack(child.weight):
+                setattr(module, name, PackedLinear(child))
+                count += 1
+    return count
