@@ -68,7 +68,8 @@ class LaunchConfig:
     api_key: str | None = None
     context_length: int | None = None
     max_running_requests: int | None = None
-    max_total_tokens: int | None = None
+    max_total_tokens: int | None = None  # KV pool in tokens; None: --kv-cache-gib, else the scheduler's default
+    kv_cache_gib: float | None = None
     max_queued_requests: int | None = None
     grace_period_s: float = 5.0
     watchdog_timeout_s: float | None = None
@@ -313,6 +314,8 @@ class Launcher:
             sched_args += ["--max-running-requests", str(c.max_running_requests)]
         if c.max_total_tokens:
             sched_args += ["--max-total-tokens", str(c.max_total_tokens)]
+        elif c.kv_cache_gib:
+            sched_args += ["--kv-cache-gib", str(c.kv_cache_gib)]
         if c.context_length:
             sched_args += ["--context-length", str(c.context_length)]
         if c.max_queued_requests is not None:
@@ -390,7 +393,10 @@ def parse_args(argv: list[str] | None) -> LaunchConfig:
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--context-length", type=int, default=None)
     parser.add_argument("--max-running-requests", type=int, default=None)
-    parser.add_argument("--max-total-tokens", type=int, default=None)
+    kv = parser.add_mutually_exclusive_group()
+    kv.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens (each scheduler)")
+    kv.add_argument("--kv-cache-gib", type=float, default=None,
+                    help="KV pool size in GiB (each scheduler); default: a share of the memory available")
     parser.add_argument("--max-queued-requests", type=int, default=None,
                         help="scheduler: requests allowed to wait for a slot; beyond it refuse (HTTP 429)")
     parser.add_argument("--grace-period", type=float, default=LaunchConfig.grace_period_s,
@@ -427,7 +433,7 @@ def parse_args(argv: list[str] | None) -> LaunchConfig:
         detokenizer_metrics_port=args.detokenizer_metrics_port, attention_backend=args.attention_backend,
         served_model_name=args.served_model_name, api_key=args.api_key,
         context_length=args.context_length, max_running_requests=args.max_running_requests,
-        max_total_tokens=args.max_total_tokens, max_queued_requests=args.max_queued_requests,
+        max_total_tokens=args.max_total_tokens, kv_cache_gib=args.kv_cache_gib, max_queued_requests=args.max_queued_requests,
         grace_period_s=args.grace_period, watchdog_timeout_s=args.watchdog_timeout,
         restart_on_failure=args.restart_on_failure,
         tokenizers=args.tokenizers, replicas=args.replicas,

@@ -19,9 +19,12 @@ class EngineConfig:
     """What the engine needs; gRPC-free.
 
     Attributes:
-        max_total_tokens: KV pool size in tokens. 65536 by default: for SmolLM2-135M in fp32
-            a token's K and V over 30 layers take 46 KiB, so the full pool is 3 GiB of
-            address space, committed only as tokens are first written.
+        max_total_tokens: KV pool size in tokens; None = from ``kv_cache_gib``.
+        kv_cache_gib: KV pool size in GiB; None = ``kv_cache_mem_fraction`` of the memory
+            available once the weights are loaded (MemAvailable, capped by a cgroup limit).
+            For SmolLM2-135M a token's K and V over 30 layers take 23 KiB in bf16 (46 KiB
+            in fp32). The pool is address space, committed only as tokens are first
+            written, and never grows past its size.
         max_prefill_tokens: token budget of one extend batch.
         context_length: None = the model's max_position_embeddings.
         seed: seed of the shared generator for unseeded requests; None = nondeterministic.
@@ -37,7 +40,9 @@ class EngineConfig:
     model: Path
     dtype: str = "auto"
     max_running_requests: int = 64
-    max_total_tokens: int = 65536
+    max_total_tokens: int | None = None
+    kv_cache_gib: float | None = None
+    kv_cache_mem_fraction: float = 0.3
     max_prefill_tokens: int = 8192
     context_length: int | None = None
     seed: int | None = None

@@ -39,7 +39,11 @@ def parse_args(argv: list[str] | None) -> SchedulerConfig:
     p.add_argument("--dtype", choices=DTYPES, default=e.dtype, help="weights and KV cache dtype (attention, softmax and sampling run in fp32); "
                    "auto = bfloat16 on CPUs with AMX / AVX-512-BF16, else float32")
     p.add_argument("--max-running-requests", type=int, default=e.max_running_requests, help="req slots")
-    p.add_argument("--max-total-tokens", type=int, default=e.max_total_tokens, help="KV pool size in tokens")
+    kv = p.add_mutually_exclusive_group()
+    kv.add_argument("--max-total-tokens", type=int, default=e.max_total_tokens, help="KV pool size in tokens")
+    kv.add_argument("--kv-cache-gib", type=float, default=e.kv_cache_gib, help="KV pool size in GiB")
+    p.add_argument("--kv-cache-mem-fraction", type=float, default=e.kv_cache_mem_fraction,
+                   help="without either size: this fraction of the memory available after the weights load")
     p.add_argument("--max-prefill-tokens", type=int, default=e.max_prefill_tokens, help="token budget of one prefill batch")
     p.add_argument("--context-length", type=int, default=None, help="default: the model's max_position_embeddings")
     p.add_argument("--seed", type=int, default=None, help="seed for requests that give none")
@@ -71,8 +75,15 @@ def parse_args(argv: list[str] | None) -> SchedulerConfig:
         p.error("--max-queued-requests must be >= 0")
     if a.max_queued_tokens is not None and a.max_queued_tokens <= 0:
         p.error("--max-queued-tokens must be > 0")
+    if a.max_total_tokens is not None and a.max_total_tokens <= 0:
+        p.error("--max-total-tokens must be > 0")
+    if a.kv_cache_gib is not None and a.kv_cache_gib <= 0:
+        p.error("--kv-cache-gib must be > 0")
+    if not 0 < a.kv_cache_mem_fraction < 1:
+        p.error("--kv-cache-mem-fraction must be in (0, 1)")
     engine = EngineConfig(
         model=a.model, dtype=a.dtype, max_running_requests=a.max_running_requests, max_total_tokens=a.max_total_tokens,
+        kv_cache_gib=a.kv_cache_gib, kv_cache_mem_fraction=a.kv_cache_mem_fraction,
         max_prefill_tokens=a.max_prefill_tokens, context_length=a.context_length, seed=a.seed,
         chunked_prefill_size=a.chunked_prefill_size, disable_radix_cache=a.disable_radix_cache,
         schedule_policy=a.schedule_policy, load_format=a.load_format, attention_backend=a.attention_backend,

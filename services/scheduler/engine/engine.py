@@ -6,6 +6,7 @@ Plain Python over torch; knows nothing of gRPC. Not thread-safe: one thread driv
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +15,7 @@ import torch
 from tokenizers import Tokenizer
 
 from services.scheduler.config import EngineConfig
-from services.scheduler.engine.kv_pool import ReqToTokenPool, TokenToKVPool
+from services.scheduler.engine.kv_pool import ReqToTokenPool, TokenToKVPool, kv_bytes_per_token, kv_pool_tokens
 from services.scheduler.engine.model_runner import ModelRunner
 from services.scheduler.engine.observer import EngineObserver
 from services.scheduler.engine.output import StepOutput
@@ -25,6 +26,8 @@ from services.scheduler.engine.schedule import Plan, SchedulePolicy
 from services.scheduler.engine.stops import StopChecker, load_eos_ids
 from services.scheduler.engine.validate import validate
 from services.scheduler.models import load_model
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -58,10 +61,14 @@ class Engine:
             raise ValueError(f"--context-length {self.context_length} exceeds the model's "
                              f"max_position_embeddings {mc.max_position_embeddings}")
         self.req_pool = ReqToTokenPool(cfg.max_running_requests, self.context_length)
-        self.kv_pool = TokenToKVPool(
-            cfg.max_total_tokens, mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
-            next(model.parameters()).dtype,
-        )
+        kv_dtype = next(model.parameters()).dtype
+        bytes_per_token = kv_bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, kv_dtype)
+        self.max_total_tokens = kv_pool_tokens(bytes_per_token, cfg.max_total_tokens, cfg.kv_cache_gib,
+                                               cfg.kv_cache_mem_fraction)
+        log.info("KV pool: %d tokens (%.2f GiB of %s)", self.max_total_tokens,
+                 self.max_total_tokens * bytes_per_token / 2**30, kv_dtype)
+        self.kv_pool = TokenToKVPool(self.max_total_tokens, mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
+                                     kv_dtype)
         self.tree = None if cfg.disable_radix_cache else RadixCache(self.kv_pool)
         self.policy = SchedulePolicy(self.req_pool, self.kv_pool, cfg.max_running_requests, cfg.max_prefill_tokens,
                                      cfg.chunked_prefill_size, self.tree, cfg.schedule_policy)
@@ -98,7 +105,7 @@ class Engine:
             dup.init_sent = True  # the detokenizer's state for this rid belongs to the first request
             self._emit_abort(dup, f"rid {spec.rid!r} is already in flight", "ALREADY_EXISTS")
             return
-        error = validate(spec, self.vocab_size, self.context_length, self.cfg.max_total_tokens)
+        error = validate(spec, self.vocab_size, self.context_length, self.max_total_tokens)
         req = Req(spec)
         if error is not None:
             self._emit_abort(req, error, "INVALID_ARGUMENT")

@@ -8,7 +8,12 @@ free list, so a request's cache need not be contiguous and nothing is fragmented
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import psutil
 import torch
+
+GIB = 2**30
 
 
 class ReqToTokenPool:
@@ -79,3 +84,51 @@ class TokenToKVPool:
     def bytes_per_token(self) -> int:
         k = self.k_buffer[0]
         return 2 * len(self.k_buffer) * k.shape[1] * k.shape[2] * k.element_size()
+
+
+def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes one token's K and V take over every layer."""
+    return 2 * num_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def available_memory_bytes(cgroup_dir: Path = Path("/sys/fs/cgroup")) -> int:
+    """Memory this process can still take, in bytes: the host's MemAvailable (psutil), capped
+    by the cgroup v2 limit minus current use when one is set (a Kubernetes pod's limit is
+    invisible in /proc/meminfo)."""
+    available = psutil.virtual_memory().available
+    try:
+        limit = (cgroup_dir / "memory.max").read_text().strip()
+        if limit != "max":
+            available = min(available, int(limit) - int((cgroup_dir / "memory.current").read_text()))
+    except (FileNotFoundError, PermissionError, ValueError):
+        pass  # no cgroup v2 memory controller here: the host figure stands
+    return max(available, 0)
+
+
+def kv_pool_tokens(bytes_per_token: int, max_total_tokens: int | None, kv_cache_gib: float | None,
+                   kv_cache_mem_fraction: float, available_bytes: int | None = None) -> int:
+    """Size of the KV pool in tokens, from the first setting given.
+
+    Args:
+        bytes_per_token: ``kv_bytes_per_token`` of the model and KV dtype.
+        max_total_tokens: an explicit size in tokens (``--max-total-tokens``).
+        kv_cache_gib: a size in GiB (``--kv-cache-gib``).
+        kv_cache_mem_fraction: otherwise this fraction of ``available_bytes``, measured after
+            the weights are loaded (``--kv-cache-mem-fraction``; SGLang's
+            ``mem_fraction_static`` sizes its pool the same way on GPUs).
+        available_bytes: default ``available_memory_bytes()``.
+
+    Raises:
+        ValueError: the size comes to less than one token.
+    """
+    if max_total_tokens is not None:
+        tokens, source = max_total_tokens, f"--max-total-tokens {max_total_tokens}"
+    elif kv_cache_gib is not None:
+        tokens, source = int(kv_cache_gib * GIB) // bytes_per_token, f"--kv-cache-gib {kv_cache_gib:g}"
+    else:
+        free = available_memory_bytes() if available_bytes is None else available_bytes
+        tokens = int(kv_cache_mem_fraction * free) // bytes_per_token
+        source = f"--kv-cache-mem-fraction {kv_cache_mem_fraction:g} of {free / GIB:.2f} GiB available"
+    if tokens < 1:
+        raise ValueError(f"the KV pool would hold {tokens} tokens ({source}, {bytes_per_token} bytes per token)")
+    return tokens
