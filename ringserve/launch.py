@@ -70,6 +70,9 @@ class LaunchConfig:
     max_running_requests: int | None = None
     max_total_tokens: int | None = None  # KV pool in tokens; None: --kv-cache-gib, else the scheduler's default
     kv_cache_gib: float | None = None
+    # Without a size: this share of the memory available, split evenly over the replicas
+    # (each scheduler measures the same free memory at start-up, as the pools fill lazily).
+    kv_cache_mem_fraction: float = 0.3
     max_queued_requests: int | None = None
     grace_period_s: float = 5.0
     watchdog_timeout_s: float | None = None
@@ -316,6 +319,8 @@ class Launcher:
             sched_args += ["--max-total-tokens", str(c.max_total_tokens)]
         elif c.kv_cache_gib:
             sched_args += ["--kv-cache-gib", str(c.kv_cache_gib)]
+        else:
+            sched_args += ["--kv-cache-mem-fraction", f"{c.kv_cache_mem_fraction / c.replicas:.6g}"]
         if c.context_length:
             sched_args += ["--context-length", str(c.context_length)]
         if c.max_queued_requests is not None:
@@ -395,6 +400,8 @@ def parse_args(argv: list[str] | None) -> LaunchConfig:
     parser.add_argument("--max-running-requests", type=int, default=None)
     kv = parser.add_mutually_exclusive_group()
     kv.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens (each scheduler)")
+    parser.add_argument("--kv-cache-mem-fraction", type=float, default=LaunchConfig.kv_cache_mem_fraction,
+                        help="without a size: this share of the available memory for all replicas' KV pools together")
     kv.add_argument("--kv-cache-gib", type=float, default=None,
                     help="KV pool size in GiB (each scheduler); default: a share of the memory available")
     parser.add_argument("--max-queued-requests", type=int, default=None,
@@ -423,6 +430,8 @@ def parse_args(argv: list[str] | None) -> LaunchConfig:
                         help="gateway: log prompts and outputs (never logged by default)")
     grpcutil.add_transport_args(parser)
     args = parser.parse_args(argv)
+    if not 0 < args.kv_cache_mem_fraction < 1:
+        parser.error("--kv-cache-mem-fraction must be in (0, 1)")
     if args.tokenizers < 1 or args.replicas < 1:
         parser.error("--tokenizers and --replicas must be at least 1")
     return LaunchConfig(
@@ -433,7 +442,8 @@ def parse_args(argv: list[str] | None) -> LaunchConfig:
         detokenizer_metrics_port=args.detokenizer_metrics_port, attention_backend=args.attention_backend,
         served_model_name=args.served_model_name, api_key=args.api_key,
         context_length=args.context_length, max_running_requests=args.max_running_requests,
-        max_total_tokens=args.max_total_tokens, kv_cache_gib=args.kv_cache_gib, max_queued_requests=args.max_queued_requests,
+        max_total_tokens=args.max_total_tokens, kv_cache_gib=args.kv_cache_gib,
+        kv_cache_mem_fraction=args.kv_cache_mem_fraction, max_queued_requests=args.max_queued_requests,
         grace_period_s=args.grace_period, watchdog_timeout_s=args.watchdog_timeout,
         restart_on_failure=args.restart_on_failure,
         tokenizers=args.tokenizers, replicas=args.replicas,
@@ -457,7 +467,10 @@ def main(argv: list[str] | None = None) -> None:
     def on_signal(signum, _frame):
         raise KeyboardInterrupt
 
+    # SIGINT too: a launcher started in the background by a shell inherits SIGINT ignored,
+    # and Python then never turns Ctrl-C into KeyboardInterrupt.
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     status = 0
     try:
         launcher.start()
@@ -477,6 +490,7 @@ def main(argv: list[str] | None = None) -> None:
         status = 1
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         launcher.stop()
     sys.exit(status)
 

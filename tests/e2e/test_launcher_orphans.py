@@ -1,13 +1,18 @@
-"""`ringserve launch` killed with SIGKILL (no chance to stop its children): every service
-still exits, through the parent-death signal each one sets for itself after exec."""
+"""The launcher's life cycle: killed with SIGKILL (no chance to stop its children) every
+service still exits, through the parent-death signal each one sets for itself after exec;
+Ctrl-C stops the ring even when the launcher inherited SIGINT ignored (started in the
+background by a shell); its KV memory share is split over the replicas."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
+from ringserve.launch import Launcher, free_port, parse_args, service_processes, wait_launched
 from tests.ringstack import SERVICES, launched
 
 
@@ -30,3 +35,36 @@ def test_every_service_exits_when_the_launcher_is_killed(smollm2_dir: Path, tmp_
         while time.monotonic() < deadline and any(_running(pid) for pid in pids.values()):
             time.sleep(0.2)
         assert {name: _running(pid) for name, pid in pids.items()} == dict.fromkeys(SERVICES, False)
+
+
+def test_ctrl_c_stops_a_launcher_started_with_sigint_ignored(smollm2_dir: Path, tmp_path: Path) -> None:
+    port = free_port()
+    launch = [sys.executable, "-m", "ringserve.cli", "launch", "--model", str(smollm2_dir), "--port", str(port),
+              "--dtype", "float32", "--max-total-tokens", "2048"]
+    with open(tmp_path / "ring.log", "w") as log:
+        # `trap "" INT` is what a non-interactive shell does to a command it starts with `&`.
+        proc = subprocess.Popen(["sh", "-c", 'trap "" INT; exec "$@"', "sh", *launch], start_new_session=True,
+                                stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_launched(proc, f"http://127.0.0.1:{port}/health", timeout_s=300)
+        children = [pid for name in SERVICES for pid, _ in service_processes(proc.pid, name)]
+        assert len(children) == 4
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+        assert [pid for pid in children if _running(pid)] == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_kv_memory_share_is_split_over_replicas() -> None:
+    def fraction(*flags: str) -> list[str]:
+        args = Launcher(parse_args(["--model", "m", *flags]))._scheduler_args("1", "127.0.0.1:2", 0)
+        return [args[i + 1] for i, a in enumerate(args) if a in ("--kv-cache-mem-fraction", "--kv-cache-gib",
+                                                                 "--max-total-tokens")]
+
+    assert fraction() == ["0.3"]
+    assert fraction("--replicas", "2") == ["0.15"]
+    assert fraction("--replicas", "4", "--kv-cache-mem-fraction", "0.6") == ["0.15"]
+    assert fraction("--replicas", "2", "--kv-cache-gib", "1.5") == ["1.5"]
+    assert fraction("--max-total-tokens", "4096") == ["4096"]
