@@ -88,7 +88,7 @@ class TokenToKVPool:
 
 def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     """Bytes one token's K and V take over every layer."""
-    return 2 * num_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * kv_heads * head_dim * dtype.itemsize
 
 
 def available_memory_bytes(cgroup_dir: Path = Path("/sys/fs/cgroup")) -> int:
