@@ -56,7 +56,8 @@ def parse_args(argv: list[str] | None) -> SchedulerConfig:
                    help="dummy = random weights of config.json's shapes (benchmarks)")
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=e.attention_backend,
                    help="auto = triton on CUDA devices, torch on CPU; triton on CPU needs TRITON_INTERPRET=1 (tests)")
-    p.add_argument("--torch-threads", type=int, default=None, help="default: the number of usable cores")
+    p.add_argument("--torch-threads", type=int, default=None,
+                   help="default: the usable cores (CPU affinity, capped by a cgroup CPU limit)")
     p.add_argument("--max-queued-requests", type=int, default=s.max_queued_requests,
                    help="requests allowed to wait for a request slot; beyond it refuse with RESOURCE_EXHAUSTED")
     p.add_argument("--grace-period", type=float, default=s.grace_period_s,
@@ -94,6 +95,21 @@ def parse_args(argv: list[str] | None) -> SchedulerConfig:
                            watchdog_timeout_s=a.watchdog_timeout, max_queued_tokens=a.max_queued_tokens,
                            transport=grpcutil.transport_from_args(p, a),
                            metrics_port=a.metrics_port, served_model_name=a.served_model_name)
+
+
+def usable_cpus(cgroup_dir: Path = Path("/sys/fs/cgroup")) -> int:
+    """Cores this process may use: its CPU affinity, capped by a cgroup v2 CPU quota
+    (``cpu.max``, rounded up) when one is set. A Kubernetes CPU limit shows only there:
+    the affinity of a pod on a 64-core node is 64 cores even under a 4-CPU limit, and
+    64 OpenMP threads on a 4-CPU quota are throttled, not faster."""
+    cpus = len(os.sched_getaffinity(0))
+    try:
+        quota, period = (cgroup_dir / "cpu.max").read_text().split()
+        if quota != "max":
+            cpus = min(cpus, max(1, -(-int(quota) // int(period))))
+    except (FileNotFoundError, PermissionError, ValueError):
+        pass  # no cgroup v2 CPU controller here: the affinity stands
+    return cpus
 
 
 class Watchdog:
@@ -159,13 +175,21 @@ async def serve(cfg: SchedulerConfig, stop: asyncio.Event | None = None,
     from services.scheduler.servicer import SchedulerServicer
     from services.scheduler.wire import step_output_to_proto
 
-    torch.set_num_threads(cfg.torch_threads or len(os.sched_getaffinity(0)))
+    # Every multi-threaded torch op runs in the engine thread (EngineLoop sets the count
+    # there); this thread loads the model with one. Once a process holds more OpenMP
+    # workers than cores, libgomp cuts its workers' spin-wait to ~100 iterations, so a
+    # second team started from this thread made every parallel region of a step wake
+    # sleeping workers: a batch-64 decode step ran 36 % slower (152 against 112 ms,
+    # 2 cores), and in serving 1.3 of the 2 cores stayed busy.
+    torch_threads = cfg.torch_threads or usable_cpus()
+    torch.set_num_threads(1)
     engine = Engine.from_config(cfg.engine)
     metrics = ServiceMetrics(cfg.model_name)
     SchedulerMetrics(engine, metrics)
     metrics.serve(cfg.host, cfg.metrics_port)
     loop = EngineLoop(engine, lambda out: link.send_threadsafe(step_output_to_proto(out)),
-                      max_queued_requests=cfg.max_queued_requests, max_queued_tokens=cfg.max_queued_tokens)
+                      max_queued_requests=cfg.max_queued_requests, max_queued_tokens=cfg.max_queued_tokens,
+                      torch_threads=torch_threads)
     link = DetokenizerLink(
         cfg.detokenizer,
         on_lost=lambda: loop.abort(message="lost the detokenizer stream and its decode state",
@@ -219,10 +243,13 @@ async def serve(cfg: SchedulerConfig, stop: asyncio.Event | None = None,
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv)
     grpcutil.configure(cfg.transport)
-    # Before torch loads OpenMP: spinning OpenMP workers on a machine shared with the other
-    # services made decode steps 5-10x slower (measured: batch 16, 2 cores, load 5:
-    # 306 ms passive against 840-5284 ms spinning).
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # OpenMP's wait policy is left to the environment (libgomp reads it when torch loads).
+    # Its default, a spin of a few ms before a worker sleeps, suits cores the scheduler
+    # has to itself (a Kubernetes CPU request): on 2 idle cores it gave 361 against 286
+    # tok/s at 64 streams and 28.6 against 46.0 ms median ITL at 1 stream, over
+    # OMP_WAIT_POLICY=PASSIVE. Where other work shares the cores, spinning workers
+    # hold up each other's barriers: with two busy processes beside the ring, PASSIVE
+    # gave 159 against 66 tok/s at 16 streams. Set OMP_WAIT_POLICY=PASSIVE there.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Start-up objects (model, torch internals) out of the collector's way once serving:
     # with torch imported, full collections otherwise add ~100 ms pauses to steps.

@@ -26,6 +26,8 @@ import threading
 import time
 from collections.abc import Callable
 
+import torch
+
 from services.scheduler.engine.engine import Engine, LoadStats
 from services.scheduler.engine.output import StepOutput
 from services.scheduler.engine.req import ReqInput
@@ -41,11 +43,15 @@ class EngineLoop:
             None = no limit.
         max_queued_tokens: prompt tokens (held requests' plus the new one's) admitted at
             most; None = no limit.
+        torch_threads: torch's intra-op thread count, set in the engine thread when it
+            starts (OpenMP keeps the count per thread); None leaves it as it is.
     """
 
     def __init__(self, engine: Engine, on_output: Callable[[StepOutput], None],
-                 max_queued_requests: int | None = None, max_queued_tokens: int | None = None):
+                 max_queued_requests: int | None = None, max_queued_tokens: int | None = None,
+                 torch_threads: int | None = None):
         self.engine = engine
+        self.torch_threads = torch_threads
         self.max_queued_requests = max_queued_requests
         self.max_queued_tokens = max_queued_tokens
         self._on_output = on_output
@@ -137,6 +143,8 @@ class EngineLoop:
             command()
 
     def _run(self) -> None:
+        if self.torch_threads:
+            torch.set_num_threads(self.torch_threads)
         while not self._stopping:
             self._beat = time.monotonic()
             self._drain()
