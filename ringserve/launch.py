@@ -63,7 +63,7 @@ class LaunchConfig:
     scheduler_metrics_port: int = 0
     detokenizer_metrics_port: int = 0
     dtype: str = "auto"  # the scheduler picks bf16 on AMX / AVX-512-BF16 CPUs, else fp32
-    attention_backend: str = "auto"  # the scheduler picks triton on CUDA devices, torch on CPU
+    attention_backend: str = "auto"  # the scheduler picks triton on CUDA devices, cpu on CPU
     served_model_name: str | None = None
     api_key: str | None = None
     context_length: int | None = None
@@ -392,8 +392,8 @@ def parse_args(argv: list[str] | None) -> LaunchConfig:
         help="model dtype; auto = bfloat16 on CPUs with AMX or AVX-512-BF16, float32 elsewhere",
     )
     parser.add_argument("--attention-backend", default=LaunchConfig.attention_backend,
-                        choices=["auto", "torch", "triton"],
-                        help="scheduler: auto = triton on CUDA devices, torch on CPU")
+                        choices=["auto", "torch", "cpu", "triton"],
+                        help="scheduler: auto = triton on CUDA devices, cpu (C kernels) on CPU")
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--context-length", type=int, default=None)

@@ -11,7 +11,7 @@ DTYPES = ("auto", "float32", "bfloat16")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 LOAD_FORMATS = ("auto", "dummy")
 # "auto" and the names of layers.attention_backend.ATTENTION_BACKENDS (kept torch-free here).
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 @dataclass(frozen=True)
@@ -33,8 +33,9 @@ class EngineConfig:
         disable_radix_cache: run without the prefix cache.
         schedule_policy: admission order, "fcfs" or "lpm" (longest cached prefix first).
         load_format: "auto" (safetensors) or "dummy" (random weights for config.json).
-        attention_backend: "torch", "triton", or "auto" = triton when the weights are on
-            a CUDA device, torch on CPU (triton on CPU needs TRITON_INTERPRET=1).
+        attention_backend: "torch", "cpu" (C kernels), "triton", or "auto" = triton when
+            the weights are on a CUDA device, cpu on CPU (torch when no C compiler is
+            there; triton on CPU needs TRITON_INTERPRET=1).
     """
 
     model: Path

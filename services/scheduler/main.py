@@ -55,7 +55,8 @@ def parse_args(argv: list[str] | None) -> SchedulerConfig:
     p.add_argument("--load-format", choices=LOAD_FORMATS, default=e.load_format,
                    help="dummy = random weights of config.json's shapes (benchmarks)")
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=e.attention_backend,
-                   help="auto = triton on CUDA devices, torch on CPU; triton on CPU needs TRITON_INTERPRET=1 (tests)")
+                   help="auto = triton on CUDA devices, cpu (C kernels, built once with cc) on CPU; "
+                        "torch = the reference; triton on CPU needs TRITON_INTERPRET=1 (tests)")
     p.add_argument("--torch-threads", type=int, default=None,
                    help="default: the usable cores (CPU affinity, capped by a cgroup CPU limit)")
     p.add_argument("--max-queued-requests", type=int, default=s.max_queued_requests,

@@ -48,8 +48,10 @@ def chat(text):
 def greedy(rid, ids, n):
     return ReqInput(rid=rid, input_ids=ids, sampling=SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True))
 
+other, dtype = sys.argv[2], getattr(torch, sys.argv[3])
+
 def run(backend):
-    model = load_model(model_dir, torch.float32, attention_backend=backend)
+    model = load_model(model_dir, dtype, attention_backend=backend)
     engine = Engine(model, tok, eos, cfg)
     steps, forward = [], engine.runner.forward
     def record(plan):
@@ -77,7 +79,7 @@ def run(backend):
     return type(model.attn_backend).__name__, [s[0] for s in steps], torch.cat([s[1].flatten() for s in steps]), outputs
 
 torch_name, torch_plans, torch_logits, torch_out = run("torch")
-triton_name, triton_plans, triton_logits, triton_out = run("triton")
+triton_name, triton_plans, triton_logits, triton_out = run(other)
 print(json.dumps({
     "backends": [torch_name, triton_name],
     "auto_on_cuda": create_attention_backend("auto", "cuda").name,
@@ -106,18 +108,18 @@ print(json.dumps(errors))
 """
 
 
-def _run(script: str, model_dir: Path, interpret: bool) -> dict:
+def _run(script: str, model_dir: Path, interpret: bool, *args: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if interpret:
         env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run([sys.executable, "-c", script, str(model_dir)], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-c", script, str(model_dir), *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def test_triton_backend_gives_the_torch_backends_logits(smollm2_dir):
-    got = _run(SAME_LOGITS, smollm2_dir, interpret=True)
+    got = _run(SAME_LOGITS, smollm2_dir, True, "triton", "float32")
     assert got["backends"] == ["TorchAttnBackend", "TritonAttnBackend"]
     assert got["auto_on_cuda"] == "triton"
     torch_plans, triton_plans = got["plans"]
@@ -131,6 +133,21 @@ def test_triton_backend_gives_the_torch_backends_logits(smollm2_dir):
     assert got["logit_scale"] > 5.0 and got["max_abs_diff"] < 2e-4
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_backend_gives_the_torch_backends_tokens(smollm2_dir, dtype):
+    got = _run(SAME_LOGITS, smollm2_dir, False, "cpu", dtype)
+    assert got["backends"] == ["TorchAttnBackend", "CpuAttnBackend"]
+    torch_plans, cpu_plans = got["plans"]
+    assert cpu_plans == torch_plans == [[2, [0, 0], [10, 6], 2], [1, [6, 10], [6, 1], 2], [1, [10, 12], [12, 1], 2],
+                                        [0, [13, 22], [1, 1], 2]]
+    assert got["outputs"][1] == got["outputs"][0]
+    assert {rid: len(ids) for rid, ids in got["outputs"][0].items()} == {"a": 2, "b": 3, "c": 2}
+    # fp32: summation orders and a polynomial exp differ. bf16: the torch path rounds the
+    # scores and probabilities to bf16 between its attention matmuls; the kernel does not
+    # (measured: 0.625 at logits up to 35, a few bf16 steps after 30 layers).
+    assert got["logit_scale"] > 5.0 and got["max_abs_diff"] < {"float32": 2e-4, "bfloat16": 1.0}[dtype], got
+
+
 def test_triton_on_cpu_without_the_interpreter_is_refused(tmp_path, smollm2_dir):
     (tmp_path / "config.json").write_text((smollm2_dir / "config.json").read_text())
     errors = _run(REFUSALS, tmp_path, interpret=False)
@@ -141,9 +158,9 @@ def test_triton_on_cpu_without_the_interpreter_is_refused(tmp_path, smollm2_dir)
 
 def test_registry_refuses_unknown_names_listing_the_known_ones():
     assert set(ATTENTION_BACKENDS) == {"auto", *REGISTRY}
-    with pytest.raises(ValueError, match=r"^unknown attention backend 'flash'; known: auto, torch, triton$"):
+    with pytest.raises(ValueError, match=r"^unknown attention backend 'flash'; known: auto, cpu, torch, triton$"):
         create_attention_backend("flash", torch.device("cpu"))
-    assert create_attention_backend("auto", torch.device("cpu")).name == "torch"
+    assert create_attention_backend("auto", torch.device("cpu")).name == "cpu"
 
 
 def test_flag_reaches_the_frozen_configs(capsys):
@@ -152,7 +169,7 @@ def test_flag_reaches_the_frozen_configs(capsys):
     with pytest.raises(SystemExit) as exc:
         parse_args(["--model", "m", "--attention-backend", "flash"])
     assert exc.value.code == 2
-    assert "argument --attention-backend: invalid choice: 'flash' (choose from 'auto', 'torch', 'triton')" \
+    assert "argument --attention-backend: invalid choice: 'flash' (choose from 'auto', 'torch', 'cpu', 'triton')" \
         in capsys.readouterr().err
     assert launch_args(["--attention-backend", "triton"]).attention_backend == "triton"
     assert launch_args([]).attention_backend == "auto"

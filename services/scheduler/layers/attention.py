@@ -111,8 +111,8 @@ def paged_attention(
     n = meta.num_extend_tokens
     outs = []
     if meta.extend is not None:
-        keys, values = _gather(k_buf, v_buf, meta.extend.kv_indices)
-        outs.append(_extend(q[:n].to(k_buf.dtype), keys.transpose(1, 2), values.transpose(1, 2), meta.extend, scale))
+        keys, values = gather_kv(k_buf, v_buf, meta.extend.kv_indices)
+        outs.append(extend_attention(q[:n].to(k_buf.dtype), keys.transpose(1, 2), values.transpose(1, 2), meta.extend, scale))
     if meta.decode is not None:
         outs.append(_decode(q[n:].to(k_buf.dtype), k_buf, v_buf, meta.decode.kv_indices, meta.decode.mask, scale))
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
@@ -129,7 +129,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, layer_id: int, out_cache_loc: tor
     return k_buf, v_buf
 
 
-def _gather(k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """KV rows [B, L] -> keys, values [B, L, Hkv, D] in the cache's dtype (one index_select each)."""
     # index_select on the flat index ran 3x faster than advanced indexing (measured, CPU).
     b, length = kv_indices.shape
@@ -180,7 +180,10 @@ def _decode(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indice
     return out.permute(0, 3, 1, 2).reshape(b, hq * d)
 
 
-def _extend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta: ExtendLayout, scale: float) -> torch.Tensor:
+def extend_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta: ExtendLayout,
+                     scale: float) -> torch.Tensor:
+    """SDPA of the packed extend tokens q [T, Hq, D] over gathered keys, values [B, Hkv, L, D]
+    (cache dtype) -> [T, Hq * D]."""
     t, hq, d = q.shape
     qp = q[meta.q_index].transpose(1, 2)  # [B, Hq, Lq, D]
     if meta.mask is None:

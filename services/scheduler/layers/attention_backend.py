@@ -1,4 +1,4 @@
-"""Attention backends behind an explicit registry: ``torch`` (CPU, and the reference) and ``triton`` (GPU).
+"""Attention backends behind an explicit registry: ``torch`` (the reference), ``cpu`` (C kernels) and ``triton`` (GPU).
 
 Every backend does the same thing for one step described by ``AttnMetadata``: write the
 step's new K/V into the layer's paged pool at ``out_cache_loc``, then attend the extend
@@ -12,6 +12,10 @@ both backends: the Triton decode kernel for the decode rows and the Triton exten
 for the extend rows, writing into disjoint slices of one output, so decode rows are never
 padded to a chunk's length and neither kernel pays for the other's shape.
 
+A layer hands the backend its fused qkv projection (``forward_qkv``): the torch and triton
+backends rotate q and k in torch and call ``forward``; the cpu backend rotates and writes
+the pool in one C kernel.
+
 No silent fallback: an unknown name raises with the known ones, and ``triton`` on a CPU
 device raises unless Triton's interpreter was on (``TRITON_INTERPRET=1``) when the
 kernels were defined.
@@ -19,13 +23,18 @@ kernels were defined.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
-from services.scheduler.layers.attention import AttnMetadata, KVBuffers, paged_attention, store_kv
+from services.scheduler.layers.attention import (AttnMetadata, KVBuffers, extend_attention, gather_kv,
+                                                 paged_attention, store_kv)
+from services.scheduler.layers.rotary import apply_rotary_packed
+
+log = logging.getLogger(__name__)
 
 
 class AttentionBackend(ABC):
@@ -56,6 +65,27 @@ class AttentionBackend(ABC):
         Returns:
             [T, Hq * D] in q's dtype.
         """
+
+
+    def forward_qkv(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], num_heads: int,
+                    layer_id: int, meta: AttnMetadata, kv: KVBuffers, scale: float) -> torch.Tensor:
+        """Rotary on the fused projection's q and k, then ``forward``.
+
+        Args:
+            qkv: [T, (Hq + 2 Hkv) * D]: q heads, k heads, v heads.
+            rope: (cos, sin), each [T, 1, D] in qkv's dtype.
+            num_heads: Hq (Hkv and D come from the KV pool).
+
+        Returns:
+            [T, Hq * D] in qkv's dtype.
+        """
+        t = qkv.shape[0]
+        hkv, d = kv.k_buffer[layer_id].shape[1:]
+        qk, v = qkv.split([(num_heads + hkv) * d, hkv * d], dim=-1)
+        # q and k heads are rotated together (one pass), then split as views.
+        qk = apply_rotary_packed(qk.view(t, num_heads + hkv, d), *rope)
+        q, k = qk.split([num_heads, hkv], dim=1)  # [T, Hq, D], [T, Hkv, D]
+        return self.forward(q, k, v.view(t, hkv, d), layer_id, meta, kv, scale)
 
 
 class TorchAttnBackend(AttentionBackend):
@@ -140,22 +170,90 @@ class TritonAttnBackend(AttentionBackend):
         return out.view(t, hq * d)
 
 
+class CpuAttnBackend(AttentionBackend):
+    """The C kernels of ``layers.cpu_kernels``: decode attention reading K/V in place, rotary
+    fused with the K/V store; extend attention as the torch backend (SDPA over gathered rows).
+
+    It also offers the model its fused element-wise kernels (``cpu_ops``: residual add +
+    RMSNorm, SiLU-and-mul), which cut a batch-1 step's per-op overhead.
+
+    Raises:
+        RuntimeError: the device is not the CPU.
+        cpu_kernels.KernelBuildError: no C compiler, or the kernels did not build.
+    """
+
+    name = "cpu"
+
+    def __init__(self, device: torch.device):
+        super().__init__(device)
+        if self.device.type != "cpu":
+            raise RuntimeError(f"attention backend 'cpu' runs on the CPU, not on {self.device.type}")
+        from services.scheduler.layers import cpu_kernels
+
+        cpu_kernels.library()  # build (or find) and load it now: errors at start-up, not at the first step
+        self.cpu_ops = cpu_kernels
+        self._decode_max_len = 0
+
+    def init_forward_metadata(self, meta: AttnMetadata) -> None:
+        """Read the decode part's longest length once (the kernel sizes its scratch by it)."""
+        if meta.decode is not None:
+            self._decode_max_len = meta.decode.kv_indices.shape[1]
+
+    def forward(self, q, k, v, layer_id, meta, kv, scale):
+        k_buf, v_buf = store_kv(k, v, layer_id, meta.out_cache_loc, kv)
+        return self._attend(q.contiguous(), k_buf, v_buf, meta, scale)
+
+    def forward_qkv(self, qkv, rope, num_heads, layer_id, meta, kv, scale):
+        k_buf, v_buf = kv.k_buffer[layer_id], kv.v_buffer[layer_id]
+        if qkv.dtype != k_buf.dtype:
+            return super().forward_qkv(qkv, rope, num_heads, layer_id, meta, kv, scale)
+        q = self.cpu_ops.rotary_store(qkv, rope[0], rope[1], meta.out_cache_loc, k_buf, v_buf, num_heads)
+        return self._attend(q, k_buf, v_buf, meta, scale)
+
+    def _attend(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, meta: AttnMetadata,
+                scale: float) -> torch.Tensor:
+        t, hq, d = q.shape
+        n = meta.num_extend_tokens
+        q = q.to(k_buf.dtype)
+        out = torch.empty(t, hq, d, dtype=k_buf.dtype)
+        if meta.extend is not None:
+            keys, values = gather_kv(k_buf, v_buf, meta.extend.kv_indices)
+            out[:n] = extend_attention(q[:n], keys.transpose(1, 2), values.transpose(1, 2), meta.extend,
+                                       scale).view(n, hq, d)
+        if meta.decode is not None:
+            self.cpu_ops.decode_attention(q[n:], k_buf, v_buf, meta.decode.kv_indices, meta.decode.seq_lens,
+                                          self._decode_max_len, scale, out=out[n:])
+        return out.view(t, hq * d)
+
+
 ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {
     TorchAttnBackend.name: TorchAttnBackend,
     TritonAttnBackend.name: TritonAttnBackend,
+    CpuAttnBackend.name: CpuAttnBackend,
 }
 
 
 def create_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """The backend called ``name`` for ``device``; "auto" is triton on CUDA devices, torch elsewhere.
+    """The backend called ``name`` for ``device``; "auto" is triton on CUDA devices, cpu on the
+    CPU (torch there, with a warning that says why, when the C kernels cannot be built).
 
     Raises:
         ValueError: ``name`` is neither "auto" nor in ``ATTENTION_BACKENDS`` (the message lists them).
-        RuntimeError: from the backend, when it cannot run on ``device`` (see ``TritonAttnBackend``).
+        RuntimeError: from the backend, when it cannot run on ``device`` (see ``TritonAttnBackend``,
+            ``CpuAttnBackend``).
     """
     device = torch.device(device)
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        if device.type == "cuda":
+            name = "triton"
+        elif device.type == "cpu":
+            try:
+                return CpuAttnBackend(device)
+            except RuntimeError as exc:
+                log.warning("attention backend 'cpu' unavailable, using 'torch': %s", exc)
+                name = "torch"
+        else:
+            name = "torch"
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; known: auto, {', '.join(sorted(ATTENTION_BACKENDS))}")
     return ATTENTION_BACKENDS[name](device)

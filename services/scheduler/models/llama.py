@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from services.scheduler.layers.attention import AttnMetadata, KVBuffers
 from services.scheduler.layers.attention_backend import AttentionBackend, create_attention_backend
 from services.scheduler.layers.norm import RMSNorm
-from services.scheduler.layers.rotary import RotaryEmbedding, apply_rotary_packed
+from services.scheduler.layers.rotary import RotaryEmbedding
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, head_dim]
 
@@ -89,13 +89,9 @@ class LlamaAttention(torch.nn.Module):
 
     def forward(self, h: torch.Tensor, rope: Rope, meta: AttnMetadata, kv: KVBuffers) -> torch.Tensor:
         """h: [T, hidden] -> [T, hidden]."""
-        t = h.shape[0]
-        qk, v = self.qkv_proj(h).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        # q and k heads are rotated together (one pass), then split as views.
-        qk = apply_rotary_packed(qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, Hq, D], [T, Hkv, D]
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        return self.o_proj(self.attn_backend.forward(q, k, v, self.layer_id, meta, kv, self.scale))
+        qkv = self.qkv_proj(h)  # [T, (Hq + 2 Hkv) * D]
+        return self.o_proj(self.attn_backend.forward_qkv(qkv, rope, self.num_heads, self.layer_id, meta, kv,
+                                                         self.scale))
 
 
 class LlamaMLP(torch.nn.Module):
@@ -200,9 +196,30 @@ class LlamaForCausalLM(torch.nn.Module):
         self.attn_backend.init_forward_metadata(meta)
         h = self.embed_tokens(input_ids)
         rope = self.rotary(positions, h.dtype)
+        ops = getattr(self.attn_backend, "cpu_ops", None)
+        if ops is not None and h.dtype in (torch.bfloat16, torch.float32):
+            return self._forward_fused(h, rope, meta, kv, ops)
         for layer in self.layers:
             h = layer(h, rope, meta, kv)
         return h
+
+    def _forward_fused(self, h: torch.Tensor, rope: Rope, meta: AttnMetadata, kv: KVBuffers, ops) -> torch.Tensor:
+        """The layers with the cpu backend's fused kernels (``layers.cpu_kernels``): each residual
+        add rides on the next RMSNorm, SiLU-and-mul is one kernel. The same roundings as
+        ``LlamaDecoderLayer.forward``, in a third of the ops."""
+        residual = h  # the embedding's fresh output, updated in place from here on
+        x = ops.add_rms_norm(h, self.layers[0].input_layernorm.weight, self.layers[0].input_layernorm.eps)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn(x, rope, meta, kv)
+            norm = layer.post_attention_layernorm
+            x = ops.add_rms_norm(attn, norm.weight, norm.eps, residual)
+            mlp = layer.mlp.down_proj(ops.silu_and_mul(layer.mlp.gate_up_proj(x)))
+            if i == last:
+                return residual.add_(mlp)
+            norm = self.layers[i + 1].input_layernorm
+            x = ops.add_rms_norm(mlp, norm.weight, norm.eps, residual)
+        return residual  # no layers
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] (the positions that sample) -> float32 logits [N, vocab]."""

@@ -1,0 +1,391 @@
+/* CPU kernels of the scheduler's "cpu" attention backend (layers/cpu_kernels.py builds and
+ * loads this file; see its docstring for shapes, dtypes and numerics).
+ *
+ * - rs_decode_attention: one query per request over its keys, read in place from the
+ *   token-granular paged KV pool through the request's row of KV indices (no gathered
+ *   copy), grouped-query heads sharing each K/V row, scores and softmax in fp32 (the
+ *   two-pass form: scores, then max-subtracted exp and the value sum).
+ * - rs_rotary_store: rotary embedding of the q and k heads of a fused qkv row (the
+ *   rotate_half form of Llama checkpoints), q to its output, k and v into the pool rows.
+ * - rs_add_rms_norm: optional residual add, then RMSNorm (Zhang & Sennrich 2019).
+ * - rs_silu_and_mul: SiLU(gate) * up over a fused gate/up row.
+ *
+ * Element-wise kernels round to bf16 exactly where the torch reference rounds (each torch
+ * op rounds its result), so they give the torch path's bits; compiled with
+ * -ffp-contract=off so no multiply-add is fused behind their back. Attention keeps its
+ * intermediates in fp32 (explicit fmaf) and rounds only its output.
+ *
+ * Tensors are passed as raw pointers to contiguous data; is_bf16 selects bfloat16 (as
+ * uint16 bits) or float32 elements. OpenMP threads come from the caller's thread (torch
+ * loads libgomp first, so this library shares torch's runtime and thread count).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef uint16_t bf16_t;
+
+static inline float bf16_to_f32(bf16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Round to nearest even, NaN to 0x7FC0: c10::BFloat16's conversion, bit for bit. */
+static inline bf16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    const bf16_t rounded = (bf16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    return f != f ? (bf16_t)0x7FC0 : rounded;
+}
+
+static inline float load(const void *p, int64_t i, int is_bf16) {
+    return is_bf16 ? bf16_to_f32(((const bf16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void store(void *p, int64_t i, float v, int is_bf16) {
+    if (is_bf16)
+        ((bf16_t *)p)[i] = f32_to_bf16(v);
+    else
+        ((float *)p)[i] = v;
+}
+
+/* What storing v in the model dtype and reading it back gives. */
+static inline float round_to(float v, int is_bf16) { return is_bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
+
+/* exp for x <= 88: Cephes' expf (range reduction by ln 2, degree-6 polynomial, ~1 ulp),
+ * written so the compiler vectorizes it (glibc's expf is not vectorized without -ffast-math). */
+static inline float exp_f32(float x) {
+    x = x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x);
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float s;
+    memcpy(&s, &bits, sizeof s);
+    return p * s;
+}
+
+/* Attention of one (request, KV head): G query heads against L keys at rows idx[0..L-1].
+ * qf: [G, D] fp32, pre-scaled; scores: [G, L] scratch; acc: [G, D] scratch; out rows of
+ * the G heads at out_row (stride D elements). */
+#define DEFINE_DECODE_ONE(NAME, T, LD)                                                             \
+    static void NAME(const float *qf, const T *k, const T *v, const int64_t *idx, int64_t L,       \
+                     int64_t row_stride, int64_t G, int64_t D, float *scores, float *acc,          \
+                     void *out_row, int is_bf16) {                                                 \
+        for (int64_t j = 0; j < L; j++) {                                                          \
+            const T *kr = k + idx[j] * row_stride;                                                 \
+            if (j + 4 < L) __builtin_prefetch(k + idx[j + 4] * row_stride);                        \
+            for (int64_t g = 0; g < G; g++) {                                                      \
+                const float *qg = qf + g * D;                                                      \
+                float s = 0.0f;                                                                    \
+                _Pragma("omp simd reduction(+:s)") for (int64_t d = 0; d < D; d++)                 \
+                    s = fmaf(qg[d], LD(kr[d]), s);                                                 \
+                scores[g * L + j] = s;                                                             \
+            }                                                                                      \
+        }                                                                                          \
+        float sums[G];                                                                             \
+        for (int64_t g = 0; g < G; g++) {                                                          \
+            float *sg = scores + g * L;                                                            \
+            float m = -INFINITY;                                                                   \
+            for (int64_t j = 0; j < L; j++) m = sg[j] > m ? sg[j] : m;                             \
+            float sum = 0.0f;                                                                      \
+            _Pragma("omp simd reduction(+:sum)") for (int64_t j = 0; j < L; j++) {                 \
+                sg[j] = exp_f32(sg[j] - m);                                                        \
+                sum += sg[j];                                                                      \
+            }                                                                                      \
+            sums[g] = sum;                                                                         \
+        }                                                                                          \
+        memset(acc, 0, sizeof(float) * G * D);                                                     \
+        for (int64_t j = 0; j < L; j++) {                                                          \
+            const T *vr = v + idx[j] * row_stride;                                                 \
+            if (j + 4 < L) __builtin_prefetch(v + idx[j + 4] * row_stride);                        \
+            for (int64_t g = 0; g < G; g++) {                                                      \
+                float p = scores[g * L + j];                                                       \
+                float *ag = acc + g * D;                                                           \
+                _Pragma("omp simd") for (int64_t d = 0; d < D; d++) ag[d] = fmaf(p, LD(vr[d]), ag[d]); \
+            }                                                                                      \
+        }                                                                                          \
+        for (int64_t g = 0; g < G; g++) {                                                          \
+            float inv = 1.0f / sums[g];                                                            \
+            for (int64_t d = 0; d < D; d++) store(out_row, g * D + d, acc[g * D + d] * inv, is_bf16); \
+        }                                                                                          \
+    }
+
+#define LOAD_F32(x) (x)
+DEFINE_DECODE_ONE(decode_one_bf16, bf16_t, bf16_to_f32)
+DEFINE_DECODE_ONE(decode_one_f32, float, LOAD_F32)
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+/* 16 elements at p as fp32 (bf16 widens exactly: its bits are the high half of a float). */
+static inline __attribute__((always_inline)) __m512 load16(const char *p, int is_bf16) {
+    if (is_bf16)
+        return _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+    return _mm512_loadu_ps((const float *)p);
+}
+
+/* exp_f32 on 16 lanes (the same Cephes steps). */
+static inline __attribute__((always_inline)) __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3f)), _mm512_set1_ps(-87.3f));
+    const __m512 n = _mm512_roundscale_ps(
+        _mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(0.5f)),
+        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
+    r = _mm512_add_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+/* Round 16 floats to bf16 (round to nearest even, NaN to 0x7FC0), as bits in the high
+ * halves of 32-bit lanes (so "& 0xFFFF0000" reads it back as a float). */
+static inline __attribute__((always_inline)) __m512i round_bf16_512(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                          _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
+    const __m512i r = _mm512_and_si512(_mm512_add_epi32(u, bias), _mm512_set1_epi32((int)0xFFFF0000u));
+    return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), _mm512_set1_epi32(0x7FC00000), r);
+}
+
+static inline __attribute__((always_inline)) void store16_bf16(bf16_t *p, __m512i high_halves) {
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(high_halves, 16)));
+}
+
+/* softmax numerator in place over s[0..L-1]: exp(s - max); returns the sum. */
+static inline float exp_minus_max(float *s, int64_t L) {
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    int64_t j = 0;
+    for (; j + 16 <= L; j += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + j));
+    float m = _mm512_reduce_max_ps(mv);
+    for (; j < L; j++) m = s[j] > m ? s[j] : m;
+    const __m512 mm = _mm512_set1_ps(m);
+    __m512 sv = _mm512_setzero_ps();
+    for (j = 0; j < L; j += 16) {
+        const __mmask16 k = L - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (L - j)) - 1);
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), mm));
+        _mm512_mask_storeu_ps(s + j, k, e);
+        sv = _mm512_add_ps(sv, _mm512_maskz_mov_ps(k, e));
+    }
+    return _mm512_reduce_add_ps(sv);
+}
+
+/* decode_one_* with AVX-512 registers; D is a constant at each call (64 or 128), so the
+ * loops over D unroll and the value sums stay in registers. */
+static inline __attribute__((always_inline)) void decode_one_avx512(
+    const float *qf, const char *k, const char *v, const int64_t *idx, int64_t L, int64_t row_bytes,
+    int64_t G, const int64_t D, float *scores, void *out_row, int is_bf16) {
+    const int64_t nv = D / 16, es = is_bf16 ? 2 : 4;
+    for (int64_t j = 0; j < L; j++) {
+        const char *kr = k + idx[j] * row_bytes;
+        if (j + 6 < L) {
+            const char *next = k + idx[j + 6] * row_bytes;
+            for (int64_t c = 0; c < D * es; c += 64) __builtin_prefetch(next + c);
+        }
+        __m512 kv[8];
+#pragma GCC unroll 8
+        for (int64_t c = 0; c < nv; c++) kv[c] = load16(kr + c * 16 * es, is_bf16);
+        for (int64_t g = 0; g < G; g++) {
+            const float *qg = qf + g * D;
+            __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qg), kv[0]);
+#pragma GCC unroll 8
+            for (int64_t c = 1; c < nv; c++) a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + c * 16), kv[c], a);
+            scores[g * L + j] = _mm512_reduce_add_ps(a);
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        float *sg = scores + g * L;
+        const float inv = 1.0f / exp_minus_max(sg, L);
+        __m512 acc[8];
+#pragma GCC unroll 8
+        for (int64_t c = 0; c < nv; c++) acc[c] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < L; j++) {
+            const char *vr = v + idx[j] * row_bytes;
+            if (g == 0 && j + 6 < L) {
+                const char *next = v + idx[j + 6] * row_bytes;
+                for (int64_t c = 0; c < D * es; c += 64) __builtin_prefetch(next + c);
+            }
+            const __m512 p = _mm512_set1_ps(sg[j]);
+#pragma GCC unroll 8
+            for (int64_t c = 0; c < nv; c++) acc[c] = _mm512_fmadd_ps(p, load16(vr + c * 16 * es, is_bf16), acc[c]);
+        }
+        float res[128];
+#pragma GCC unroll 8
+        for (int64_t c = 0; c < nv; c++) _mm512_storeu_ps(res + c * 16, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv)));
+        for (int64_t d = 0; d < D; d++) store(out_row, g * D + d, res[d], is_bf16);
+    }
+}
+#define HAVE_AVX512_DECODE 1
+#else
+#define HAVE_AVX512_DECODE 0
+#endif
+
+/* q: [B, Hq, D]; k_buf, v_buf: [N, Hkv, D]; kv_indices: int64 [B, idx_stride] (the first
+ * seq_lens[b] entries of row b are used); seq_lens: int64 [B], each >= 1 and <= max_len;
+ * out: [B, Hq, D]. Query head h*G+g uses KV head h (G = Hq / Hkv). */
+void rs_decode_attention(const void *q, const void *k_buf, const void *v_buf, const int64_t *kv_indices,
+                         int64_t idx_stride, const int64_t *seq_lens, void *out, int64_t B, int64_t Hq,
+                         int64_t Hkv, int64_t D, int64_t max_len, float scale, int is_bf16) {
+    const int64_t G = Hq / Hkv;
+    const int64_t es = is_bf16 ? 2 : 4;
+#pragma omp parallel if (B * Hkv > 1)
+    {
+        float *qf = malloc(sizeof(float) * G * D);
+        float *acc = malloc(sizeof(float) * G * D);
+        float *scores = malloc(sizeof(float) * G * (max_len > 0 ? max_len : 1));
+#pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int64_t b = 0; b < B; b++) {
+            for (int64_t h = 0; h < Hkv; h++) {
+                const int64_t L = seq_lens[b];
+                const int64_t head0 = b * Hq + h * G;
+                for (int64_t e = 0; e < G * D; e++) qf[e] = load(q, head0 * D + e, is_bf16) * scale;
+                const int64_t *idx = kv_indices + b * idx_stride;
+                char *out_row = (char *)out + head0 * D * es;
+#if HAVE_AVX512_DECODE
+                const char *kh = (const char *)k_buf + h * D * es, *vh = (const char *)v_buf + h * D * es;
+                if (D == 64 && is_bf16) {
+                    decode_one_avx512(qf, kh, vh, idx, L, Hkv * D * es, G, 64, scores, out_row, 1);
+                    continue;
+                } else if (D == 64) {
+                    decode_one_avx512(qf, kh, vh, idx, L, Hkv * D * es, G, 64, scores, out_row, 0);
+                    continue;
+                } else if (D == 128 && is_bf16) {
+                    decode_one_avx512(qf, kh, vh, idx, L, Hkv * D * es, G, 128, scores, out_row, 1);
+                    continue;
+                } else if (D == 128) {
+                    decode_one_avx512(qf, kh, vh, idx, L, Hkv * D * es, G, 128, scores, out_row, 0);
+                    continue;
+                }
+#endif
+                if (is_bf16)
+                    decode_one_bf16(qf, (const bf16_t *)k_buf + h * D, (const bf16_t *)v_buf + h * D, idx, L,
+                                    Hkv * D, G, D, scores, acc, out_row, 1);
+                else
+                    decode_one_f32(qf, (const float *)k_buf + h * D, (const float *)v_buf + h * D, idx, L,
+                                   Hkv * D, G, D, scores, acc, out_row, 0);
+            }
+        }
+        free(qf);
+        free(acc);
+        free(scores);
+    }
+}
+
+/* qkv: [T, qkv_stride] rows holding Hq q heads, Hkv k heads, Hkv v heads of D elements;
+ * cos, sin: [T, D]; loc: int64 [T] pool rows; q_out: [T, Hq, D]; k_buf, v_buf: [N, Hkv, D].
+ * Per element, as the torch reference: round(round(x * cos) + round(rotate_half(x) * sin)). */
+void rs_rotary_store(const void *qkv, int64_t qkv_stride, const void *cos, const void *sin, const int64_t *loc,
+                     void *q_out, void *k_buf, void *v_buf, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
+                     int is_bf16) {
+    const int64_t half = D / 2;
+    const int64_t es = is_bf16 ? 2 : 4;
+#pragma omp parallel for if (T > 16)
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t row = t * qkv_stride;
+        for (int64_t head = 0; head < Hq + Hkv; head++) {
+            const int64_t x0 = row + head * D;
+            void *dst;
+            int64_t o;
+            if (head < Hq) {
+                dst = q_out;
+                o = (t * Hq + head) * D;
+            } else {
+                dst = k_buf;
+                o = (loc[t] * Hkv + head - Hq) * D;
+            }
+            for (int64_t d = 0; d < D; d++) {
+                float x = load(qkv, x0 + d, is_bf16);
+                float rh = d < half ? -load(qkv, x0 + d + half, is_bf16) : load(qkv, x0 + d - half, is_bf16);
+                float a = round_to(x * load(cos, t * D + d, is_bf16), is_bf16);
+                float b = round_to(rh * load(sin, t * D + d, is_bf16), is_bf16);
+                store(dst, o + d, a + b, is_bf16);
+            }
+        }
+        memcpy((char *)v_buf + loc[t] * Hkv * D * es, (const char *)qkv + (row + (Hq + Hkv) * D) * es,
+               Hkv * D * es);
+    }
+}
+
+/* x, out: [T, H]; residual: [T, H] or NULL; weight: [H]. With a residual: residual =
+ * round(residual + x) in place, then normalize it; without: normalize x. out =
+ * round(weight * round(v * rsqrt(mean(v^2) + eps))), v in fp32: transformers' LlamaRMSNorm. */
+void rs_add_rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t T, int64_t H,
+                     float eps, int is_bf16) {
+#pragma omp parallel if (T > 16)
+    {
+        float *v = malloc(sizeof(float) * H);
+#pragma omp for
+        for (int64_t t = 0; t < T; t++) {
+            const int64_t o = t * H;
+            if (residual) {
+                for (int64_t i = 0; i < H; i++) {
+                    v[i] = round_to(load(residual, o + i, is_bf16) + load(x, o + i, is_bf16), is_bf16);
+                    store(residual, o + i, v[i], is_bf16);
+                }
+            } else {
+                for (int64_t i = 0; i < H; i++) v[i] = load(x, o + i, is_bf16);
+            }
+            float ss = 0.0f;
+#pragma omp simd reduction(+:ss)
+            for (int64_t i = 0; i < H; i++) ss += v[i] * v[i];
+            const float inv = 1.0f / sqrtf(ss / (float)H + eps);
+            for (int64_t i = 0; i < H; i++)
+                store(out, o + i, load(weight, i, is_bf16) * round_to(v[i] * inv, is_bf16), is_bf16);
+        }
+        free(v);
+    }
+}
+
+/* gate_up: [T, 2I] (gate then up); out: [T, I] = round(round(silu(gate)) * up). */
+void rs_silu_and_mul(const void *gate_up, void *out, int64_t T, int64_t I, int is_bf16) {
+#pragma omp parallel for if (T > 16)
+    for (int64_t t = 0; t < T; t++) {
+        if (is_bf16) {
+            const bf16_t *g = (const bf16_t *)gate_up + t * 2 * I, *u = g + I;
+            bf16_t *o = (bf16_t *)out + t * I;
+            int64_t i = 0;
+#if HAVE_AVX512_DECODE
+            for (; i + 16 <= I; i += 16) {
+                const __m512 x = load16((const char *)(g + i), 1);
+                const __m512 sl = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+                const __m512 sr = _mm512_castsi512_ps(round_bf16_512(sl));
+                store16_bf16(o + i, round_bf16_512(_mm512_mul_ps(sr, load16((const char *)(u + i), 1))));
+            }
+#endif
+            for (; i < I; i++) {
+                float x = bf16_to_f32(g[i]);
+                float s = bf16_to_f32(f32_to_bf16(x / (1.0f + exp_f32(-x))));
+                o[i] = f32_to_bf16(s * bf16_to_f32(u[i]));
+            }
+        } else {
+            const float *g = (const float *)gate_up + t * 2 * I, *u = g + I;
+            float *o = (float *)out + t * I;
+            int64_t i = 0;
+#if HAVE_AVX512_DECODE
+            for (; i + 16 <= I; i += 16) {
+                const __m512 x = _mm512_loadu_ps(g + i);
+                const __m512 sl = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+                _mm512_storeu_ps(o + i, _mm512_mul_ps(sl, _mm512_loadu_ps(u + i)));
+            }
+#endif
+            for (; i < I; i++) o[i] = g[i] / (1.0f + exp_f32(-g[i])) * u[i];
+        }
+    }
+}

@@ -1,0 +1,124 @@
+"""The cpu backend's C kernels (``layers.cpu_kernels``) against the torch ops they replace.
+
+Element-wise kernels must give the torch path's bits in bf16 (rotary and the K/V store
+exactly in fp32 too); decode attention is checked against an fp32 softmax reference,
+over requests of different lengths, for head sizes with an AVX-512 path (64, 128) and
+one without (32, the portable loop).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.scheduler.layers import cpu_kernels
+from services.scheduler.layers.norm import RMSNorm
+from services.scheduler.layers.rotary import apply_rotary_packed
+
+
+def _reference_decode(q, k_buf, v_buf, kv_indices, seq_lens, scale):
+    """fp32 attention, request by request: [B, Hq, D] float32."""
+    b, hq, d = q.shape
+    g = hq // k_buf.shape[1]
+    out = torch.empty(b, hq, d)
+    for i in range(b):
+        rows = kv_indices[i, : seq_lens[i]]
+        k = k_buf[rows].float().repeat_interleave(g, dim=1)  # [L, Hq, D]
+        v = v_buf[rows].float().repeat_interleave(g, dim=1)
+        probs = torch.softmax(torch.einsum("hd,lhd->hl", q[i].float(), k) * scale, dim=-1)
+        out[i] = torch.einsum("hl,lhd->hd", probs, v)
+    return out
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 8e-3)])
+@pytest.mark.parametrize("head_dim", [64, 128, 32])
+def test_decode_attention_matches_fp32_softmax_reference(dtype, tol, head_dim):
+    gen = torch.Generator().manual_seed(0)
+    b, hq, hkv, n = 5, 9, 3, 300
+    q = torch.randn(b, hq, head_dim, generator=gen).to(dtype)
+    k_buf = torch.randn(n, hkv, head_dim, generator=gen).to(dtype)
+    v_buf = torch.randn(n, hkv, head_dim, generator=gen).to(dtype)
+    seq_lens = torch.tensor([37, 1, 20, 16, 33])
+    kv_indices = torch.stack([torch.randperm(n, generator=gen)[:37] for _ in range(b)])
+    got = cpu_kernels.decode_attention(q, k_buf, v_buf, kv_indices, seq_lens, 37, head_dim**-0.5)
+    want = _reference_decode(q, k_buf, v_buf, kv_indices, seq_lens, head_dim**-0.5)
+    assert got.dtype == dtype and got.shape == (b, hq, head_dim)
+    assert (got.float() - want).abs().max().item() < tol
+    # A one-key request attends to exactly its value row.
+    assert torch.equal(got[1], v_buf[kv_indices[1, 0]].repeat_interleave(3, dim=0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_store_gives_the_torch_rotation_and_store_bit_for_bit(dtype):
+    gen = torch.Generator().manual_seed(1)
+    t, hq, hkv, d, n = 7, 9, 3, 64, 50
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=gen).to(dtype)
+    angles = torch.rand(t, 1, d, generator=gen) * 6.3
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    loc = torch.randperm(n, generator=gen)[:t]
+    k_buf, v_buf = torch.zeros(n, hkv, d, dtype=dtype), torch.zeros(n, hkv, d, dtype=dtype)
+    q = cpu_kernels.rotary_store(qkv, cos, sin, loc, k_buf, v_buf, hq)
+    qk, v = qkv.split([(hq + hkv) * d, hkv * d], dim=-1)
+    want = apply_rotary_packed(qk.reshape(t, hq + hkv, d), cos, sin)
+    assert torch.equal(q, want[:, :hq])
+    assert torch.equal(k_buf[loc], want[:, hq:]) and torch.equal(v_buf[loc], v.reshape(t, hkv, d))
+    untouched = torch.ones(n, dtype=torch.bool)
+    untouched[loc] = False
+    assert int(k_buf[untouched].count_nonzero()) == 0 and int(v_buf[untouched].count_nonzero()) == 0
+
+
+def test_add_rms_norm_and_silu_give_the_torch_bits_in_bf16():
+    gen = torch.Generator().manual_seed(2)
+    t, h = 33, 576  # more than 16 rows: the threaded loop
+    x = torch.randn(t, h, generator=gen).bfloat16()
+    residual = torch.randn(t, h, generator=gen).bfloat16()
+    norm = RMSNorm(h, 1e-5).bfloat16()
+    norm.weight.data = torch.randn(h, generator=gen).bfloat16()
+    want_residual = residual + x
+    updated = residual.clone()
+    assert torch.equal(cpu_kernels.add_rms_norm(x, norm.weight, 1e-5, updated), norm(want_residual))
+    assert torch.equal(updated, want_residual)
+    assert torch.equal(cpu_kernels.add_rms_norm(x, norm.weight, 1e-5), norm(x))
+    gate_up = (torch.randn(t, 2 * 1536, generator=gen) * 4).bfloat16()
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(cpu_kernels.silu_and_mul(gate_up), F.silu(gate) * up)
+
+
+def test_add_rms_norm_and_silu_in_fp32_agree_to_rounding():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 576, generator=gen)
+    weight = torch.randn(576, generator=gen)
+    want = weight * F.rms_norm(x, (576,), eps=1e-6)
+    assert (cpu_kernels.add_rms_norm(x, weight, 1e-6) - want).abs().max().item() < 1e-5
+    gate_up = torch.randn(4, 200, generator=gen) * 4  # 100 columns: a vector loop and a tail
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert (cpu_kernels.silu_and_mul(gate_up) - F.silu(gate) * up).abs().max().item() < 1e-5
+
+
+def test_kernels_refuse_mixed_dtypes_and_other_dtypes():
+    q = torch.zeros(1, 3, 64)
+    pool = torch.zeros(4, 3, 64, dtype=torch.bfloat16)
+    idx, lens = torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="must share a dtype"):
+        cpu_kernels.decode_attention(q, pool, pool, idx, lens, 1, 0.125)
+    with pytest.raises(ValueError, match="bfloat16 or float32 tensors, got torch.float16"):
+        cpu_kernels.silu_and_mul(torch.zeros(1, 4, dtype=torch.float16))
+    with pytest.raises(ValueError, match="contiguous CPU tensors"):
+        cpu_kernels.silu_and_mul(torch.zeros(4, 2).t())
+
+
+def test_library_is_built_once_into_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("RINGSERVE_CACHE_DIR", str(tmp_path))
+    path = cpu_kernels.build()
+    assert path.parent == tmp_path / "kernels" and path.suffix == ".so"
+    mtime = path.stat().st_mtime_ns
+    assert cpu_kernels.build() == path and path.stat().st_mtime_ns == mtime
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]  # no temporary left behind
+
+
+def test_a_missing_compiler_is_named(monkeypatch, tmp_path):
+    monkeypatch.setenv("RINGSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-cc")
+    with pytest.raises(cpu_kernels.KernelBuildError, match="C compiler 'no-such-cc' not usable"):
+        cpu_kernels.build()
