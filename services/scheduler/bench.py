@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from services.scheduler.config import DTYPES, EngineConfig
+from services.scheduler.config import ATTENTION_BACKENDS, DTYPES, EngineConfig
 from services.scheduler.engine.engine import Engine
 from services.scheduler.engine.req import ReqInput, SamplingParams
 
@@ -47,14 +47,25 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--attention-backend", nargs="+", default=["auto"], choices=ATTENTION_BACKENDS,
+                   help="one or more; with two, the second's CPU time per step is compared to the first's")
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    engine = Engine.from_config(EngineConfig(model=a.model, dtype=a.dtype, max_total_tokens=32768))
-    for b in a.batch:
-        ms, cpu_ms = decode_step_ms(engine, b, a.prompt_len, a.steps)
-        print(f"dtype={a.dtype} batch={b} prompt_len={a.prompt_len}: decode step {ms:.1f} ms "
-              f"({b / ms * 1e3:.0f} tok/s), CPU {cpu_ms:.1f} ms")
+    cpu_ms_of: dict[tuple[str, int], float] = {}
+    for backend in a.attention_backend:
+        engine = Engine.from_config(EngineConfig(model=a.model, dtype=a.dtype, max_total_tokens=32768,
+                                                 attention_backend=backend))
+        for b in a.batch:
+            ms, cpu_ms = decode_step_ms(engine, b, a.prompt_len, a.steps)
+            cpu_ms_of[backend, b] = cpu_ms
+            print(f"backend={backend} dtype={a.dtype} batch={b} prompt_len={a.prompt_len}: decode step {ms:.1f} ms "
+                  f"({b / ms * 1e3:.0f} tok/s), CPU {cpu_ms:.1f} ms")
+        del engine
+    if len(a.attention_backend) == 2:
+        base, new = a.attention_backend
+        for b in a.batch:
+            print(f"batch={b}: CPU per step {base}/{new} = {cpu_ms_of[base, b] / cpu_ms_of[new, b]:.2f}x")
 
 
 if __name__ == "__main__":
