@@ -53,10 +53,9 @@ def rows(batch: int, context: int, reps: int) -> list[tuple[str, float, float, s
     out = []
 
     t_ms, c_ms = _median_ms(lambda: _decode(q, k_buf, v_buf, kv_indices, None, D**-0.5),
-                            lambda: cpu_kernels.decode_attention(q, k_buf, v_buf, kv_indices, seq_lens, context,
-                                                                 D**-0.5), reps)
+                            lambda: cpu_kernels.decode_attention(q, k_buf, v_buf, kv_indices, seq_lens, D**-0.5), reps)
     diff = (_decode(q, k_buf, v_buf, kv_indices, None, D**-0.5).view(batch, HQ, D).float()
-            - cpu_kernels.decode_attention(q, k_buf, v_buf, kv_indices, seq_lens, context, D**-0.5).float())
+            - cpu_kernels.decode_attention(q, k_buf, v_buf, kv_indices, seq_lens, D**-0.5).float())
     out.append(("decode attention", t_ms, c_ms, f"max diff {diff.abs().max().item():.3g}"))
 
     qkv = torch.randn(batch, (HQ + 2 * HKV) * D, generator=gen).to(bf)

@@ -8,6 +8,11 @@ one without (32, the portable loop).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -41,7 +46,7 @@ def test_decode_attention_matches_fp32_softmax_reference(dtype, tol, head_dim):
     v_buf = torch.randn(n, hkv, head_dim, generator=gen).to(dtype)
     seq_lens = torch.tensor([37, 1, 20, 16, 33])
     kv_indices = torch.stack([torch.randperm(n, generator=gen)[:37] for _ in range(b)])
-    got = cpu_kernels.decode_attention(q, k_buf, v_buf, kv_indices, seq_lens, 37, head_dim**-0.5)
+    got = cpu_kernels.decode_attention(q, k_buf, v_buf, kv_indices, seq_lens, head_dim**-0.5)
     want = _reference_decode(q, k_buf, v_buf, kv_indices, seq_lens, head_dim**-0.5)
     assert got.dtype == dtype and got.shape == (b, hq, head_dim)
     assert (got.float() - want).abs().max().item() < tol
@@ -101,7 +106,7 @@ def test_kernels_refuse_mixed_dtypes_and_other_dtypes():
     pool = torch.zeros(4, 3, 64, dtype=torch.bfloat16)
     idx, lens = torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64)
     with pytest.raises(ValueError, match="must share a dtype"):
-        cpu_kernels.decode_attention(q, pool, pool, idx, lens, 1, 0.125)
+        cpu_kernels.decode_attention(q, pool, pool, idx, lens, 0.125)
     with pytest.raises(ValueError, match="bfloat16 or float32 tensors, got torch.float16"):
         cpu_kernels.silu_and_mul(torch.zeros(1, 4, dtype=torch.float16))
     with pytest.raises(ValueError, match="contiguous CPU tensors"):
@@ -122,3 +127,26 @@ def test_a_missing_compiler_is_named(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", "no-such-cc")
     with pytest.raises(cpu_kernels.KernelBuildError, match="C compiler 'no-such-cc' not usable"):
         cpu_kernels.build()
+
+
+def test_decode_attention_reads_no_key_past_its_row():
+    """A length past the index row reads only the row; a request with no keys gets zeros."""
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 3, 64, generator=gen).bfloat16()
+    pool = torch.randn(8, 1, 64, generator=gen).bfloat16()
+    kv_indices = torch.tensor([[0, 1, 2], [3, 4, 5]])
+    got = cpu_kernels.decode_attention(q, pool, pool, kv_indices, torch.tensor([1_000_000, 0]), 0.125)
+    full = cpu_kernels.decode_attention(q[:1], pool, pool, kv_indices[:1], torch.tensor([3]), 0.125)
+    assert torch.equal(got[0], full[0]) and int(got[1].count_nonzero()) == 0
+
+
+def test_auto_backend_falls_back_to_torch_without_a_compiler(tmp_path):
+    script = ("import logging, torch; logging.basicConfig(level=logging.WARNING)\n"
+              "from services.scheduler.layers.attention_backend import create_attention_backend\n"
+              "print(create_attention_backend('auto', torch.device('cpu')).name)\n")
+    env = dict(os.environ, CC="no-such-cc", RINGSERVE_CACHE_DIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "torch"
+    assert "attention backend 'cpu' unavailable, using 'torch': C compiler 'no-such-cc' not usable" in proc.stderr

@@ -192,12 +192,6 @@ class CpuAttnBackend(AttentionBackend):
 
         cpu_kernels.library()  # build (or find) and load it now: errors at start-up, not at the first step
         self.cpu_ops = cpu_kernels
-        self._decode_max_len = 0
-
-    def init_forward_metadata(self, meta: AttnMetadata) -> None:
-        """Read the decode part's longest length once (the kernel sizes its scratch by it)."""
-        if meta.decode is not None:
-            self._decode_max_len = meta.decode.kv_indices.shape[1]
 
     def forward(self, q, k, v, layer_id, meta, kv, scale):
         k_buf, v_buf = store_kv(k, v, layer_id, meta.out_cache_loc, kv)
@@ -221,8 +215,8 @@ class CpuAttnBackend(AttentionBackend):
             out[:n] = extend_attention(q[:n], keys.transpose(1, 2), values.transpose(1, 2), meta.extend,
                                        scale).view(n, hq, d)
         if meta.decode is not None:
-            self.cpu_ops.decode_attention(q[n:], k_buf, v_buf, meta.decode.kv_indices, meta.decode.seq_lens,
-                                          self._decode_max_len, scale, out=out[n:])
+            self.cpu_ops.decode_attention(q[n:], k_buf, v_buf, meta.decode.kv_indices, meta.decode.seq_lens, scale,
+                                          out=out[n:])
         return out.view(t, hq * d)
 
 

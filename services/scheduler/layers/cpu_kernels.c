@@ -238,11 +238,13 @@ static inline __attribute__((always_inline)) void decode_one_avx512(
 #endif
 
 /* q: [B, Hq, D]; k_buf, v_buf: [N, Hkv, D]; kv_indices: int64 [B, idx_stride] (the first
- * seq_lens[b] entries of row b are used); seq_lens: int64 [B], each >= 1 and <= max_len;
- * out: [B, Hq, D]. Query head h*G+g uses KV head h (G = Hq / Hkv). */
+ * seq_lens[b] entries of row b are used, clamped to idx_stride); seq_lens: int64 [B]; a
+ * request with no keys gets zeros; out: [B, Hq, D]. Query head h*G+g uses KV head h
+ * (G = Hq / Hkv). */
 void rs_decode_attention(const void *q, const void *k_buf, const void *v_buf, const int64_t *kv_indices,
                          int64_t idx_stride, const int64_t *seq_lens, void *out, int64_t B, int64_t Hq,
-                         int64_t Hkv, int64_t D, int64_t max_len, float scale, int is_bf16) {
+                         int64_t Hkv, int64_t D, float scale, int is_bf16) {
+    const int64_t max_len = idx_stride;
     const int64_t G = Hq / Hkv;
     const int64_t es = is_bf16 ? 2 : 4;
 #pragma omp parallel if (B * Hkv > 1)
@@ -253,8 +255,12 @@ void rs_decode_attention(const void *q, const void *k_buf, const void *v_buf, co
 #pragma omp for collapse(2) schedule(dynamic, 1)
         for (int64_t b = 0; b < B; b++) {
             for (int64_t h = 0; h < Hkv; h++) {
-                const int64_t L = seq_lens[b];
+                const int64_t L = seq_lens[b] < max_len ? seq_lens[b] : max_len;
                 const int64_t head0 = b * Hq + h * G;
+                if (L <= 0) {
+                    memset((char *)out + head0 * D * es, 0, G * D * es);
+                    continue;
+                }
                 for (int64_t e = 0; e < G * D; e++) qf[e] = load(q, head0 * D + e, is_bf16) * scale;
                 const int64_t *idx = kv_indices + b * idx_stride;
                 char *out_row = (char *)out + head0 * D * es;

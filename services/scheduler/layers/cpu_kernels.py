@@ -100,7 +100,7 @@ _I64, _F, _I, _P = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 def library() -> ctypes.CDLL:
     """The loaded kernel library (built first if needed). Raises KernelBuildError."""
     lib = ctypes.CDLL(str(build()))
-    lib.rs_decode_attention.argtypes = [_P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _F, _I]
+    lib.rs_decode_attention.argtypes = [_P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _F, _I]
     lib.rs_rotary_store.argtypes = [_P, _I64, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I]
     lib.rs_add_rms_norm.argtypes = [_P, _P, _P, _P, _I64, _I64, _F, _I]
     lib.rs_silu_and_mul.argtypes = [_P, _P, _I64, _I64, _I]
@@ -121,15 +121,15 @@ def _kind(t: torch.Tensor) -> int:
 
 
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indices: torch.Tensor,
-                     seq_lens: torch.Tensor, max_len: int, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                     seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query per request over its keys, read in place in the paged pool.
 
     Args:
         q: [B, Hq, D]; k_buf, v_buf: [N, Hkv, D], all one dtype (bf16 or fp32), contiguous.
         kv_indices: int64 [B, L], pool rows of each request's keys in position order
             (entries past a request's length are not read).
-        seq_lens: int64 [B], keys of each request (1 <= seq_lens[b] <= max_len <= L).
-        max_len: max(seq_lens), known to the caller (no read-back here).
+        seq_lens: int64 [B], keys of each request (values past L read only L keys; a
+            request with none gets zeros).
         scale: softmax scale.
         out: optional [B, Hq, D] destination.
 
@@ -151,7 +151,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         out = torch.empty_like(q)
     library().rs_decode_attention(q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), kv_indices.data_ptr(),
                                   kv_indices.shape[1], seq_lens.data_ptr(), out.data_ptr(), b, hq, hkv, d,
-                                  max_len, scale, kind)
+                                  scale, kind)
     return out
 
 
