@@ -314,6 +314,18 @@ def test_grpc_mutual_tls(rendered: dict[str, list[dict]]) -> None:
     assert not [a for a in plain["args"] if a.startswith("--tls-")]
 
 
+def test_scheduler_omp_wait_policy_is_set_only_when_asked(helm: Path, rendered) -> None:
+    def sched_env(docs: list[dict]) -> list[dict]:
+        pod = by(docs, "StatefulSet", f"{FULL}-replica")["spec"]["template"]["spec"]
+        return container(pod, "scheduler")["env"]
+
+    assert [e["name"] for e in sched_env(rendered["cpu-single"])] == ["POD_NAME"]
+    docs = render(helm, "cpu-single", "--set", "replica.scheduler.ompWaitPolicy=PASSIVE")
+    assert sched_env(docs)[1:] == [{"name": "OMP_WAIT_POLICY", "value": "PASSIVE"}]
+    sched = container(by(docs, "StatefulSet", f"{FULL}-replica")["spec"]["template"]["spec"], "scheduler")
+    assert sched["resources"]["requests"]["cpu"] == sched["resources"]["limits"]["cpu"] == "4"
+
+
 def test_api_key_requires_value(helm: Path) -> None:
     out = subprocess.run(
         [str(helm), "template", RELEASE, str(CHART), "--set", "apiKey.enabled=true"],
