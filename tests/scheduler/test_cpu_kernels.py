@@ -150,3 +150,14 @@ def test_auto_backend_falls_back_to_torch_without_a_compiler(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "torch"
     assert "attention backend 'cpu' unavailable, using 'torch': C compiler 'no-such-cc' not usable" in proc.stderr
+
+
+def test_the_backend_logs_which_kernels_it_runs(caplog):
+    from services.scheduler.layers.attention_backend import create_attention_backend
+
+    with caplog.at_level("INFO", logger="services.scheduler.layers.attention_backend"):
+        assert create_attention_backend("auto", torch.device("cpu")).name == "cpu"
+        assert create_attention_backend("torch", torch.device("cpu")).name == "torch"
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages[0].startswith("attention backend cpu: C kernels ") and messages[0].endswith(".so")
+    assert messages[1] == "attention backend torch on cpu"

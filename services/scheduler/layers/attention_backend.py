@@ -190,7 +190,8 @@ class CpuAttnBackend(AttentionBackend):
             raise RuntimeError(f"attention backend 'cpu' runs on the CPU, not on {self.device.type}")
         from services.scheduler.layers import cpu_kernels
 
-        cpu_kernels.library()  # build (or find) and load it now: errors at start-up, not at the first step
+        # Build (or find) and load it now: errors at start-up, not at the first step.
+        log.info("attention backend cpu: C kernels %s", cpu_kernels.library()._name)
         self.cpu_ops = cpu_kernels
 
     def forward(self, q, k, v, layer_id, meta, kv, scale):
@@ -242,7 +243,7 @@ def create_attention_backend(name: str, device: torch.device) -> AttentionBacken
             name = "triton"
         elif device.type == "cpu":
             try:
-                return CpuAttnBackend(device)
+                return CpuAttnBackend(device)  # logs its choice
             except RuntimeError as exc:
                 log.warning("attention backend 'cpu' unavailable, using 'torch': %s", exc)
                 name = "torch"
@@ -250,4 +251,7 @@ def create_attention_backend(name: str, device: torch.device) -> AttentionBacken
             name = "torch"
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; known: auto, {', '.join(sorted(ATTENTION_BACKENDS))}")
-    return ATTENTION_BACKENDS[name](device)
+    backend = ATTENTION_BACKENDS[name](device)
+    if name != "cpu":
+        log.info("attention backend %s on %s", name, device)
+    return backend
