@@ -24,6 +24,23 @@ from services.scheduler.layers.rotary import RotaryEmbedding
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, head_dim]
 
 
+class _Linear(torch.nn.Linear):
+    """``nn.Linear`` without the random init: every weight comes from the checkpoint (or
+    ``dummy``). Initializing on the meta device runs torch's reference ops, which import
+    torch._dynamo and with it triton (whose bindings then print ~30 "nanobind: leaked"
+    lines at every exit of a CPU scheduler)."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class _Embedding(torch.nn.Embedding):
+    """``nn.Embedding`` without the random init (see ``_Linear``)."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
 @dataclass(frozen=True)
 class LlamaConfig:
     """The config.json fields the model reads; defaults are Llama's."""
@@ -84,8 +101,8 @@ class LlamaAttention(torch.nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = torch.nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = torch.nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = _Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = _Linear(self.q_size, cfg.hidden_size, bias=False)
 
     def forward(self, h: torch.Tensor, rope: Rope, meta: AttnMetadata, kv: KVBuffers) -> torch.Tensor:
         """h: [T, hidden] -> [T, hidden]."""
@@ -97,8 +114,8 @@ class LlamaAttention(torch.nn.Module):
 class LlamaMLP(torch.nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.gate_up_proj = torch.nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = torch.nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = _Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = _Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
@@ -132,10 +149,10 @@ class LlamaForCausalLM(torch.nn.Module):
         with torch.device("cpu"):
             # Real tensors even when the module tree is built on the meta device.
             self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.embed_tokens = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = _Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = torch.nn.ModuleList(LlamaDecoderLayer(cfg, i, attn_backend) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = _Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     @classmethod
     def load(cls, model_dir: Path, dtype: torch.dtype, attention_backend: str = "auto") -> "LlamaForCausalLM":
