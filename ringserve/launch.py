@@ -90,9 +90,29 @@ class LaunchConfig:
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(count: int, exclude: set[int] | frozenset[int] = frozenset()) -> list[int]:
+    """``count`` distinct TCP ports on 127.0.0.1, free right now and not in ``exclude``.
+
+    The sockets stay bound until all are picked: asking one at a time, the kernel may hand
+    the same ephemeral port out twice once the first socket is closed (seen: two schedulers
+    given one port, and the tokenizer refusing the duplicate address)."""
+    held: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        while len(ports) < count:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            held.append(s)
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+            if port not in exclude and port not in ports:
+                ports.append(port)
+    finally:
+        for s in held:
+            s.close()
+    return ports
 
 
 def service_processes(launcher_pid: int, name: str) -> list[tuple[int, list[str]]]:
@@ -231,17 +251,20 @@ class Launcher:
         c = self.config
         detoks, scheds, toks = _names("detokenizer", c.replicas), _names("scheduler", c.replicas), _names("tokenizer", c.tokenizers)
         first = {"detokenizer": c.detokenizer_port, "scheduler": c.scheduler_port, "tokenizer": c.tokenizer_port}
+        first_metrics = {"detokenizer": c.detokenizer_metrics_port, "scheduler": c.scheduler_metrics_port,
+                         "tokenizer": c.tokenizer_metrics_port}
+        every = [*detoks, *scheds, *toks]
+        fixed = {c.port, *first.values(), *first_metrics.values()} - {0, None}
+        spare = iter(free_ports(2 * len(every), exclude=fixed))  # one gRPC + one metrics port each at most
         for names in (detoks, scheds, toks):
             for i, name in enumerate(names):
-                port = (first[name.split("-")[0]] if i == 0 else 0) or free_port()
+                port = (first[name.split("-")[0]] if i == 0 else 0) or next(spare)
                 self.addresses[name] = f"127.0.0.1:{port}"
         health_host = "127.0.0.1" if c.host in ("0.0.0.0", "::") else c.host
         self.metrics_urls = {"gateway": f"http://{health_host}:{c.port}/metrics"}
-        first_metrics = {"detokenizer": c.detokenizer_metrics_port, "scheduler": c.scheduler_metrics_port,
-                         "tokenizer": c.tokenizer_metrics_port}
         for names in (detoks, scheds, toks):
             for i, name in enumerate(names):
-                port = (first_metrics[name.split("-")[0]] if i == 0 else 0) or free_port()
+                port = (first_metrics[name.split("-")[0]] if i == 0 else 0) or next(spare)
                 self.metrics_ports[name] = port
                 self.metrics_urls[name] = f"http://127.0.0.1:{port}/metrics"
         model = str(c.model)

@@ -1,7 +1,7 @@
 """The launcher's life cycle: killed with SIGKILL (no chance to stop its children) every
 service still exits, through the parent-death signal each one sets for itself after exec;
 Ctrl-C stops the ring even when the launcher inherited SIGINT ignored (started in the
-background by a shell); its KV memory share is split over the replicas."""
+background by a shell); its KV memory share is split over the replicas; its ports are distinct."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from ringserve.launch import Launcher, free_port, parse_args, service_processes, wait_launched
+from ringserve.launch import Launcher, free_port, free_ports, parse_args, service_processes, wait_launched
 from tests.ringstack import SERVICES, launched
 
 
@@ -68,3 +68,12 @@ def test_kv_memory_share_is_split_over_replicas() -> None:
     assert fraction("--replicas", "4", "--kv-cache-mem-fraction", "0.6") == ["0.15"]
     assert fraction("--replicas", "2", "--kv-cache-gib", "1.5") == ["1.5"]
     assert fraction("--max-total-tokens", "4096") == ["4096"]
+
+
+def test_free_ports_are_distinct_and_avoid_the_fixed_ones() -> None:
+    """The launcher picks every spare port at once (holding each socket until all are
+    picked), so two services can never be handed the same port."""
+    taken = free_port()
+    for _ in range(20):
+        ports = free_ports(16, exclude={taken})
+        assert len(ports) == len(set(ports)) == 16 and taken not in ports
