@@ -49,6 +49,10 @@ class AttentionBackend(ABC):
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
 
+    def describe(self) -> str:
+        """What runs, for the start-up log."""
+        return f"{self.name} on {self.device}"
+
     def init_forward_metadata(self, meta: AttnMetadata) -> None:
         """Prepare what every layer of this step shares (called once per forward, before the layers)."""
 
@@ -191,8 +195,11 @@ class CpuAttnBackend(AttentionBackend):
         from services.scheduler.layers import cpu_kernels
 
         # Build (or find) and load it now: errors at start-up, not at the first step.
-        log.info("attention backend cpu: C kernels %s", cpu_kernels.library()._name)
+        self.library = cpu_kernels.library()
         self.cpu_ops = cpu_kernels
+
+    def describe(self) -> str:
+        return f"cpu: C kernels {self.library._name}"
 
     def forward(self, q, k, v, layer_id, meta, kv, scale):
         k_buf, v_buf = store_kv(k, v, layer_id, meta.out_cache_loc, kv)
@@ -200,8 +207,6 @@ class CpuAttnBackend(AttentionBackend):
 
     def forward_qkv(self, qkv, rope, num_heads, layer_id, meta, kv, scale):
         k_buf, v_buf = kv.k_buffer[layer_id], kv.v_buffer[layer_id]
-        if qkv.dtype != k_buf.dtype:
-            return super().forward_qkv(qkv, rope, num_heads, layer_id, meta, kv, scale)
         q = self.cpu_ops.rotary_store(qkv, rope[0], rope[1], meta.out_cache_loc, k_buf, v_buf, num_heads)
         return self._attend(q, k_buf, v_buf, meta, scale)
 
@@ -239,19 +244,18 @@ def create_attention_backend(name: str, device: torch.device) -> AttentionBacken
     """
     device = torch.device(device)
     if name == "auto":
-        if device.type == "cuda":
-            name = "triton"
-        elif device.type == "cpu":
+        name = {"cuda": "triton", "cpu": "cpu"}.get(device.type, "torch")
+        if name == "cpu":
             try:
-                return CpuAttnBackend(device)  # logs its choice
+                return _logged(CpuAttnBackend(device))
             except RuntimeError as exc:
                 log.warning("attention backend 'cpu' unavailable, using 'torch': %s", exc)
                 name = "torch"
-        else:
-            name = "torch"
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; known: auto, {', '.join(sorted(ATTENTION_BACKENDS))}")
-    backend = ATTENTION_BACKENDS[name](device)
-    if name != "cpu":
-        log.info("attention backend %s on %s", name, device)
+    return _logged(ATTENTION_BACKENDS[name](device))
+
+
+def _logged(backend: AttentionBackend) -> AttentionBackend:
+    log.info("attention backend %s", backend.describe())
     return backend

@@ -214,7 +214,7 @@ class LlamaForCausalLM(torch.nn.Module):
         h = self.embed_tokens(input_ids)
         rope = self.rotary(positions, h.dtype)
         ops = getattr(self.attn_backend, "cpu_ops", None)
-        if ops is not None and h.dtype in (torch.bfloat16, torch.float32):
+        if ops is not None:
             return self._forward_fused(h, rope, meta, kv, ops)
         for layer in self.layers:
             h = layer(h, rope, meta, kv)
@@ -225,18 +225,17 @@ class LlamaForCausalLM(torch.nn.Module):
         add rides on the next RMSNorm, SiLU-and-mul is one kernel. The same roundings as
         ``LlamaDecoderLayer.forward``, in a third of the ops."""
         residual = h  # the embedding's fresh output, updated in place from here on
-        x = ops.add_rms_norm(h, self.layers[0].input_layernorm.weight, self.layers[0].input_layernorm.eps)
-        last = len(self.layers) - 1
+        norm = self.layers[0].input_layernorm
+        x = ops.add_rms_norm(h, norm.weight, norm.eps)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn(x, rope, meta, kv)
             norm = layer.post_attention_layernorm
             x = ops.add_rms_norm(attn, norm.weight, norm.eps, residual)
             mlp = layer.mlp.down_proj(ops.silu_and_mul(layer.mlp.gate_up_proj(x)))
-            if i == last:
-                return residual.add_(mlp)
-            norm = self.layers[i + 1].input_layernorm
-            x = ops.add_rms_norm(mlp, norm.weight, norm.eps, residual)
-        return residual  # no layers
+            if i + 1 < len(self.layers):
+                norm = self.layers[i + 1].input_layernorm
+                x = ops.add_rms_norm(mlp, norm.weight, norm.eps, residual)
+        return residual.add_(mlp)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] (the positions that sample) -> float32 logits [N, vocab]."""
