@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ringserve.grpcutil import Transport
 
-DTYPES = ("auto", "float32", "bfloat16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # float16 on CUDA only
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 LOAD_FORMATS = ("auto", "dummy")
 # "auto" and the names of layers.attention_backend.ATTENTION_BACKENDS (kept torch-free here).
@@ -20,15 +20,20 @@ class EngineConfig:
 
     Attributes:
         max_total_tokens: KV pool size in tokens; None = from ``kv_cache_gib``.
-        kv_cache_gib: KV pool size in GiB; None = ``kv_cache_mem_fraction`` of the memory
-            available once the weights are loaded (MemAvailable, capped by a cgroup limit).
+        kv_cache_gib: KV pool size in GiB; None = on CPU ``kv_cache_mem_fraction`` of the
+            memory available once the weights are loaded (MemAvailable, capped by a cgroup
+            limit); on CUDA what ``mem_fraction_static`` of the device's total memory leaves
+            after the weights and the activation / CUDA-graph reserve.
             For SmolLM2-135M a token's K and V over 30 layers take 23 KiB in bf16 (46 KiB
             in fp32). The pool is address space, committed only as tokens are first
             written, and never grows past its size.
         max_prefill_tokens: token budget of one extend batch.
         context_length: None = the model's max_position_embeddings.
         seed: seed of the shared generator for unseeded requests; None = nondeterministic.
-        dtype: "auto" = bfloat16 on CPUs with AMX / AVX-512-BF16, float32 elsewhere.
+        device: "auto" (the first CUDA device torch sees, else the CPU), "cpu", "cuda" or
+            "cuda:N" (``engine.device``).
+        dtype: "auto" = on CUDA bfloat16 at compute capability >= 8.0, else float16; on
+            CPU bfloat16 with AMX / AVX-512-BF16, float32 elsewhere. float16 runs on CUDA only.
         chunked_prefill_size: most prompt tokens one step prefills; <= 0 disables chunking.
         disable_radix_cache: run without the prefix cache.
         schedule_policy: admission order, "fcfs" or "lpm" (longest cached prefix first).
@@ -36,6 +41,10 @@ class EngineConfig:
         attention_backend: "torch", "cpu" (C kernels), "triton", or "auto" = triton when
             the weights are on a CUDA device, cpu on CPU (torch when no C compiler is
             there; triton on CPU needs TRITON_INTERPRET=1).
+        mem_fraction_static: CUDA: the fraction of the device's memory that weights, KV
+            pool and the reserve may take (SGLang's ``--mem-fraction-static``).
+        cuda_graph_max_bs: CUDA: the largest decode batch replayed from a CUDA graph.
+        disable_cuda_graph: CUDA: run every decode step eagerly.
     """
 
     model: Path
@@ -52,6 +61,10 @@ class EngineConfig:
     schedule_policy: str = "fcfs"
     load_format: str = "auto"
     attention_backend: str = "auto"
+    device: str = "auto"
+    mem_fraction_static: float = 0.85
+    cuda_graph_max_bs: int = 160
+    disable_cuda_graph: bool = False
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import asyncio
 import gc
 import logging
 import os
+import re
 import signal
 import time
 from collections.abc import Awaitable, Callable
@@ -36,14 +37,23 @@ def parse_args(argv: list[str] | None) -> SchedulerConfig:
     p.add_argument("--port", type=int, default=s.port, help="gRPC port (0 = any free port)")
     p.add_argument("--detokenizer", default=s.detokenizer, help="detokenizer gRPC address host:port")
     p.add_argument("--instance-id", default=s.instance_id)
+    p.add_argument("--device", default=e.device, metavar="{auto,cpu,cuda,cuda:N}",
+                   help="where weights, KV cache and sampling live; auto = the first CUDA device torch sees, else cpu")
     p.add_argument("--dtype", choices=DTYPES, default=e.dtype, help="weights and KV cache dtype (attention, softmax and sampling run in fp32); "
-                   "auto = bfloat16 on CPUs with AMX / AVX-512-BF16, else float32")
+                   "auto = on CUDA bfloat16 (compute capability >= 8.0) else float16; on CPU bfloat16 with "
+                   "AMX / AVX-512-BF16, else float32; float16 on CUDA only")
     p.add_argument("--max-running-requests", type=int, default=e.max_running_requests, help="req slots")
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--max-total-tokens", type=int, default=e.max_total_tokens, help="KV pool size in tokens")
     kv.add_argument("--kv-cache-gib", type=float, default=e.kv_cache_gib, help="KV pool size in GiB")
     p.add_argument("--kv-cache-mem-fraction", type=float, default=e.kv_cache_mem_fraction,
-                   help="without either size: this fraction of the memory available after the weights load")
+                   help="CPU, without either size: this fraction of the memory available after the weights load")
+    p.add_argument("--mem-fraction-static", type=float, default=e.mem_fraction_static,
+                   help="CUDA, without either size: weights, KV pool and the activation/CUDA-graph reserve take "
+                        "this fraction of the device's memory")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=e.cuda_graph_max_bs,
+                   help="CUDA: decode batches up to this size replay CUDA graphs captured at start-up")
+    p.add_argument("--disable-cuda-graph", action="store_true", help="CUDA: run every decode step eagerly")
     p.add_argument("--max-prefill-tokens", type=int, default=e.max_prefill_tokens, help="token budget of one prefill batch")
     p.add_argument("--context-length", type=int, default=None, help="default: the model's max_position_embeddings")
     p.add_argument("--seed", type=int, default=None, help="seed for requests that give none")
@@ -83,12 +93,20 @@ def parse_args(argv: list[str] | None) -> SchedulerConfig:
         p.error("--kv-cache-gib must be > 0")
     if not 0 < a.kv_cache_mem_fraction < 1:
         p.error("--kv-cache-mem-fraction must be in (0, 1)")
+    if not 0 < a.mem_fraction_static < 1:
+        p.error("--mem-fraction-static must be in (0, 1)")
+    if a.cuda_graph_max_bs < 1:
+        p.error("--cuda-graph-max-bs must be >= 1")
+    if a.device != "auto" and not re.fullmatch(r"cpu|cuda(:\d+)?", a.device):
+        p.error(f"--device {a.device!r}: use auto, cpu, cuda or cuda:N")
     engine = EngineConfig(
         model=a.model, dtype=a.dtype, max_running_requests=a.max_running_requests, max_total_tokens=a.max_total_tokens,
         kv_cache_gib=a.kv_cache_gib, kv_cache_mem_fraction=a.kv_cache_mem_fraction,
         max_prefill_tokens=a.max_prefill_tokens, context_length=a.context_length, seed=a.seed,
         chunked_prefill_size=a.chunked_prefill_size, disable_radix_cache=a.disable_radix_cache,
         schedule_policy=a.schedule_policy, load_format=a.load_format, attention_backend=a.attention_backend,
+        device=a.device, mem_fraction_static=a.mem_fraction_static, cuda_graph_max_bs=a.cuda_graph_max_bs,
+        disable_cuda_graph=a.disable_cuda_graph,
     )
     return SchedulerConfig(engine=engine, host=a.host, port=a.port, detokenizer=a.detokenizer,
                            instance_id=a.instance_id, torch_threads=a.torch_threads,

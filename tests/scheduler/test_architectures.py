@@ -90,15 +90,3 @@ def test_dummy_load_format_needs_only_a_config(tmp_path):
     assert all(logits.shape == (256,) and torch.isfinite(logits).all() for s in steps for _, logits in s)
     with pytest.raises(ValueError, match="unknown load format 'gguf'"):
         load_model(tmp_path, torch.float32, "gguf")
-
-
-def test_dtype_auto_follows_the_cpu(monkeypatch):
-    from services.scheduler.engine import engine
-
-    assert engine.resolve_dtype("float32") == torch.float32
-    monkeypatch.setattr(engine, "cpu_has_bf16", lambda: True)
-    assert engine.resolve_dtype("auto") == torch.bfloat16
-    monkeypatch.setattr(engine, "cpu_has_bf16", lambda: False)
-    assert engine.resolve_dtype("auto") == torch.float32
-    with pytest.raises(ValueError, match="unsupported dtype 'float16'"):
-        engine.resolve_dtype("float16")

@@ -23,11 +23,11 @@ def test_bytes_per_token_of_smollm2():
 
 
 def test_the_first_setting_given_sizes_the_pool():
-    assert kv_pool_tokens(SMOLLM2_BF16, 100, 1.0, 0.3) == 100
-    assert kv_pool_tokens(SMOLLM2_BF16, None, 0.5, 0.3) == (GIB // 2) // SMOLLM2_BF16 == 23301
-    assert kv_pool_tokens(SMOLLM2_BF16, None, None, 0.25, available_bytes=8 * GIB) == (2 * GIB) // SMOLLM2_BF16 == 93206
+    assert kv_pool_tokens(SMOLLM2_BF16, 100, 1.0, 0, "") == 100
+    assert kv_pool_tokens(SMOLLM2_BF16, None, 0.5, 0, "") == (GIB // 2) // SMOLLM2_BF16 == 23301
+    assert kv_pool_tokens(SMOLLM2_BF16, None, None, 2 * GIB, "a quarter of 8 GiB") == (2 * GIB) // SMOLLM2_BF16 == 93206
     with pytest.raises(ValueError, match=r"^the KV pool would hold 0 tokens \(--kv-cache-gib 1e-06, 23040 bytes per token\)$"):
-        kv_pool_tokens(SMOLLM2_BF16, None, 1e-6, 0.3)
+        kv_pool_tokens(SMOLLM2_BF16, None, 1e-6, 0, "")
 
 
 def test_available_memory_is_capped_by_the_cgroup_limit(tmp_path: Path, monkeypatch):

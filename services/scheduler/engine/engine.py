@@ -15,7 +15,9 @@ import torch
 from tokenizers import Tokenizer
 
 from services.scheduler.config import EngineConfig
-from services.scheduler.engine.kv_pool import ReqToTokenPool, TokenToKVPool, kv_bytes_per_token, kv_pool_tokens
+from services.scheduler.engine.cuda_graph import DecodeGraphRunner
+from services.scheduler.engine.device import DeviceRuntime, create_runtime, resolve_device
+from services.scheduler.engine.kv_pool import GIB, ReqToTokenPool, TokenToKVPool, kv_bytes_per_token
 from services.scheduler.engine.model_runner import ModelRunner
 from services.scheduler.engine.observer import EngineObserver
 from services.scheduler.engine.output import StepOutput
@@ -52,28 +54,37 @@ class Engine:
     API: ``add_request``, ``abort``, ``step``, ``has_work``, ``load``.
     """
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer, eos_ids: frozenset[int], cfg: EngineConfig):
+    def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer, eos_ids: frozenset[int], cfg: EngineConfig,
+                 runtime: DeviceRuntime | None = None):
         mc = model.config
         self.cfg = cfg
+        self.runtime = runtime or create_runtime(next(model.parameters()).device)
+        device = self.runtime.device
         self.vocab_size = mc.vocab_size
         self.context_length = cfg.context_length or mc.max_position_embeddings
         if self.context_length > mc.max_position_embeddings:
             raise ValueError(f"--context-length {self.context_length} exceeds the model's "
                              f"max_position_embeddings {mc.max_position_embeddings}")
-        self.req_pool = ReqToTokenPool(cfg.max_running_requests, self.context_length)
         kv_dtype = next(model.parameters()).dtype
         bytes_per_token = kv_bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, kv_dtype)
-        self.max_total_tokens = kv_pool_tokens(bytes_per_token, cfg.max_total_tokens, cfg.kv_cache_gib,
-                                               cfg.kv_cache_mem_fraction)
-        log.info("KV pool: %d tokens (%.2f GiB of %s)", self.max_total_tokens,
-                 self.max_total_tokens * bytes_per_token / 2**30, kv_dtype)
+        self.max_total_tokens, self.memory = self.runtime.memory_split(
+            weight_bytes(model), bytes_per_token, cfg.max_total_tokens, cfg.kv_cache_gib,
+            cfg.mem_fraction_static if device.type == "cuda" else cfg.kv_cache_mem_fraction,
+            activation_reserve_bytes(mc, cfg, kv_dtype))
+        log.info("KV pool: %d tokens of %s on %s; memory: %s", self.max_total_tokens, kv_dtype, device,
+                 self.memory.describe())
         self.kv_pool = TokenToKVPool(self.max_total_tokens, mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
-                                     kv_dtype)
+                                     kv_dtype, device)
+        self.req_pool = ReqToTokenPool(cfg.max_running_requests, self.context_length, device, self.kv_pool.pad_row)
         self.tree = None if cfg.disable_radix_cache else RadixCache(self.kv_pool)
         self.policy = SchedulePolicy(self.req_pool, self.kv_pool, cfg.max_running_requests, cfg.max_prefill_tokens,
                                      cfg.chunked_prefill_size, self.tree, cfg.schedule_policy)
-        self.runner = ModelRunner(model, self.req_pool, self.kv_pool)
-        self.sampler = Sampler(cfg.seed, eos_ids)
+        graphs = None
+        if self.runtime.supports_cuda_graph and not cfg.disable_cuda_graph:
+            graphs = DecodeGraphRunner(model, self.runtime, self.req_pool, self.kv_pool,
+                                       min(cfg.cuda_graph_max_bs, cfg.max_running_requests), capture=True)
+        self.runner = ModelRunner(model, self.req_pool, self.kv_pool, self.runtime, graphs)
+        self.sampler = Sampler(self.runtime, cfg.seed, eos_ids)
         self.stops = StopChecker(tokenizer, eos_ids, self.context_length)
         self.reqs: dict[str, Req] = {}  # rid -> in-flight request (waiting or running)
         self._out = StepOutput()
@@ -85,17 +96,20 @@ class Engine:
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> "Engine":
-        """Load model, tokenizer.json and EOS ids from ``cfg.model``.
+        """Load model, tokenizer.json and EOS ids from ``cfg.model`` onto ``cfg.device``.
 
         Raises:
-            ValueError: unsupported architecture, dtype or attention backend, or no EOS id.
-            RuntimeError: an attention backend that cannot run on the model's device.
+            ValueError: unsupported architecture, device, dtype or attention backend, or no EOS id.
+            RuntimeError: a CUDA device torch does not see, or an attention backend that
+                cannot run on the device.
             FileNotFoundError: missing config.json, tokenizer.json or weights.
         """
         model_dir = Path(cfg.model)
-        model = load_model(model_dir, resolve_dtype(cfg.dtype), cfg.load_format, cfg.attention_backend)
+        runtime = create_runtime(resolve_device(cfg.device))
+        model = load_model(model_dir, runtime.resolve_dtype(cfg.dtype), cfg.load_format, cfg.attention_backend,
+                           runtime.device)
         tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-        return cls(model, tokenizer, load_eos_ids(model_dir, tokenizer), cfg)
+        return cls(model, tokenizer, load_eos_ids(model_dir, tokenizer), cfg, runtime)
 
     # ---- inputs -------------------------------------------------------------------
     def add_request(self, spec: ReqInput) -> None:
@@ -110,6 +124,8 @@ class Engine:
         if error is not None:
             self._emit_abort(req, error, "INVALID_ARGUMENT")
             return
+        if spec.sampling.seed is not None:
+            req.generator = self.sampler.generator_for(spec.sampling.seed)
         self.reqs[req.rid] = req
         self.policy.waiting.append(req)
         self.observer.on_queued(req)
@@ -180,22 +196,22 @@ class Engine:
             # A chunk short of the prompt's end samples nothing.
             i = reqs.index(partial)
             reqs = reqs[:i] + reqs[i + 1 :]
-            logits = torch.cat((logits[:i], logits[i + 1 :]))
             if not reqs:
                 return
-        result = self.sampler.sample(logits, reqs)
-        next_ids = result.next_ids.tolist()
+            keep = list(range(i)) + list(range(i + 1, len(plan.reqs)))
+            logits = logits.index_select(0, self.runtime.to_device(torch.tensor(keep, dtype=torch.int64)))
+        # The step's one device-to-host copy: the sampled ids (and logprobs where asked).
+        result = self.sampler.sample(logits, reqs).to_host(self.runtime)
+        next_ids = result.next_ids
         for req, token in zip(reqs, next_ids):
             req.append_output(token)
         self.stops.check(reqs)
-        logprobs = result.logprobs.tolist() if result.logprobs is not None else None
-        top_ids = result.top_ids.tolist() if result.top_ids is not None else None
-        top_vals = result.top_vals.tolist() if result.top_vals is not None else None
         for i, req in enumerate(reqs):
             self._out.add_row(req, [next_ids[i]])
             if req.return_logprob:
                 k = req.top_logprobs_num
-                self._out.add_logprobs(logprobs[i], top_ids[i][:k] if k else [], top_vals[i][:k] if k else [])
+                self._out.add_logprobs(result.logprobs[i], result.top_ids[i][:k] if k else [],
+                                       result.top_vals[i][:k] if k else [])
             if req.finished:
                 self.policy.remove(req)
                 del self.reqs[req.rid]
@@ -233,25 +249,25 @@ class Engine:
         )
 
 
-def resolve_dtype(name: str) -> torch.dtype:
-    """``--dtype`` -> torch dtype; "auto" is bfloat16 where the CPU multiplies bf16 natively
-    (AMX or AVX-512-BF16: about 4x fp32's matmul speed on these machines), else float32.
-
-    Raises:
-        ValueError: a name outside ``DTYPES``.
-    """
-    if name == "auto":
-        return torch.bfloat16 if cpu_has_bf16() else torch.float32
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-    if name not in dtypes:
-        raise ValueError(f"unsupported dtype {name!r}; supported: auto, {', '.join(sorted(dtypes))}")
-    return dtypes[name]
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters and buffers, a tied tensor counted once."""
+    seen: dict[int, int] = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        seen[id(t)] = t.numel() * t.element_size()
+    return sum(seen.values())
 
 
-def cpu_has_bf16() -> bool:
-    """True when /proc/cpuinfo lists amx_bf16 or avx512_bf16 (False where it cannot be read)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " amx_bf16" in flags or " avx512_bf16" in flags
+def activation_reserve_bytes(mc, cfg: EngineConfig, dtype: torch.dtype) -> int:
+    """Device memory kept out of the KV pool for one step's activations, its logits and
+    sampling, and the CUDA graphs (bytes). An estimate from the shapes: a step's tokens
+    (``min(max_prefill_tokens, chunked_prefill_size)`` plus a decode row per running
+    request) times one layer's widest activations twice over, float32 logits of every
+    running request four times over (softmax, sort, filters), plus 512 MiB for the graphs'
+    pool and the allocator's slack. Only the CUDA runtime uses it."""
+    chunk = cfg.max_prefill_tokens if cfg.chunked_prefill_size <= 0 else min(cfg.max_prefill_tokens,
+                                                                                cfg.chunked_prefill_size)
+    tokens = chunk + cfg.max_running_requests
+    width = (mc.num_attention_heads + 2 * mc.num_key_value_heads) * mc.head_dim + 2 * mc.intermediate_size \
+        + 4 * mc.hidden_size
+    logits = 4 * cfg.max_running_requests * mc.vocab_size * 4
+    return 2 * tokens * width * dtype.itemsize + logits + GIB // 2

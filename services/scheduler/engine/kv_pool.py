@@ -17,11 +17,35 @@ GIB = 2**30
 
 
 class ReqToTokenPool:
-    """``req_to_token`` int32 [max_reqs, max_context]: req slot -> KV pool rows by position."""
+    """``req_to_token`` int32 [max_reqs + 1, max_context]: req slot -> KV pool rows by position.
 
-    def __init__(self, max_reqs: int, max_context: int):
+    The table lives on the host, where the scheduler reads and writes it (admission, the
+    prefix cache, release); ``device_table`` is its copy on the device, which attention
+    reads. On the CPU the two are one tensor. On another device every write is also queued
+    (``take_writes``) and the model runner applies the step's writes to the device copy
+    inside its one host-to-device copy, so the device copy is up to date for every row a
+    step reads.
+
+    The last row (``pad_slot``) belongs to no request: padded rows of a CUDA-graph batch
+    read it (every entry is ``pad_row`` of the KV pool, written at construction).
+
+    Args:
+        device: where ``device_table`` lives.
+        pad_row: the KV pool's padding row (``TokenToKVPool.pad_row``).
+    """
+
+    def __init__(self, max_reqs: int, max_context: int, device: torch.device = torch.device("cpu"),
+                 pad_row: int = 0):
         self.size = max_reqs
-        self.req_to_token = torch.zeros(max_reqs, max_context, dtype=torch.int32)
+        self.pad_slot = max_reqs
+        self.req_to_token = torch.zeros(max_reqs + 1, max_context, dtype=torch.int32)
+        self.req_to_token[self.pad_slot] = pad_row
+        self.mirrored = torch.device(device).type != "cpu"
+        if self.mirrored:
+            self.device_table = torch.full((max_reqs + 1, max_context), pad_row, dtype=torch.int32, device=device)
+        else:
+            self.device_table = self.req_to_token
+        self._writes: list[tuple[torch.Tensor, torch.Tensor]] = []  # (flat index int64, rows int32)
         self._free = list(range(max_reqs - 1, -1, -1))
 
     @property
@@ -43,19 +67,53 @@ class ReqToTokenPool:
 
     def reset(self) -> None:
         self._free = list(range(self.size - 1, -1, -1))
+        self._writes.clear()
+
+    def write(self, slot: int, start: int, rows: torch.Tensor) -> None:
+        """Positions ``start..start+len(rows)-1`` of ``slot`` now hold KV pool ``rows`` (int, 1-D, host)."""
+        rows = rows.to(torch.int32)
+        self.req_to_token[slot, start : start + rows.numel()] = rows
+        if self.mirrored and rows.numel():
+            width = self.req_to_token.shape[1]
+            self._writes.append((slot * width + start + torch.arange(rows.numel()), rows))
+
+    def write_batch(self, slots: list[int], positions: list[int], rows: torch.Tensor) -> None:
+        """Position ``positions[i]`` of ``slots[i]`` now holds KV pool row ``rows[i]`` (host)."""
+        slots_t = torch.tensor(slots, dtype=torch.int64)
+        pos_t = torch.tensor(positions, dtype=torch.int64)
+        rows = rows.to(torch.int32)
+        self.req_to_token[slots_t, pos_t] = rows
+        if self.mirrored and rows.numel():
+            self._writes.append((slots_t * self.req_to_token.shape[1] + pos_t, rows))
+
+    def take_writes(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The writes since the last call -> (flat indices int64 [N], rows int32 [N]) for
+        ``device_table.view(-1)``; None when there are none (always on the CPU)."""
+        if not self._writes:
+            return None
+        index = torch.cat([i for i, _ in self._writes])
+        rows = torch.cat([r for _, r in self._writes])
+        self._writes.clear()
+        return index, rows
 
 
 class TokenToKVPool:
-    """Per-layer K and V buffers [size, kv_heads, head_dim] plus a free list of token rows.
+    """Per-layer K and V buffers [size + 1, kv_heads, head_dim] on the device, plus a host
+    free list of token rows.
 
-    Buffers are allocated with ``torch.empty``: the OS commits pages as tokens are first
-    written, so a generous ``size`` costs address space, not resident memory, until used.
+    Row ``pad_row`` (the last) is never handed out: padded rows of a CUDA-graph batch write
+    their K/V there. On the CPU the buffers are allocated with ``torch.empty``: the OS
+    commits pages as tokens are first written, so a generous ``size`` costs address space,
+    not resident memory, until used.
     """
 
-    def __init__(self, size: int, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
+    def __init__(self, size: int, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device = torch.device("cpu")):
         self.size = size
-        self.k_buffer = [torch.empty(size, kv_heads, head_dim, dtype=dtype) for _ in range(num_layers)]
-        self.v_buffer = [torch.empty(size, kv_heads, head_dim, dtype=dtype) for _ in range(num_layers)]
+        self.pad_row = size
+        shape = (size + 1, kv_heads, head_dim)
+        self.k_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self._free_slots = torch.arange(size, dtype=torch.int64)
 
     @property
@@ -67,14 +125,14 @@ class TokenToKVPool:
         return self.size - self.available
 
     def alloc(self, n: int) -> torch.Tensor:
-        """Take ``n`` token rows -> int64 [n]. Raises RuntimeError when fewer are free."""
+        """Take ``n`` token rows -> int64 [n] (host). Raises RuntimeError when fewer are free."""
         if n > self._free_slots.numel():
             raise RuntimeError(f"KV pool exhausted: need {n} tokens, {self.available} free")
         out, self._free_slots = self._free_slots[:n], self._free_slots[n:]
         return out
 
     def free(self, rows: torch.Tensor) -> None:
-        """Return token rows (any int dtype, 1-D) to the free list."""
+        """Return token rows (any int dtype, 1-D, host) to the free list."""
         if rows.numel():
             self._free_slots = torch.cat((self._free_slots, rows.to(torch.int64)))
 
@@ -106,17 +164,15 @@ def available_memory_bytes(cgroup_dir: Path = Path("/sys/fs/cgroup")) -> int:
 
 
 def kv_pool_tokens(bytes_per_token: int, max_total_tokens: int | None, kv_cache_gib: float | None,
-                   kv_cache_mem_fraction: float, available_bytes: int | None = None) -> int:
+                   default_bytes: int, default_source: str) -> int:
     """Size of the KV pool in tokens, from the first setting given.
 
     Args:
         bytes_per_token: ``kv_bytes_per_token`` of the model and KV dtype.
         max_total_tokens: an explicit size in tokens (``--max-total-tokens``).
         kv_cache_gib: a size in GiB (``--kv-cache-gib``).
-        kv_cache_mem_fraction: otherwise this fraction of ``available_bytes``, measured after
-            the weights are loaded (``--kv-cache-mem-fraction``; SGLang's
-            ``mem_fraction_static`` sizes its pool the same way on GPUs).
-        available_bytes: default ``available_memory_bytes()``.
+        default_bytes: otherwise this many bytes (the device runtime's budget, see
+            ``engine.device``); ``default_source`` says where the figure came from, for the error.
 
     Raises:
         ValueError: the size comes to less than one token.
@@ -126,9 +182,7 @@ def kv_pool_tokens(bytes_per_token: int, max_total_tokens: int | None, kv_cache_
     elif kv_cache_gib is not None:
         tokens, source = int(kv_cache_gib * GIB) // bytes_per_token, f"--kv-cache-gib {kv_cache_gib:g}"
     else:
-        free = available_memory_bytes() if available_bytes is None else available_bytes
-        tokens = int(kv_cache_mem_fraction * free) // bytes_per_token
-        source = f"--kv-cache-mem-fraction {kv_cache_mem_fraction:g} of {free / GIB:.2f} GiB available"
+        tokens, source = max(default_bytes, 0) // bytes_per_token, default_source
     if tokens < 1:
         raise ValueError(f"the KV pool would hold {tokens} tokens ({source}, {bytes_per_token} bytes per token)")
     return tokens

@@ -1,9 +1,19 @@
-"""Runs the model on a plan: packs inputs, builds the attention layout, returns logits."""
+"""Runs the model on a plan: packs the step's inputs on the host, copies them to the device
+once, builds the attention layout there, returns logits.
+
+Per step the host builds every index the device needs from the plan's Python lists --
+token ids, positions, KV rows, req slots, lengths, the packed-token map of the extend
+part, the rows that sample, and the req-to-token entries written since the last step --
+into one int64 tensor, which ``DeviceRuntime.to_device`` copies in one go (pinned and
+non-blocking on CUDA). Everything the layers need to size a shape is a host int taken
+from the plan, so the forward never reads the device.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from services.scheduler.engine.device import DeviceRuntime
 from services.scheduler.engine.kv_pool import ReqToTokenPool, TokenToKVPool
 from services.scheduler.engine.schedule import Plan
 from services.scheduler.layers.attention import AttnMetadata, DecodeLayout, ExtendLayout
@@ -15,80 +25,116 @@ class ModelRunner:
 
     A bf16 model on CPU has its linear layers' weights packed for oneDNN here, in place
     (``layers.linear.pack_linears``: same outputs, up to 2x faster at small batch).
+
+    Args:
+        runtime: the device runtime (default: the plain one for the model's device).
+        graph_runner: runs decode-only steps from static buffers (``engine.cuda_graph``),
+            or None to run every step as it comes.
     """
 
-    def __init__(self, model: torch.nn.Module, req_pool: ReqToTokenPool, kv_pool: TokenToKVPool):
+    def __init__(self, model: torch.nn.Module, req_pool: ReqToTokenPool, kv_pool: TokenToKVPool,
+                 runtime: DeviceRuntime | None = None, graph_runner=None):
         pack_linears(model)
         self.model = model
         self.req_pool = req_pool
         self.kv_pool = kv_pool
+        self.runtime = runtime or DeviceRuntime(next(model.parameters()).device)
+        self.graph_runner = graph_runner
 
     @torch.inference_mode()
     def forward(self, plan: Plan) -> torch.Tensor:
-        """Run one step -> float32 logits [B, vocab], row i for plan.reqs[i]'s last new token.
+        """Run one step -> float32 logits [B, vocab] on the device, row i for plan.reqs[i]'s last new token.
 
         The extend part's tokens are packed first, then one token per decoding request.
         """
-        ne = plan.num_extend
-        meta = AttnMetadata(plan.out_cache_loc)
-        ids, pos = [], []
-        last_idx = None
-        if ne:
-            input_ids, positions, meta.extend, last_idx = self._extend_inputs(plan, ne)
-            meta.num_extend_tokens = int(input_ids.numel())
-            ids.append(input_ids)
-            pos.append(positions)
-        if len(plan.reqs) > ne:
-            input_ids, positions, meta.decode = self._decode_inputs(plan, ne)
-            ids.append(input_ids)
-            pos.append(positions)
-            if last_idx is not None:
-                last_idx = torch.cat((last_idx, meta.num_extend_tokens + torch.arange(len(plan.reqs) - ne)))
-        input_ids, positions = (ids[0], pos[0]) if len(ids) == 1 else (torch.cat(ids), torch.cat(pos))
-        hidden = self.model(input_ids, positions, meta, self.kv_pool)
-        if last_idx is not None:
-            hidden = hidden[last_idx]
+        if self.graph_runner is not None and self.graph_runner.can_run(plan):
+            return self.graph_runner.forward(plan)
+        inputs = StepInputs(self.req_pool)
+        ne, nd = plan.num_extend, len(plan.reqs) - plan.num_extend
+        ext = inputs.add_extend(plan) if ne else None
+        dec = inputs.add_decode(plan.reqs[ne:], plan.prefix_lens[ne:]) if nd else None
+        dev = inputs.to_device(self.runtime, plan.out_cache_loc)
+        meta = AttnMetadata(dev["out_cache_loc"], self.req_pool.device_table, inputs.num_extend_tokens)
+        if ext is not None:
+            meta.extend = ExtendLayout(dev["ext_slots"], dev["prefix_lens"], dev["extend_lens"], dev["q_valid"], **ext)
+        if dec is not None:
+            meta.decode = DecodeLayout(dev["dec_slots"], dev["seq_lens"], **dec)
+        hidden = self.model(dev["input_ids"], dev["positions"], meta, self.kv_pool)
+        if "sample_index" in dev:
+            hidden = hidden.index_select(0, dev["sample_index"])
         return self.model.compute_logits(hidden)
 
-    def _kv_indices(self, reqs, seq_lens: torch.Tensor) -> torch.Tensor:
-        slots = torch.tensor([r.req_slot for r in reqs], dtype=torch.int64)
-        return self.req_pool.req_to_token[slots, : int(seq_lens.max())].long()  # [B, L]
 
-    def _decode_inputs(self, plan: Plan, start: int):
-        reqs = plan.reqs[start:]
-        input_ids = torch.tensor([r.last_token() for r in reqs], dtype=torch.int64)
-        positions = torch.tensor(plan.prefix_lens[start:], dtype=torch.int64)  # [B]
-        seq_lens = positions + 1
-        kv_indices = self._kv_indices(reqs, seq_lens)
-        mask = None
-        if int(seq_lens.min()) != kv_indices.shape[1]:
-            valid = torch.arange(kv_indices.shape[1])[None, :] < seq_lens[:, None]  # [B, L]
-            mask = torch.zeros(valid.shape, dtype=torch.float32).masked_fill_(~valid, float("-inf"))
-            mask = mask[:, None, None, :]  # [B, 1, 1, L]
-        return input_ids, positions, DecodeLayout(kv_indices, seq_lens, mask)
+class StepInputs:
+    """The host side of one step: named int64 segments, packed for one host-to-device copy.
 
-    def _extend_inputs(self, plan: Plan, end: int):
-        reqs = plan.reqs[:end]
-        ids: list[int] = []
-        for req, prefix, n in zip(reqs, plan.prefix_lens, plan.extend_lens):
-            ids.extend(req.fill_ids()[prefix : prefix + n])
-        input_ids = torch.tensor(ids, dtype=torch.int64)
-        prefix = torch.tensor(plan.prefix_lens[:end], dtype=torch.int64)  # [B]
-        ext = torch.tensor(plan.extend_lens[:end], dtype=torch.int64)  # [B]
-        starts = torch.cumsum(ext, 0) - ext
-        lq = int(ext.max())
-        i = torch.arange(lq)[None, :]  # [1, Lq]
-        # Padded queries repeat their request's last token so every row has a valid key.
-        offset = torch.minimum(i, ext[:, None] - 1)  # [B, Lq]
-        q_index = starts[:, None] + offset
-        q_pos = prefix[:, None] + offset
-        q_valid = (torch.arange(len(reqs)) * lq)[:, None] + i
-        q_valid = q_valid[i < ext[:, None]]  # [T], packed order
-        positions = q_pos.flatten()[q_valid]
-        seq_lens = prefix + ext
-        kv_indices = self._kv_indices(reqs, seq_lens)
-        mask = None
-        if len(reqs) > 1 or int(prefix[0]) > 0:
-            keys = torch.arange(kv_indices.shape[1])
-            mask = (keys[None, None, :] <= q_pos[:, :, None])[:, None]  # [B, 1, Lq, L]
-        return input_ids, positions, ExtendLayout(kv_indices, prefix, ext, q_index, q_valid, mask), torch.cumsum(ext, 0) - 1
+    Also applies the req-to-token writes the scheduler made since the last step to the
+    device copy of the table (``ReqToTokenPool.take_writes``), inside the same copy.
+    """
+
+    def __init__(self, req_pool: ReqToTokenPool):
+        self.req_pool = req_pool
+        self.segments: dict[str, torch.Tensor] = {}
+        self.ids: list[int] = []
+        self.positions: list[int] = []
+        self.num_extend_tokens = 0
+
+    def add(self, name: str, values) -> None:
+        self.segments[name] = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int64)
+
+    def add_extend(self, plan: Plan) -> dict:
+        """The extend part's ids, positions and layout inputs; returns the layout's host fields."""
+        end = plan.num_extend
+        reqs, prefix, ext = plan.reqs[:end], plan.prefix_lens[:end], plan.extend_lens[:end]
+        lq = max(ext)
+        q_valid: list[int] = []
+        for b, (req, p, n) in enumerate(zip(reqs, prefix, ext)):
+            self.ids.extend(req.fill_ids()[p : p + n])
+            self.positions.extend(range(p, p + n))
+            q_valid.extend(range(b * lq, b * lq + n))
+        self.num_extend_tokens = len(self.ids)
+        self.add("ext_slots", [r.req_slot for r in reqs])
+        self.add("prefix_lens", prefix)
+        self.add("extend_lens", ext)
+        self.add("q_valid", q_valid)
+        last, total = [], 0
+        for n in ext:
+            total += n
+            last.append(total - 1)
+        self.add("sample_index", last)
+        return dict(max_extend_len=lq, max_seq_len=max(p + n for p, n in zip(prefix, ext)),
+                    plain_causal=len(reqs) == 1 and prefix[0] == 0)
+
+    def add_decode(self, reqs, prefix_lens: list[int], pad_to: int | None = None, pad_slot: int = 0) -> dict:
+        """One token per decoding request (padded to ``pad_to`` rows of ``pad_slot`` with
+        one key each); returns the layout's host fields."""
+        n = len(reqs)
+        pad = (pad_to or n) - n
+        seq_lens = [p + 1 for p in prefix_lens] + [1] * pad
+        self.ids.extend([r.last_token() for r in reqs] + [0] * pad)
+        self.positions.extend(list(prefix_lens) + [0] * pad)
+        self.add("dec_slots", [r.req_slot for r in reqs] + [pad_slot] * pad)
+        self.add("seq_lens", seq_lens)
+        if "sample_index" in self.segments:  # a mixed step: the decode rows follow the extend part's
+            self.add("sample_index", torch.cat((self.segments["sample_index"],
+                                                torch.arange(self.num_extend_tokens, self.num_extend_tokens + n))))
+        return dict(max_seq_len=max(seq_lens), uniform=min(seq_lens) == max(seq_lens))
+
+    def to_device(self, runtime: DeviceRuntime, out_cache_loc: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Copy every segment (and ``out_cache_loc``, host int64) to the device at once;
+        applies the pending req-to-token writes there. Returns the device views by name."""
+        self.add("input_ids", self.ids)
+        self.add("positions", self.positions)
+        self.add("out_cache_loc", out_cache_loc)
+        writes = self.req_pool.take_writes()
+        if writes is not None:
+            self.add("table_index", writes[0])
+            self.add("table_rows", writes[1].to(torch.int64))
+        names = list(self.segments)
+        host = torch.cat([self.segments[k] for k in names])
+        parts = runtime.to_device(host).split([self.segments[k].numel() for k in names])
+        dev = dict(zip(names, parts))
+        if writes is not None:
+            table = self.req_pool.device_table.view(-1)
+            table.index_copy_(0, dev.pop("table_index"), dev.pop("table_rows").to(torch.int32))
+        return dev

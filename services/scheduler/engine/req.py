@@ -98,7 +98,8 @@ class Req:
         kv_len: tokens whose K/V are in the KV cache (positions 0..kv_len-1).
         finish_reason: set once when the request ends; None while running or waiting.
         init_sent: the detokenizer has had this rid's RowInit.
-        generator: per-request torch.Generator when a seed is given (reproducible sampling).
+        generator: per-request torch.Generator on the sampling device when a seed is given
+            (reproducible sampling; set by the engine, ``Sampler.generator_for``).
         cached_tokens: prompt tokens the prefix cache supplied at first admission (None
             until admitted); reported to clients as usage.
         last_node / tree_len: the prefix-cache node this request locks and how many of its
@@ -121,8 +122,6 @@ class Req:
         self.cached_tokens: int | None = None
         self.last_node: object | None = None
         self.tree_len = 0
-        if spec.sampling.seed is not None:
-            self.generator = torch.Generator().manual_seed(spec.sampling.seed)
 
     @property
     def origin_input_ids(self) -> TokenView:

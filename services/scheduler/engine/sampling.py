@@ -1,11 +1,17 @@
-"""Batched token sampling: greedy, temperature, top-k, top-p, min-p, penalties, logit bias, seeds.
+"""Batched token sampling on the logits' device: greedy, temperature, top-k, top-p, min-p,
+penalties, logit bias, min tokens, seeds.
 
 The filter order follows SGLang's sampler: temperature scaling, softmax, then top-k,
 top-p (nucleus, Holtzman et al. 2019) and min-p (Nguyen et al. 2024) on the sorted
 probabilities, renormalized. The draw is the exponential race ``argmax(p / E)``,
 ``E ~ Exp(1)`` (equivalent to the Gumbel-max trick), which lets each seeded request take
-its noise from its own ``torch.Generator`` while the arithmetic stays batched.
+its noise from its own generator on the device while the arithmetic stays batched.
 Everything runs in float32.
+
+Every per-row parameter and index is built on the host from the requests and copied to
+the device (``DeviceRuntime.to_device``); nothing here reads the device. The step's one
+device-to-host copy is ``SampleResult.to_host``: the chosen ids, with their logprobs and
+top logprobs packed beside them when a row asked for them.
 """
 
 from __future__ import annotations
@@ -14,12 +20,13 @@ from dataclasses import dataclass
 
 import torch
 
+from services.scheduler.engine.device import DeviceRuntime
 from services.scheduler.engine.req import Req
 
 
 @dataclass
 class SampleResult:
-    """Chosen token ids and, for rows that asked, their logprobs.
+    """Chosen token ids and, for rows that asked, their logprobs (device tensors).
 
     Attributes:
         next_ids: int64 [B].
@@ -34,21 +41,48 @@ class SampleResult:
     top_ids: torch.Tensor | None = None
     top_vals: torch.Tensor | None = None
 
+    def to_host(self, runtime: DeviceRuntime) -> "HostSample":
+        """One device-to-host copy of everything -> Python lists."""
+        if self.logprobs is None:
+            return HostSample(runtime.to_host(self.next_ids).tolist())
+        cols = [self.next_ids.double().unsqueeze(1), self.logprobs.double().unsqueeze(1)]
+        if self.top_ids is not None:
+            cols += [self.top_ids.double(), self.top_vals.double()]
+        rows = runtime.to_host(torch.cat(cols, dim=1)).tolist()  # [B, 2 + 2K] float64: ids stay exact
+        k = 0 if self.top_ids is None else self.top_ids.shape[1]
+        return HostSample([int(r[0]) for r in rows], [r[1] for r in rows],
+                          [[int(t) for t in r[2 : 2 + k]] for r in rows] if k else None,
+                          [r[2 + k :] for r in rows] if k else None)
+
+
+@dataclass
+class HostSample:
+    """``SampleResult`` on the host: per row the id, and where asked its logprob and top logprobs."""
+
+    next_ids: list[int]
+    logprobs: list[float] | None = None
+    top_ids: list[list[int]] | None = None
+    top_vals: list[list[float]] | None = None
+
 
 class Sampler:
-    """Samples one token per row of a logits batch. Unseeded rows share ``generator``."""
+    """Samples one token per row of a logits batch on ``runtime.device``. Unseeded rows share ``generator``."""
 
-    def __init__(self, seed: int | None = None, eos_ids: frozenset[int] = frozenset()):
+    def __init__(self, runtime: DeviceRuntime, seed: int | None = None, eos_ids: frozenset[int] = frozenset()):
+        self.runtime = runtime
         self.eos_ids = eos_ids
-        self.generator = torch.Generator()
-        if seed is None:
-            self.generator.seed()
-        else:
-            self.generator.manual_seed(seed)
+        self.generator = runtime.generator(seed)
+
+    def generator_for(self, seed: int) -> torch.Generator:
+        """A request's own generator on the device (``SamplingParams.seed``)."""
+        return self.runtime.generator(seed)
+
+    def _dev(self, values, dtype=torch.int64) -> torch.Tensor:
+        return self.runtime.to_device(torch.tensor(values, dtype=dtype))
 
     def sample(self, logits: torch.Tensor, reqs: list[Req]) -> SampleResult:
-        """logits: float32 [B, V], row i belongs to reqs[i] -> SampleResult."""
-        logits = _apply_penalties(_apply_logit_bias(logits, reqs), reqs)
+        """logits: float32 [B, V] on the device, row i belongs to reqs[i] -> SampleResult."""
+        logits = self._apply_penalties(self._apply_logit_bias(logits, reqs), reqs)
         logits = self._ban_stops_before_min_tokens(logits, reqs)
         params = [r.sampling for r in reqs]
         greedy = [p.temperature == 0.0 for p in params]
@@ -57,22 +91,28 @@ class Sampler:
             next_ids = logits.argmax(dim=-1)
             logp = torch.log_softmax(logits, dim=-1) if want_logprob else None
         else:
-            temps = torch.tensor([p.temperature or 1.0 for p in params], dtype=torch.float32)
-            probs = torch.softmax(logits / temps[:, None], dim=-1)
-            probs = _filter(probs, params)
+            # One copy for every row's parameters: temperature, top-k, top-p, min-p, greedy.
+            rows = self._dev([[p.temperature or 1.0 for p in params],
+                              [float(p.top_k if p.top_k > 0 else logits.shape[-1]) for p in params],
+                              [p.top_p for p in params], [p.min_p for p in params],
+                              [float(g) for g in greedy]], torch.float32)
+            temps, top_k, top_p, min_p, is_greedy = rows.unbind(0)
+            probs = torch.softmax(logits / temps.unsqueeze(1), dim=-1)
+            if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
+                probs = _filter(probs, top_k, top_p, min_p)
             noise = self._exponential(probs.shape, reqs)
             next_ids = (probs / noise).argmax(dim=-1)
+            mask = is_greedy.bool()
             if any(greedy):
-                mask = torch.tensor(greedy)
                 next_ids = torch.where(mask, logits.argmax(dim=-1), next_ids)
             logp = None
             if want_logprob:
                 logp = torch.log(probs)
                 if any(greedy):
-                    logp = torch.where(mask[:, None], torch.log_softmax(logits, dim=-1), logp)
+                    logp = torch.where(mask.unsqueeze(1), torch.log_softmax(logits, dim=-1), logp)
         result = SampleResult(next_ids)
         if logp is not None:
-            result.logprobs = logp.gather(1, next_ids[:, None]).squeeze(1)
+            result.logprobs = logp.gather(1, next_ids.unsqueeze(1)).squeeze(1)
             k = max(r.top_logprobs_num for r in reqs)
             if k > 0:
                 result.top_vals, result.top_ids = logp.topk(k, dim=-1)
@@ -80,73 +120,86 @@ class Sampler:
 
     def _ban_stops_before_min_tokens(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
         """Below min_new_tokens, EOS (unless ignore_eos) and stop token ids cannot be sampled (as vLLM's min_tokens)."""
-        rows = [(i, r) for i, r in enumerate(reqs) if len(r.output_ids) < r.sampling.min_new_tokens]
+        rows, cols = [], []
+        for i, r in enumerate(reqs):
+            if len(r.output_ids) < r.sampling.min_new_tokens:
+                banned = set(r.sampling.stop_token_ids) | (set() if r.sampling.ignore_eos else set(self.eos_ids))
+                rows += [i] * len(banned)
+                cols += sorted(banned)
         if not rows:
             return logits
-        logits = logits.clone()
-        for i, r in rows:
-            banned = set(r.sampling.stop_token_ids) | (set() if r.sampling.ignore_eos else set(self.eos_ids))
-            if banned:
-                logits[i, list(banned)] = float("-inf")
-        return logits
+        index = self._dev([rows, cols])
+        return logits.index_put((index.select(0, 0), index.select(0, 1)),
+                                torch.full((len(rows),), float("-inf"), device=logits.device))
 
     def _exponential(self, shape: torch.Size, reqs: list[Req]) -> torch.Tensor:
-        noise = torch.empty(shape, dtype=torch.float32).exponential_(generator=self.generator)
+        noise = torch.empty(shape, dtype=torch.float32, device=self.runtime.device).exponential_(generator=self.generator)
         for i, r in enumerate(reqs):
             if r.generator is not None:
-                noise[i].exponential_(generator=r.generator)
+                noise.select(0, i).exponential_(generator=r.generator)
         return noise
 
+    def _apply_logit_bias(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+        rows, cols, vals = [], [], []
+        for i, r in enumerate(reqs):
+            for token, bias in r.sampling.logit_bias:
+                rows.append(i)
+                cols.append(token)
+                vals.append(bias)
+        if not rows:
+            return logits
+        index = self._dev([rows, cols])
+        return logits.index_put((index.select(0, 0), index.select(0, 1)), self._dev(vals, torch.float32),
+                                accumulate=True)
 
-def _apply_logit_bias(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
-    rows = [(i, r.sampling.logit_bias) for i, r in enumerate(reqs) if r.sampling.logit_bias]
-    if not rows:
+    def _apply_penalties(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+        """OpenAI presence/frequency penalties over output tokens; HF/CTRL repetition penalty
+        (Keskar et al. 2019) over prompt and output tokens. Token counts and seen-sets are
+        scattered on the device from (row, token) pairs, for the penalized rows only."""
+        counted = [(i, r) for i, r in enumerate(reqs) if r.sampling.presence_penalty or r.sampling.frequency_penalty]
+        repeated = [(i, r) for i, r in enumerate(reqs) if r.sampling.repetition_penalty != 1.0]
+        if not counted and not repeated:
+            return logits
+        vocab = logits.shape[-1]
+        dev = logits.device
+        logits = logits.clone()
+        if counted:
+            pairs = [(j, t) for j, (_, r) in enumerate(counted) for t in r.output_ids]
+            counts = torch.zeros(len(counted), vocab, dtype=torch.float32, device=dev)
+            if pairs:
+                index = self._dev(list(zip(*pairs)))
+                counts.index_put_((index.select(0, 0), index.select(0, 1)),
+                                  torch.ones(len(pairs), dtype=torch.float32, device=dev), accumulate=True)
+            coef = self._dev([[r.sampling.frequency_penalty for _, r in counted],
+                              [r.sampling.presence_penalty for _, r in counted]], torch.float32)
+            delta = coef.select(0, 0).unsqueeze(1) * counts + coef.select(0, 1).unsqueeze(1) * (counts > 0).float()
+            logits.index_add_(0, self._dev([i for i, _ in counted]), -delta)
+        if repeated:
+            pairs = [(j, t) for j, (_, r) in enumerate(repeated) for t in r.fill_ids()]
+            index = self._dev(list(zip(*pairs)))
+            seen = torch.zeros(len(repeated), vocab, dtype=torch.bool, device=dev)
+            seen.index_put_((index.select(0, 0), index.select(0, 1)), torch.ones(len(pairs), dtype=torch.bool, device=dev))
+            rows = self._dev([i for i, _ in repeated])
+            penalty = self._dev([r.sampling.repetition_penalty for _, r in repeated], torch.float32).unsqueeze(1)
+            vals = logits.index_select(0, rows)
+            scaled = torch.where(vals > 0, vals / penalty, vals * penalty)
+            logits.index_copy_(0, rows, torch.where(seen, scaled, vals))
         return logits
-    logits = logits.clone()
-    for i, bias in rows:
-        ids = torch.tensor([t for t, _ in bias], dtype=torch.int64)
-        logits[i].index_add_(0, ids, torch.tensor([b for _, b in bias], dtype=torch.float32))
-    return logits
 
 
-def _apply_penalties(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
-    """OpenAI presence/frequency penalties over output tokens; HF/CTRL repetition penalty
-    (Keskar et al. 2019) over prompt and output tokens. One bincount per penalized row."""
-    rows = [
-        (i, r) for i, r in enumerate(reqs)
-        if r.sampling.presence_penalty or r.sampling.frequency_penalty or r.sampling.repetition_penalty != 1.0
-    ]
-    if not rows:
-        return logits
-    logits = logits.clone()
-    vocab = logits.shape[-1]
-    for i, r in rows:
-        p = r.sampling
-        if p.presence_penalty or p.frequency_penalty:
-            counts = torch.bincount(torch.tensor(list(r.output_ids), dtype=torch.int64), minlength=vocab).float()
-            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor(r.fill_ids(), dtype=torch.int64).unique()
-            vals = logits[i, seen]
-            logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    return logits
+def _filter(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Zero out tokens outside top-k / top-p / min-p per row, then renormalize.
 
-
-def _filter(probs: torch.Tensor, params: list) -> torch.Tensor:
-    """Zero out tokens outside top-k / top-p / min-p per row, then renormalize. probs: [B, V]."""
-    needs = [p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params]
-    if not any(needs):
-        return probs
+    Args:
+        probs: float32 [B, V]; top_k (as float, V = off), top_p, min_p: float32 [B].
+    """
     vocab = probs.shape[-1]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
     sorted_p, sorted_idx = probs.sort(dim=-1, descending=True)
-    rank = torch.arange(vocab)[None, :]
-    drop = rank >= top_k[:, None]
+    rank = torch.arange(vocab, device=probs.device).unsqueeze(0)
+    drop = rank >= top_k.unsqueeze(1)
     # Nucleus: keep the smallest prefix whose mass reaches top_p (the first token always stays).
-    drop |= (sorted_p.cumsum(dim=-1) - sorted_p) > top_p[:, None]
-    drop |= sorted_p < (min_p[:, None] * sorted_p[:, :1])
+    drop |= (sorted_p.cumsum(dim=-1) - sorted_p) > top_p.unsqueeze(1)
+    drop |= sorted_p < (min_p.unsqueeze(1) * sorted_p.narrow(1, 0, 1))
     sorted_p = sorted_p.masked_fill(drop, 0.0)
     out = torch.zeros_like(probs).scatter_(1, sorted_idx, sorted_p)
     return out / out.sum(dim=-1, keepdim=True)

@@ -118,9 +118,7 @@ class SchedulePolicy:
             return None
         rows = self._alloc_kv(len(decode))
         if decode:
-            slots = torch.tensor([r.req_slot for r in decode], dtype=torch.int64)
-            positions = torch.tensor([r.kv_len for r in decode], dtype=torch.int64)
-            self.req_pool.req_to_token[slots, positions] = rows.to(torch.int32)
+            self.req_pool.write_batch([r.req_slot for r in decode], [r.kv_len for r in decode], rows)
         return Plan(ext_reqs + decode, prefix_lens + [r.kv_len for r in decode], ext_lens + [1] * len(decode),
                     torch.cat((ext_rows, rows)), len(ext_reqs))
 
@@ -180,7 +178,7 @@ class SchedulePolicy:
             if req.cached_tokens is None:
                 req.cached_tokens = len(cached)
             if len(cached):
-                self.req_pool.req_to_token[req.req_slot, : len(cached)] = cached.to(torch.int32)
+                self.req_pool.write(req.req_slot, 0, cached)
             n = min(remaining, budget) if chunking else remaining
             self._extend_into(req, batch, prefix_lens, ext_lens, rows, n)
             budget -= n
@@ -192,7 +190,7 @@ class SchedulePolicy:
                      rows: list[torch.Tensor], n: int) -> None:
         """Plan ``n`` more tokens of ``req``'s prefill; it runs after this step unless more remain."""
         new = self._alloc_kv(n)
-        self.req_pool.req_to_token[req.req_slot, req.kv_len : req.kv_len + n] = new.to(torch.int32)
+        self.req_pool.write(req.req_slot, req.kv_len, new)
         batch.append(req)
         prefix_lens.append(req.kv_len)
         ext_lens.append(n)

@@ -38,22 +38,35 @@ class KVBuffers(Protocol):
 class ExtendLayout:
     """Attention layout of the extend part (prefill, with or without a cached prefix).
 
+    The model runner fills the inputs (device tensors, and host ints that size shapes so
+    no layer reads the device); ``gather_layouts`` derives the gathered form that the
+    torch and cpu backends use (the Triton kernels read the req-to-token rows in place).
+
     Attributes:
-        kv_indices: int64 [B, L], KV pool rows of each request's keys 0..L-1 (padded rows
-            point at any valid row and are masked).
+        req_slots: int64 [B], each request's row of the req-to-token table.
         prefix_lens: int64 [B], cached tokens of each request before this step's new ones.
         extend_lens: int64 [B], new tokens of each request (packed in request order).
-        q_index: int64 [B, Lq], packed token index of each padded query.
         q_valid: int64 [T], flat index into [B * Lq] of each packed token.
-        mask: bool [B, 1, Lq, L], True where a query may attend a key; None for a single
-            request without a prefix (plain causal attention).
+        max_extend_len: Lq, the longest extend (host).
+        max_seq_len: L, the longest prefix + extend (host).
+        plain_causal: one request without a prefix: plain causal attention, no mask (host).
+        kv_indices: int64 [B, L], KV pool rows of each request's keys 0..L-1 (padded rows
+            point at any valid row and are masked); derived.
+        q_index: int64 [B, Lq], packed token index of each padded query (a padded query
+            repeats its request's last token, so every row has a valid key); derived.
+        mask: bool [B, 1, Lq, L], True where a query may attend a key; None when
+            ``plain_causal``; derived.
     """
 
-    kv_indices: torch.Tensor
+    req_slots: torch.Tensor
     prefix_lens: torch.Tensor
     extend_lens: torch.Tensor
-    q_index: torch.Tensor
     q_valid: torch.Tensor
+    max_extend_len: int
+    max_seq_len: int
+    plain_causal: bool = False
+    kv_indices: torch.Tensor | None = None
+    q_index: torch.Tensor | None = None
     mask: torch.Tensor | None = None
 
 
@@ -62,14 +75,19 @@ class DecodeLayout:
     """Attention layout of the decode part (one query per request).
 
     Attributes:
-        kv_indices: int64 [B, L], as in ``ExtendLayout``.
+        req_slots: int64 [B], each request's row of the req-to-token table.
         seq_lens: int64 [B], keys of each request, the new token's included.
-        mask: float32 [B, 1, 1, L] additive mask (0 / -inf), or None when every request
-            has L keys.
+        max_seq_len: L, the longest (host).
+        uniform: every request has L keys: no mask (host).
+        kv_indices: int64 [B, L], as in ``ExtendLayout``; derived.
+        mask: float32 [B, 1, 1, L] additive mask (0 / -inf), None when ``uniform``; derived.
     """
 
-    kv_indices: torch.Tensor
+    req_slots: torch.Tensor
     seq_lens: torch.Tensor
+    max_seq_len: int
+    uniform: bool = False
+    kv_indices: torch.Tensor | None = None
     mask: torch.Tensor | None = None
 
 
@@ -82,12 +100,45 @@ class AttnMetadata:
 
     Attributes:
         out_cache_loc: int64 [T], KV pool rows for the step's new tokens (packed order).
+        req_to_token: int32 [max_reqs + 1, max_context], the req-to-token table on the
+            attention's device (``ReqToTokenPool.device_table``).
     """
 
     out_cache_loc: torch.Tensor
+    req_to_token: torch.Tensor | None = None
     num_extend_tokens: int = 0
     extend: ExtendLayout | None = None
     decode: DecodeLayout | None = None
+
+
+def gather_layouts(meta: AttnMetadata) -> None:
+    """Derive ``kv_indices``, ``q_index`` and the masks of ``meta``'s layouts on their device.
+
+    Device ops only, shapes from the layouts' host ints: no host sync. Masks are built only
+    where some request is shorter than the longest (decode) or the extend part is not one
+    plain causal prompt.
+    """
+    table = meta.req_to_token
+    ext = meta.extend
+    if ext is not None:
+        ext.kv_indices = table.index_select(0, ext.req_slots).narrow(1, 0, ext.max_seq_len).long()  # [B, L]
+        dev = ext.extend_lens.device
+        i = torch.arange(ext.max_extend_len, device=dev).unsqueeze(0)  # [1, Lq]
+        offset = torch.minimum(i, ext.extend_lens.unsqueeze(1) - 1)  # [B, Lq]
+        starts = torch.cumsum(ext.extend_lens, 0) - ext.extend_lens
+        ext.q_index = starts.unsqueeze(1) + offset
+        if not ext.plain_causal:
+            q_pos = ext.prefix_lens.unsqueeze(1) + offset  # [B, Lq]
+            keys = torch.arange(ext.max_seq_len, device=dev)
+            ext.mask = (keys.view(1, 1, -1) <= q_pos.unsqueeze(2)).unsqueeze(1)  # [B, 1, Lq, L]
+    dec = meta.decode
+    if dec is not None:
+        dec.kv_indices = table.index_select(0, dec.req_slots).narrow(1, 0, dec.max_seq_len).long()  # [B, L]
+        if not dec.uniform:
+            keys = torch.arange(dec.max_seq_len, device=dec.seq_lens.device).unsqueeze(0)
+            valid = keys < dec.seq_lens.unsqueeze(1)  # [B, L]
+            dec.mask = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device).masked_fill_(
+                valid.logical_not(), float("-inf")).view(valid.shape[0], 1, 1, -1)
 
 
 def paged_attention(
@@ -112,9 +163,11 @@ def paged_attention(
     outs = []
     if meta.extend is not None:
         keys, values = gather_kv(k_buf, v_buf, meta.extend.kv_indices)
-        outs.append(extend_attention(q[:n].to(k_buf.dtype), keys.transpose(1, 2), values.transpose(1, 2), meta.extend, scale))
+        outs.append(extend_attention(q.narrow(0, 0, n).to(k_buf.dtype), keys.transpose(1, 2), values.transpose(1, 2),
+                                     meta.extend, scale))
     if meta.decode is not None:
-        outs.append(_decode(q[n:].to(k_buf.dtype), k_buf, v_buf, meta.decode.kv_indices, meta.decode.mask, scale))
+        outs.append(_decode(q.narrow(0, n, q.shape[0] - n).to(k_buf.dtype), k_buf, v_buf, meta.decode.kv_indices,
+                            meta.decode.mask, scale))
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out.to(q.dtype)
 
@@ -185,10 +238,11 @@ def extend_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     """SDPA of the packed extend tokens q [T, Hq, D] over gathered keys, values [B, Hkv, L, D]
     (cache dtype) -> [T, Hq * D]."""
     t, hq, d = q.shape
-    qp = q[meta.q_index].transpose(1, 2)  # [B, Hq, Lq, D]
+    b, lq = meta.q_index.shape
+    qp = q.index_select(0, meta.q_index.view(-1)).view(b, lq, hq, d).transpose(1, 2)  # [B, Hq, Lq, D]
     if meta.mask is None:
         out = F.scaled_dot_product_attention(qp, keys, values, is_causal=True, scale=scale, enable_gqa=True)
     else:
         out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=meta.mask, scale=scale, enable_gqa=True)
     out = out.transpose(1, 2).reshape(-1, hq * d)  # [B*Lq, Hq*D]
-    return out[meta.q_valid]
+    return out.index_select(0, meta.q_valid)

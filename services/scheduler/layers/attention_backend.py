@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from services.scheduler.layers.attention import (AttnMetadata, KVBuffers, extend_attention, gather_kv,
-                                                 paged_attention, store_kv)
+                                                 gather_layouts, paged_attention, store_kv)
 from services.scheduler.layers.rotary import apply_rotary_packed
 
 log = logging.getLogger(__name__)
@@ -45,6 +44,9 @@ class AttentionBackend(ABC):
     """
 
     name: ClassVar[str]
+    # Kernel launches depend only on the batch size (no host ints that vary per step):
+    # the decode forward can be captured once per bucket (``engine.cuda_graph``).
+    supports_cuda_graph: ClassVar[bool] = False
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
@@ -97,22 +99,11 @@ class TorchAttnBackend(AttentionBackend):
 
     name = "torch"
 
+    def init_forward_metadata(self, meta: AttnMetadata) -> None:
+        gather_layouts(meta)
+
     def forward(self, q, k, v, layer_id, meta, kv, scale):
         return paged_attention(q, k, v, layer_id, meta, kv, scale)
-
-
-@dataclass
-class _TritonStep:
-    """One step's kernel arguments on the backend's device (int32 lengths, as the kernels load them)."""
-
-    meta: AttnMetadata
-    extend_kv_indices: torch.Tensor | None = None  # [B, L]
-    prefix_lens: torch.Tensor | None = None  # [B]
-    extend_lens: torch.Tensor | None = None  # [B]
-    q_starts: torch.Tensor | None = None  # [B], packed index of each request's first new token
-    max_extend_len: int = 0
-    decode_kv_indices: torch.Tensor | None = None  # [B, L]
-    seq_lens: torch.Tensor | None = None  # [B]
 
 
 class TritonAttnBackend(AttentionBackend):
@@ -125,6 +116,7 @@ class TritonAttnBackend(AttentionBackend):
     """
 
     name = "triton"
+    supports_cuda_graph = True
 
     def __init__(self, device: torch.device):
         super().__init__(device)
@@ -138,39 +130,24 @@ class TritonAttnBackend(AttentionBackend):
                 f"attention backend 'triton' on a {self.device.type} device needs Triton's interpreter: set "
                 "TRITON_INTERPRET=1 in the environment before the process starts (it is read when triton "
                 "defines the kernels), or use --attention-backend torch")
-        self._step: _TritonStep | None = None
 
     def init_forward_metadata(self, meta: AttnMetadata) -> None:
-        """Move the step's indices to the device and derive the extend kernel's offsets, once for all layers."""
-        step = _TritonStep(meta)
-        dev = self.device
-        if meta.extend is not None:
-            ext = meta.extend.extend_lens.to(torch.int32)
-            step.max_extend_len = int(ext.max())  # on the host: the grid size, no device sync per layer
-            step.q_starts = (torch.cumsum(ext, 0, dtype=torch.int32) - ext).to(dev)
-            step.extend_lens = ext.to(dev)
-            step.prefix_lens = meta.extend.prefix_lens.to(dev, torch.int32)
-            step.extend_kv_indices = meta.extend.kv_indices.to(dev)
-        if meta.decode is not None:
-            step.seq_lens = meta.decode.seq_lens.to(dev, torch.int32)
-            step.decode_kv_indices = meta.decode.kv_indices.to(dev)
-        self._step = step
+        """Nothing to derive: the kernels read K/V rows through the req-to-token table and
+        the layouts' slots in place, with grid sizes from the layouts' host ints."""
 
     def forward(self, q, k, v, layer_id, meta, kv, scale):
-        step = self._step
-        if step is None or step.meta is not meta:
-            raise RuntimeError("TritonAttnBackend.forward before init_forward_metadata for this step's metadata")
         k_buf, v_buf = store_kv(k, v, layer_id, meta.out_cache_loc, kv)
         t, hq, d = q.shape
         n = meta.num_extend_tokens
         out = torch.empty(t, hq, d, dtype=q.dtype, device=q.device)
-        if step.extend_kv_indices is not None:
+        ext, dec = meta.extend, meta.decode
+        if ext is not None:
             self.kernels.extend_attention(
-                q[:n], k_buf, v_buf, step.extend_kv_indices, step.prefix_lens, step.extend_lens, scale,
-                q_starts=step.q_starts, max_extend_len=step.max_extend_len, out=out[:n])
-        if step.decode_kv_indices is not None:
-            self.kernels.decode_attention(q[n:], k_buf, v_buf, step.decode_kv_indices, step.seq_lens, scale,
-                                          out=out[n:])
+                q.narrow(0, 0, n), k_buf, v_buf, meta.req_to_token, ext.prefix_lens, ext.extend_lens, scale,
+                max_extend_len=ext.max_extend_len, out=out.narrow(0, 0, n), req_slots=ext.req_slots)
+        if dec is not None:
+            self.kernels.decode_attention(q.narrow(0, n, t - n), k_buf, v_buf, meta.req_to_token, dec.seq_lens, scale,
+                                          out=out.narrow(0, n, t - n), req_slots=dec.req_slots)
         return out.view(t, hq * d)
 
 
@@ -201,6 +178,9 @@ class CpuAttnBackend(AttentionBackend):
     def describe(self) -> str:
         return f"cpu: C kernels {self.library._name}"
 
+    def init_forward_metadata(self, meta: AttnMetadata) -> None:
+        gather_layouts(meta)
+
     def forward(self, q, k, v, layer_id, meta, kv, scale):
         k_buf, v_buf = store_kv(k, v, layer_id, meta.out_cache_loc, kv)
         return self._attend(q.contiguous(), k_buf, v_buf, meta, scale)
@@ -218,11 +198,11 @@ class CpuAttnBackend(AttentionBackend):
         out = torch.empty(t, hq, d, dtype=k_buf.dtype)
         if meta.extend is not None:
             keys, values = gather_kv(k_buf, v_buf, meta.extend.kv_indices)
-            out[:n] = extend_attention(q[:n], keys.transpose(1, 2), values.transpose(1, 2), meta.extend,
+            out[:n] = extend_attention(q.narrow(0, 0, n), keys.transpose(1, 2), values.transpose(1, 2), meta.extend,
                                        scale).view(n, hq, d)
         if meta.decode is not None:
-            self.cpu_ops.decode_attention(q[n:], k_buf, v_buf, meta.decode.kv_indices, meta.decode.seq_lens, scale,
-                                          out=out[n:])
+            self.cpu_ops.decode_attention(q.narrow(0, n, t - n), k_buf, v_buf, meta.decode.kv_indices,
+                                          meta.decode.seq_lens, scale, out=out.narrow(0, n, t - n))
         return out.view(t, hq * d)
 
 

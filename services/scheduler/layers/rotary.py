@@ -56,7 +56,8 @@ class RotaryEmbedding(torch.nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions int64 [T] -> (cos, sin), each [T, 1, D] in ``dtype``; computed once per step, used by every layer."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        return (self.cos.index_select(0, positions).unsqueeze(1).to(dtype),
+                self.sin.index_select(0, positions).unsqueeze(1).to(dtype))
 
 
 def apply_rotary_packed(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -67,5 +68,5 @@ def apply_rotary_packed(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)

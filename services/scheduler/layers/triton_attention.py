@@ -39,14 +39,18 @@ def _check_head_dim(d: int) -> None:
 
 @triton.jit
 def _decode_kernel(
-    Q, K, V, KV_INDICES, SEQ_LENS, OUT, scale,
+    Q, K, V, KV_INDICES, ROWS, SEQ_LENS, OUT, scale,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_ib, stride_ob, stride_oh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ROWS: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     kv_head = h // GROUP  # query heads h*G..h*G+G-1 share KV head h (repeat_kv order)
     seq_len = tl.load(SEQ_LENS + b)
+    if HAS_ROWS:
+        row = tl.load(ROWS + b).to(tl.int64)
+    else:
+        row = b.to(tl.int64)
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(Q + b * stride_qb + h * stride_qh + d).to(tl.float32)
     m_i = -float("inf")
@@ -55,7 +59,7 @@ def _decode_kernel(
     for start in range(0, seq_len, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         valid = n < seq_len
-        rows = tl.load(KV_INDICES + b * stride_ib + n, mask=valid, other=0).to(tl.int64)
+        rows = tl.load(KV_INDICES + row * stride_ib + n, mask=valid, other=0).to(tl.int64)
         offs = rows[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
         k = tl.load(K + offs, mask=valid[:, None], other=0.0).to(tl.float32)  # [BLOCK_N, D]
         s = tl.sum(k * q[None, :], 1) * scale
@@ -72,7 +76,7 @@ def _decode_kernel(
 
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indices: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, block_n: int = 64,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, req_slots: torch.Tensor | None = None) -> torch.Tensor:
     """One query per request against its paged keys and values.
 
     Args:
@@ -81,6 +85,9 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
             each request's keys in position order (columns past ``seq_lens[b]`` are
             ignored); seq_lens: int [B], keys per request (>= 1). All on one device.
         out: optional [B, Hq, D] in q's dtype to write into (rows of a larger output).
+        req_slots: optional int [B]: request b's keys are row ``req_slots[b]`` of
+            ``kv_indices`` (then the whole req-to-token table, read in place: no gather, and
+            every shape fixed by B, so the launch can be captured in a CUDA graph).
 
     Returns:
         [B, Hq * D] in q's dtype.
@@ -95,24 +102,29 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     kv_indices = kv_indices.contiguous()
     if out is None:
         out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
+    rows = seq_lens if req_slots is None else req_slots  # unread without req_slots
     _decode_kernel[(b, hq)](
-        q, k_buf, v_buf, kv_indices, seq_lens.to(torch.int32).contiguous(), out, scale,
+        q, k_buf, v_buf, kv_indices, rows, seq_lens.to(torch.int32).contiguous(), out, scale,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), kv_indices.stride(0), out.stride(0), out.stride(1),
-        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_N=block_n,
+        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_N=block_n, HAS_ROWS=req_slots is not None,
     )
     return out.view(b, hq * d)
 
 
 @triton.jit
 def _extend_kernel(
-    Q, K, V, KV_INDICES, Q_STARTS, PREFIX_LENS, EXTEND_LENS, OUT, scale,
+    Q, K, V, KV_INDICES, ROWS, Q_STARTS, PREFIX_LENS, EXTEND_LENS, OUT, scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_ib, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, HAS_ROWS: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     kv_head = h // GROUP
+    if HAS_ROWS:
+        row = tl.load(ROWS + b).to(tl.int64)
+    else:
+        row = b.to(tl.int64)
     q_start = tl.load(Q_STARTS + b)
     prefix = tl.load(PREFIX_LENS + b)
     ext = tl.load(EXTEND_LENS + b)
@@ -131,7 +143,7 @@ def _extend_kernel(
     for start in range(0, end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         valid_n = n < end
-        rows = tl.load(KV_INDICES + b * stride_ib + n, mask=valid_n, other=0).to(tl.int64)
+        rows = tl.load(KV_INDICES + row * stride_ib + n, mask=valid_n, other=0).to(tl.int64)
         offs = rows[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
         k = tl.load(K + offs, mask=valid_n[:, None], other=0.0)  # [BLOCK_N, D]
         if UPCAST:
@@ -156,7 +168,8 @@ def _extend_kernel(
 def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indices: torch.Tensor,
                      prefix_lens: torch.Tensor, extend_lens: torch.Tensor, scale: float,
                      block_m: int = 32, block_n: int = 32, q_starts: torch.Tensor | None = None,
-                     max_extend_len: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                     max_extend_len: int | None = None, out: torch.Tensor | None = None,
+                     req_slots: torch.Tensor | None = None) -> torch.Tensor:
     """New tokens of each request against its cached prefix and themselves (causal).
 
     Args:
@@ -168,6 +181,8 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
             (int32 [B]) and ``max(extend_lens)`` (a host int: it sizes the grid), so a
             caller running many layers derives them once and never syncs per layer.
         out: optional [T, Hq, D] in q's dtype to write into (rows of a larger output).
+        req_slots: optional int [B]: request b's keys are row ``req_slots[b]`` of
+            ``kv_indices`` (the whole req-to-token table, read in place).
 
     Returns:
         [T, Hq * D] in q's dtype.
@@ -188,12 +203,13 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     if out is None:
         out = torch.empty(t, hq, d, dtype=q.dtype, device=q.device)
     grid = (ext.numel(), hq, triton.cdiv(max_extend_len, block_m))
+    rows = ext if req_slots is None else req_slots  # unread without req_slots
     _extend_kernel[grid](
-        q, k_buf, v_buf, kv_indices, starts, prefix_lens.to(torch.int32).contiguous(), ext.contiguous(), out, scale,
+        q, k_buf, v_buf, kv_indices, rows, starts, prefix_lens.to(torch.int32).contiguous(), ext.contiguous(), out, scale,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), kv_indices.stride(0), out.stride(0), out.stride(1),
         GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
         # Triton's interpreter multiplies 16-bit floats in tl.dot as their raw bits (numpy
         # has no bfloat16; triton 3.9's create_dot converts only 8-bit floats): fp32 there.
-        UPCAST=interpreted() and q.dtype != torch.float32,
+        UPCAST=interpreted() and q.dtype != torch.float32, HAS_ROWS=req_slots is not None,
     )
     return out.view(t, hq * d)

@@ -21,13 +21,14 @@ ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, load_format: str = "auto",
-               attention_backend: str = "auto") -> LlamaForCausalLM:
+               attention_backend: str = "auto", device: torch.device = torch.device("cpu")) -> LlamaForCausalLM:
     """Load the model that ``model_dir``/config.json names.
 
     Args:
         load_format: "auto" reads the directory's safetensors; "dummy" gives random
             weights of the config's shapes (benchmarks of sizes no package ships).
-        attention_backend: "auto", "torch" or "triton" (``layers.attention_backend``).
+        attention_backend: "auto", "torch", "cpu" or "triton" (``layers.attention_backend``).
+        device: where the weights load (``engine.device.resolve_device``).
 
     Raises:
         ValueError: the config names no architecture this registry supports, an
@@ -39,8 +40,8 @@ def load_model(model_dir: Path, dtype: torch.dtype, load_format: str = "auto",
     for arch in archs:
         if arch in ARCHITECTURES:
             if load_format == "auto":
-                return ARCHITECTURES[arch].load(Path(model_dir), dtype, attention_backend)
+                return ARCHITECTURES[arch].load(Path(model_dir), dtype, attention_backend, device)
             if load_format == "dummy":
-                return ARCHITECTURES[arch].dummy(cfg, dtype, attention_backend=attention_backend)
+                return ARCHITECTURES[arch].dummy(cfg, dtype, attention_backend=attention_backend, device=device)
             raise ValueError(f"unknown load format {load_format!r}; supported: auto, dummy")
     raise ValueError(f"unsupported architectures {archs}; supported: {sorted(ARCHITECTURES)}")

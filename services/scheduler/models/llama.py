@@ -146,8 +146,8 @@ class LlamaForCausalLM(torch.nn.Module):
         super().__init__()
         self.config = cfg
         self.attn_backend = attn_backend
-        with torch.device("cpu"):
-            # Real tensors even when the module tree is built on the meta device.
+        with torch.device(attn_backend.device):
+            # Real tensors on the model's device even when the module tree is built on the meta device.
             self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = _Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = torch.nn.ModuleList(LlamaDecoderLayer(cfg, i, attn_backend) for i in range(cfg.num_hidden_layers))
@@ -155,12 +155,14 @@ class LlamaForCausalLM(torch.nn.Module):
         self.lm_head = _Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     @classmethod
-    def load(cls, model_dir: Path, dtype: torch.dtype, attention_backend: str = "auto") -> "LlamaForCausalLM":
+    def load(cls, model_dir: Path, dtype: torch.dtype, attention_backend: str = "auto",
+             device: torch.device = torch.device("cpu")) -> "LlamaForCausalLM":
         """Build from ``model_dir``/config.json and every ``*.safetensors`` file in it.
 
         Args:
-            attention_backend: a name for ``create_attention_backend``, resolved for the
-                device the weights load on.
+            attention_backend: a name for ``create_attention_backend``, resolved for ``device``.
+            device: where the weights go; safetensors reads each tensor straight onto it (no
+                copy of the whole model on the host first), and tied embeddings stay one tensor.
 
         Raises:
             FileNotFoundError: no safetensors file.
@@ -172,10 +174,10 @@ class LlamaForCausalLM(torch.nn.Module):
         files = sorted(model_dir.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+        backend = create_attention_backend(attention_backend, device)
         raw: dict[str, torch.Tensor] = {}
         for f in files:
-            raw.update(load_file(str(f)))
-        backend = create_attention_backend(attention_backend, next(iter(raw.values())).device)
+            raw.update(load_file(str(f), device=str(backend.device)))
         with torch.device("meta"):
             model = cls(cfg, backend)
         state = _fuse(raw, cfg, dtype)
@@ -183,23 +185,27 @@ class LlamaForCausalLM(torch.nn.Module):
         return model.eval()
 
     @classmethod
-    def dummy(cls, hf_config: dict, dtype: torch.dtype, seed: int = 0, attention_backend: str = "auto") -> "LlamaForCausalLM":
-        """Random weights for an HF config dict: N(0, 0.02) matrices (as HF's
-        ``initializer_range``), unit norms, zero biases; reproducible through ``seed``.
-        ``attention_backend`` and its errors as in ``load`` (the weights are made on CPU)."""
+    def dummy(cls, hf_config: dict, dtype: torch.dtype, seed: int | None = 0, attention_backend: str = "auto",
+              device: torch.device = torch.device("cpu")) -> "LlamaForCausalLM":
+        """Random weights for an HF config dict, made on ``device``: N(0, 0.02) matrices (as
+        HF's ``initializer_range``), unit norms, zero biases; reproducible through ``seed``
+        (per device kind; None = torch's global generator). ``attention_backend`` and its
+        errors as in ``load``."""
         cfg = LlamaConfig.from_hf(hf_config)
-        gen = torch.Generator().manual_seed(seed)
-        backend = create_attention_backend(attention_backend, gen.device)
+        backend = create_attention_backend(attention_backend, device)
+        gen = None if seed is None else torch.Generator(backend.device).manual_seed(seed)
         with torch.device("meta"):
             model = cls(cfg, backend)
         state = {}
+        on = dict(dtype=dtype, device=backend.device)
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                state[name] = torch.ones(p.shape, dtype=dtype)
+                state[name] = torch.ones(p.shape, **on)
             elif name.endswith(".bias"):
-                state[name] = torch.zeros(p.shape, dtype=dtype)
+                state[name] = torch.zeros(p.shape, **on)
             else:
-                state[name] = (torch.randn(p.shape, generator=gen) * 0.02).to(dtype)
+                normal = torch.empty(p.shape, dtype=torch.float32, device=backend.device).normal_(generator=gen)
+                state[name] = normal.mul_(0.02).to(dtype)
         if cfg.tie_word_embeddings:
             state["lm_head.weight"] = state["embed_tokens.weight"]
         model.load_state_dict(state, strict=True, assign=True)

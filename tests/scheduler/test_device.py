@@ -1,0 +1,72 @@
+"""Device choice, dtype resolution and memory sizing per device kind, without a GPU: the
+CUDA runtime's figures come from torch.cuda functions replaced by fixed answers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.scheduler.engine import device as devmod
+from services.scheduler.engine.cuda_graph import graph_buckets
+from services.scheduler.engine.device import CudaRuntime, DeviceRuntime, create_runtime, resolve_device
+from services.scheduler.engine.kv_pool import GIB
+from services.scheduler.main import parse_args
+
+
+def test_dtype_auto_follows_the_cpu(monkeypatch):
+    cpu = DeviceRuntime(torch.device("cpu"))
+    assert cpu.resolve_dtype("float32") == torch.float32
+    monkeypatch.setattr(devmod, "cpu_has_bf16", lambda: True)
+    assert cpu.resolve_dtype("auto") == torch.bfloat16
+    monkeypatch.setattr(devmod, "cpu_has_bf16", lambda: False)
+    assert cpu.resolve_dtype("auto") == torch.float32
+    with pytest.raises(ValueError, match="dtype 'float16' is not supported on cpu; supported: auto, bfloat16, float32"):
+        cpu.resolve_dtype("float16")
+
+
+def test_dtype_auto_on_cuda_follows_the_compute_capability(monkeypatch):
+    cuda = CudaRuntime(torch.device("cuda:0"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert cuda.resolve_dtype("auto") == torch.bfloat16
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    assert cuda.resolve_dtype("auto") == torch.float16
+    assert cuda.resolve_dtype("float16") == torch.float16
+    assert cuda.resolve_dtype("float32") == torch.float32
+
+
+def test_device_auto_is_the_cpu_here_and_cuda_is_refused_by_name():
+    assert resolve_device("auto") == torch.device("cpu")
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert type(create_runtime(torch.device("cpu"))) is DeviceRuntime
+    assert type(create_runtime(torch.device("cuda:1"))) is CudaRuntime
+    with pytest.raises(RuntimeError, match=r"--device cuda: torch sees 0 CUDA device\(s\) \(this torch is a CPU-only build\)"):
+        resolve_device("cuda")
+    with pytest.raises(ValueError, match="unsupported device 'meta'"):
+        resolve_device("meta")
+    assert parse_args(["--model", "m", "--device", "cuda:1"]).engine.device == "cuda:1"
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "m", "--device", "tpu"])
+
+
+def test_cuda_kv_pool_takes_what_the_static_fraction_leaves(monkeypatch):
+    # An 80 GiB device with 16 GiB in use (weights): 0.85 * 80 - 16 - 2 (reserve) = 50 GiB of KV.
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (64 * GIB, 80 * GIB))
+    cuda = CudaRuntime(torch.device("cuda:0"))
+    per_token = 128 * 1024  # Llama-3-8B in bf16: 32 layers x 8 KV heads x 128 x 2 x 2 bytes
+    tokens, split = cuda.memory_split(16 * GIB, per_token, None, None, 0.85, 2 * GIB)
+    assert tokens == 50 * GIB // per_token == 409600
+    assert (split.total, split.weights, split.reserve, split.kv_cache) == (80 * GIB, 16 * GIB, 2 * GIB, 50 * GIB)
+    assert cuda.memory_split(16 * GIB, per_token, 1000, None, 0.85, 2 * GIB)[0] == 1000
+    assert cuda.memory_split(16 * GIB, per_token, None, 1.0, 0.85, 2 * GIB)[0] == 8192
+    with pytest.raises(ValueError, match="the KV pool would hold 0 tokens \\(--mem-fraction-static 0.2 of 80.00 GiB, "
+                                         "16.00 GiB in use, reserve 2.00 GiB"):
+        cuda.memory_split(16 * GIB, per_token, None, None, 0.2, 2 * GIB)
+
+
+def test_cuda_graph_buckets():
+    assert graph_buckets(1) == [1]
+    assert graph_buckets(5) == [1, 2, 4, 5]
+    assert graph_buckets(32) == [1, 2, 4, 8, 16, 24, 32]
+    assert graph_buckets(160)[-3:] == [144, 152, 160] and len(graph_buckets(160)) == 23
+    with pytest.raises(ValueError, match="--cuda-graph-max-bs must be >= 1"):
+        graph_buckets(0)

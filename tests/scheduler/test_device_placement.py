@@ -1,0 +1,173 @@
+"""The engine on a CUDA device, without a GPU: SmolLM2's shapes as fake CUDA tensors.
+
+Under ``FakeTensorMode`` every tensor made on ``cuda`` is a fake one: any op that mixes it
+with a CPU tensor raises ``FakeTensorDeviceMismatchError``, and any data-dependent read
+(``.item()``, ``.tolist()``, ``bool(t)``: a host sync on a real GPU) raises. The runtime's
+two copies are replaced: host-to-device makes a fake CUDA tensor of the host tensor's
+shape, device-to-host answers a fixed token (so the scheduler's host side -- stops,
+lengths, the prefix cache -- runs for real). A whole step sequence must run through:
+batched prefill, chunked prefill mixed with decodes, a prefix-cache hit, decodes,
+retraction, an abort, a stop token, for the torch backend and the Triton backend (its
+kernel launches replaced by a check that every argument is on the device), eagerly and
+through the CUDA-graph runner's static buffers.
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+
+from services.scheduler.config import EngineConfig
+from services.scheduler.engine.cuda_graph import DecodeGraphRunner
+from services.scheduler.engine.device import CudaRuntime, MemorySplit
+from services.scheduler.engine.engine import Engine
+from services.scheduler.engine.req import FinishType, ReqInput, SamplingParams
+from services.scheduler.engine.stops import load_eos_ids
+from services.scheduler.models.llama import LlamaForCausalLM
+
+CUDA = torch.device("cuda:0")
+
+
+class FakeCudaRuntime(CudaRuntime):
+    """CUDA runtime whose copies make fake tensors and fixed answers; counts both."""
+
+    def __init__(self, mode: FakeTensorMode, token: int):
+        super().__init__(CUDA)
+        self.mode = mode
+        self.token = token
+        self.h2d = 0
+        self.d2h = 0
+
+    def default_dtype(self) -> torch.dtype:
+        return torch.bfloat16
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        assert host.device.type == "cpu", f"to_device of a {host.device} tensor"
+        self.h2d += 1
+        return FakeTensor(self.mode, host.to("meta"), CUDA)
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        assert t.device == CUDA, f"to_host of a {t.device} tensor"
+        self.d2h += 1
+        with unset_fake_temporarily():  # a real host tensor, as a copy would give
+            if t.dim() == 1:  # the sampled ids
+                return torch.full(tuple(t.shape), self.token, dtype=t.dtype)
+            out = torch.zeros(tuple(t.shape), dtype=t.dtype)  # ids, logprob, top ids, top logprobs
+            out[:, 0] = self.token
+            return out
+
+    def generator(self, seed):
+        return None  # a CPU-only torch cannot make a CUDA generator; seeds are tested on CPU
+
+    def memory_split(self, weight_bytes, bytes_per_token, max_total_tokens, kv_cache_gib, mem_fraction, reserve):
+        return max_total_tokens, MemorySplit(0, weight_bytes, reserve, max_total_tokens * bytes_per_token)
+
+
+class CheckedTritonKernels:
+    """Stands in for ``layers.triton_attention``: checks every tensor argument is on the device."""
+
+    def __init__(self):
+        self.calls = {"decode_attention": 0, "extend_attention": 0}
+
+    def _check(self, name, args, kwargs, out):
+        for a in list(args) + list(kwargs.values()):
+            if isinstance(a, torch.Tensor):
+                assert a.device == CUDA, f"{name}: a {a.device} tensor"
+        assert isinstance(kwargs["req_slots"], torch.Tensor) and isinstance(kwargs.get("max_extend_len", 0), int)
+        self.calls[name] += 1
+        return out
+
+    def decode_attention(self, *args, **kwargs):
+        return self._check("decode_attention", args, kwargs, kwargs["out"])
+
+    def extend_attention(self, *args, **kwargs):
+        return self._check("extend_attention", args, kwargs, kwargs["out"])
+
+
+def _req(rid, ids, n, temperature=0.0, **kw):
+    return ReqInput(rid=rid, input_ids=ids, sampling=SamplingParams(temperature=temperature, max_new_tokens=n, **kw))
+
+
+@pytest.mark.parametrize("backend,graphs", [("torch", False), ("torch", True), ("triton", False), ("triton", True)])
+def test_step_sequence_on_fake_cuda_tensors(smollm2_dir, tokenizer, backend, graphs):
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    token = tokenizer.token_to_id("Ġthe")
+    runtime = FakeCudaRuntime(mode, token)
+    cfg = EngineConfig(model=smollm2_dir, max_running_requests=8, max_total_tokens=128, chunked_prefill_size=32,
+                       max_prefill_tokens=64, attention_backend=backend, disable_cuda_graph=True)
+    hf = json.loads((smollm2_dir / "config.json").read_text())
+    eos = load_eos_ids(smollm2_dir, tokenizer)
+    with mode:
+        model = LlamaForCausalLM.dummy(hf, torch.bfloat16, seed=None, attention_backend=backend, device=CUDA)
+        kernels = None
+        if backend == "triton":
+            kernels = model.attn_backend.kernels = CheckedTritonKernels()
+        engine = Engine(model, tokenizer, eos, cfg, runtime)
+        if graphs:
+            engine.runner.graph_runner = DecodeGraphRunner(model, runtime, engine.req_pool, engine.kv_pool, 4,
+                                                           capture=False)
+        assert {p.device for p in model.parameters()} == {CUDA}
+        assert engine.kv_pool.k_buffer[0].device == CUDA and engine.req_pool.device_table.device == CUDA
+        assert engine.req_pool.req_to_token.device.type == "cpu"  # the scheduler's own copy
+
+        results: dict[str, list] = {}
+        cached: dict[str, int] = {}
+        sample, samples = engine.sampler.sample, []
+
+        def counted_sample(logits, reqs):
+            samples.append(len(reqs))
+            return sample(logits, reqs)
+
+        engine.sampler.sample = counted_sample
+
+        def step():
+            out = engine.step()
+            if out is None:
+                return
+            for i, rid in enumerate(out.rids):
+                results.setdefault(rid, []).append(out.finish_reasons[i])
+                cached[rid] = out.cached_tokens[i]
+
+        def drain():
+            while engine.has_work:
+                step()
+
+        prompt = tokenizer.encode("The quick brown fox jumps over the lazy dog near the river bank").ids
+        # Batched prefill of two prompts, with logprobs for one of them.
+        engine.add_request(ReqInput(rid="a", input_ids=prompt, return_logprob=True, top_logprobs_num=2,
+                                    sampling=SamplingParams(temperature=0.0, max_new_tokens=3)))
+        engine.add_request(_req("b", prompt[:5], 30, ignore_eos=True, temperature=0.8, top_p=0.9, top_k=20,
+                                frequency_penalty=0.5, repetition_penalty=1.2, logit_bias=((5, 1.0),)))
+        step()
+        # A 45-token prompt prefilled in chunks of 32 beside the running decodes.
+        engine.add_request(_req("c", (prompt * 4)[:45], 60, ignore_eos=True))
+        step()
+        step()
+        while "a" in engine.reqs:
+            step()
+        # a finished into the prefix cache: d's prompt starts with it.
+        engine.add_request(_req("d", prompt + tokenizer.encode(" and more").ids, 60, ignore_eos=True))
+        # A stop token below min_new_tokens is banned, then stops the request.
+        engine.add_request(_req("e", prompt[:3], 20, stop_token_ids=frozenset({token}), min_new_tokens=2))
+        for _ in range(6):
+            step()
+        engine.abort("b")
+        drain()
+
+    assert results["a"][-1].type == FinishType.LENGTH
+    assert results["b"][-1].type == FinishType.ABORT
+    assert results["c"][-1].type == FinishType.LENGTH and results["d"][-1].type == FinishType.LENGTH
+    assert results["e"][-1].type == FinishType.STOP and results["e"][-1].matched_token_id == token
+    assert len(results["e"]) == 2  # the stop token (answered every step) ends it only at min_new_tokens
+    assert cached["d"] == len(prompt) and cached["c"] == 0  # d's prompt starts with a's, cached
+    assert engine.policy.num_retracted > 0  # 128 KV rows cannot hold c's and d's decodes
+    load = engine.load()
+    assert (load.req_slots_used, load.kv_used_tokens, load.num_running_reqs, load.num_waiting_reqs) == (0, 0, 0, 0)
+    assert load.kv_cached_tokens + engine.kv_pool.available == 128
+    assert runtime.d2h == len(samples) > 10  # one device-to-host copy per step that samples
+    if kernels is not None:
+        assert kernels.calls["extend_attention"] > 0 and kernels.calls["decode_attention"] > 0
