@@ -132,6 +132,27 @@ def test_typed_client_sync_and_async(ring):
     assert asyncio.run(async_chat()) == ANSWER
 
 
+def scheduler_aborts(ring) -> float:
+    return sum(v for (name, labels), v in ring.scrape("scheduler").items()
+               if name == "ringserve:scheduler_requests_finished_total" and ("finished_reason", "abort") in labels)
+
+
+def test_deadline_and_cancellation_abort_the_request(ring):
+    """The README's promise to direct clients: a deadline that passes, or a stream closed
+    early, aborts the request in the scheduler and frees every service's state."""
+    aborts = scheduler_aborts(ring)
+    with RingserveClient(ring.tokenizer, api_key=KEYS[0]) as client:
+        with pytest.raises(grpc.RpcError) as info:
+            list(client.chat(PARIS, max_new_tokens=2000, ignore_eos=True, timeout_s=2))
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        ring.wait_idle()
+        stream = client.chat(PARIS, max_new_tokens=2000, ignore_eos=True)
+        assert next(stream).finish_reason is None
+        stream.close()
+        ring.wait_idle()
+    assert scheduler_aborts(ring) == aborts + 2
+
+
 @pytest.mark.parametrize("service", ["tokenizer", "scheduler", "detokenizer"])
 def test_health_and_reflection_stay_open(ring, service):
     with grpc.insecure_channel(getattr(ring, service)) as ch:
