@@ -10,6 +10,10 @@ gateway works with the key; neither key appears in any log or service command li
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import grpc
 import httpx
@@ -132,6 +136,19 @@ def test_typed_client_sync_and_async(ring):
     assert asyncio.run(async_chat()) == ANSWER
 
 
+def test_example_script_with_a_key(ring):
+    """examples/grpc_chat.py: the sync then the async client, the key from $RINGSERVE_API_KEY."""
+    example = Path(__file__).resolve().parents[2] / "examples" / "grpc_chat.py"
+    env = {k: v for k, v in os.environ.items() if k != "RINGSERVE_API_KEY"}
+    ok = subprocess.run([sys.executable, str(example), ring.tokenizer, "--timeout", "120"], capture_output=True,
+                        text=True, timeout=300, env={**env, "RINGSERVE_API_KEY": KEYS[1]})
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.count(f"{ANSWER}\n[finish_reason=stop, tokens=8]") == 2, ok.stdout
+    refused = subprocess.run([sys.executable, str(example), ring.tokenizer], capture_output=True, text=True,
+                             timeout=300, env=env)
+    assert refused.returncode == 1 and "StatusCode.UNAUTHENTICATED" in refused.stderr
+
+
 def scheduler_aborts(ring) -> float:
     return sum(v for (name, labels), v in ring.scrape("scheduler").items()
                if name == "ringserve:scheduler_requests_finished_total" and ("finished_reason", "abort") in labels)
@@ -180,7 +197,10 @@ def test_gateway_passes_the_key(ring):
 
 
 def test_keys_never_logged_nor_on_a_command_line(ring):
-    """Runs last: every other test has written to the log by now."""
+    """Runs last, after every other test has written to the log (plus one request of its own)."""
+    r = httpx.post(f"{ring.base_url}/v1/chat/completions", json=chat(ring, max_tokens=4),
+                   headers={"Authorization": f"Bearer {KEYS[1]}"}, timeout=120)
+    assert r.status_code == 200, r.text
     log = ring.log()
     assert "tokenizer" in log and "API key required (2 valid)" in log  # the services' output is there
     assert "request " in log  # --log-requests: the gateway logged the requests it served
