@@ -149,6 +149,16 @@ async def test_api_key(keyed, stack):
         assert stack.fake.authorizations == ["Bearer sekrit"]
 
 
+async def test_tokenizer_refusing_the_gateways_key_is_a_server_error(stack, caplog):
+    """The client's key passed the gateway; a key mismatch between gateway and tokenizer is
+    the server's fault: 500, and a log line that says what to fix."""
+    stack.fake.reset(stack.Fail(grpc.StatusCode.UNAUTHENTICATED, "invalid API key"))
+    r = await stack.client.post("/v1/chat/completions", json={"model": "smol", "messages": MSG})
+    err = assert_error(r, 500, None, "internal_error", "server_error")
+    assert err["message"] == "the server's tokenizer refused the gateway's API key (a server configuration error)"
+    assert "the tokenizer refused the gateway's API key (invalid API key)" in caplog.text
+
+
 async def test_tokenizer_down(orphan):
     r = await orphan.get("/health")
     assert_error(r, 503, None, "service_unavailable", "service_unavailable_error")
