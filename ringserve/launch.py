@@ -70,6 +70,8 @@ class LaunchConfig:
     detokenizer_metrics_port: int = 0
     dtype: str = "auto"  # the scheduler picks bf16 on AMX / AVX-512-BF16 CPUs, else fp32
     attention_backend: str = "auto"  # the scheduler picks triton on CUDA devices, cpu on CPU
+    device: str = "auto"  # the scheduler's --device; "cuda" with several replicas: replica i on cuda:i
+    disable_cuda_graph: bool = False
     served_model_name: str | None = None
     api_keys: ApiKeys = ApiKeys()  # required by the gateway's HTTP API and the tokenizers' gRPC API
     context_length: int | None = None
@@ -337,13 +339,20 @@ class Launcher:
             args.append("--allow-special-tokens-in-messages")
         return args + c.transport.args()
 
+    def _device(self, index: int) -> str:
+        """Replica ``index``'s device: its own GPU when several replicas share "cuda"."""
+        device = self.config.device
+        return f"cuda:{index}" if device == "cuda" and self.config.replicas > 1 else device
+
     def _scheduler_args(self, port: str, detokenizer: str, index: int) -> list[str]:
         c = self.config
         sched_args = [
             "--model", str(c.model), "--port", port,
             "--detokenizer", detokenizer, "--dtype", c.dtype, "--instance-id", f"scheduler-{index}",
-            "--attention-backend", c.attention_backend,
+            "--attention-backend", c.attention_backend, "--device", self._device(index),
         ]
+        if c.disable_cuda_graph:
+            sched_args.append("--disable-cuda-graph")
         if c.max_running_requests:
             sched_args += ["--max-running-requests", str(c.max_running_requests)]
         if c.max_total_tokens:
@@ -419,9 +428,14 @@ def parse_args(argv: list[str] | None) -> LaunchConfig:
         parser.add_argument(f"--{name}-metrics-port", type=int, default=0,
                             help=f"the first {name}'s Prometheus /metrics port; 0 (and the others) = a free loopback port")
     parser.add_argument(
-        "--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-        help="model dtype; auto = bfloat16 on CPUs with AMX or AVX-512-BF16, float32 elsewhere",
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+        help="model dtype; auto = on CUDA bfloat16 (compute capability >= 8.0) else float16, on CPU bfloat16 "
+             "with AMX or AVX-512-BF16 else float32; float16 on CUDA only",
     )
+    parser.add_argument("--device", default=LaunchConfig.device, metavar="{auto,cpu,cuda,cuda:N}",
+                        help="the schedulers' device; auto = the first CUDA device torch sees, else cpu; cuda with "
+                             "--replicas N puts replica i on cuda:i")
+    parser.add_argument("--disable-cuda-graph", action="store_true", help="CUDA: run every decode step eagerly")
     parser.add_argument("--attention-backend", default=LaunchConfig.attention_backend,
                         choices=["auto", "torch", "cpu", "triton"],
                         help="scheduler: auto = triton on CUDA devices, cpu (C kernels) on CPU")
@@ -471,6 +485,7 @@ def parse_args(argv: list[str] | None) -> LaunchConfig:
         detokenizer_port=args.detokenizer_port, dtype=args.dtype,
         tokenizer_metrics_port=args.tokenizer_metrics_port, scheduler_metrics_port=args.scheduler_metrics_port,
         detokenizer_metrics_port=args.detokenizer_metrics_port, attention_backend=args.attention_backend,
+        device=args.device, disable_cuda_graph=args.disable_cuda_graph,
         served_model_name=args.served_model_name, api_keys=api_keys_from_args(parser, args),
         context_length=args.context_length, max_running_requests=args.max_running_requests,
         max_total_tokens=args.max_total_tokens, kv_cache_gib=args.kv_cache_gib,

@@ -82,9 +82,9 @@ def _sse(obj: dict) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-def create_app(model_dir: Path, dtype: str, served_name: str | None = None) -> FastAPI:
+def create_app(model_dir: Path, dtype: str, served_name: str | None = None, device: str = "cpu") -> FastAPI:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).eval().to(device)
     name = served_name or model_dir.name
     lock = asyncio.Lock()  # one request at a time: this is the baseline
     app = FastAPI()
@@ -104,9 +104,9 @@ def create_app(model_dir: Path, dtype: str, served_name: str | None = None) -> F
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # one prompt per request
         if isinstance(prompt, str):
-            ids = tokenizer(prompt, return_tensors="pt").input_ids
+            ids = tokenizer(prompt, return_tensors="pt").input_ids.to(model.device)
         else:
-            ids = torch.tensor([prompt], dtype=torch.long)
+            ids = torch.tensor([prompt], dtype=torch.long, device=model.device)
         max_tokens = int(body.get("max_tokens") or 16)
         temperature = float(body.get("temperature", 1.0))
         gen_kwargs = dict(
@@ -174,12 +174,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    app = create_app(args.model, args.dtype, args.served_model_name)
+    app = create_app(args.model, args.dtype, args.served_model_name, args.device)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 

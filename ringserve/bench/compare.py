@@ -111,7 +111,8 @@ def build_servers(args: argparse.Namespace) -> list[Server]:
     servers = []
     if not args.skip_hf:
         port = free_port()
-        servers.append(Server("transformers", [py, str(HF_SERVER), "--model", model, "--port", str(port), "--dtype", args.dtype], port))
+        servers.append(Server("transformers", [py, str(HF_SERVER), "--model", model, "--port", str(port), "--dtype",
+                                               args.dtype, "--device", args.device], port))
     if args.llama_server_bin:
         if not args.llama_gguf:
             raise SystemExit("bench compare: --llama-server-bin needs --llama-gguf (the same model as a GGUF)")
@@ -124,6 +125,7 @@ def build_servers(args: argparse.Namespace) -> list[Server]:
     port = free_port()
     servers.append(Server("ringserve", [
         py, "-m", "ringserve.cli", "launch", "--model", model, "--port", str(port), "--dtype", args.dtype,
+        "--device", args.device,
         *args.ringserve_arg,
     ], port))
     return servers
@@ -185,7 +187,8 @@ def main(argv: list[str] | None = None) -> None:
 
     p = argparse.ArgumentParser(prog="ringserve bench compare", description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, default=DEFAULT_CACHE / "models" / SMOLLM2_DIR)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
+    p.add_argument("--device", default="cpu", help="both servers' device: cpu, cuda or cuda:N")
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 64])
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)

@@ -39,33 +39,54 @@ def decode_step_ms(engine: Engine, batch: int, prompt_len: int, steps: int) -> t
     return statistics.median(times) * 1e3, statistics.median(cpu) * 1e3
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, required=True)
     p.add_argument("--dtype", choices=DTYPES, default="float32")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                   help="dummy = random weights of config.json's shapes (e.g. a Llama-3-8B config)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--attention-backend", nargs="+", default=["auto"], choices=ATTENTION_BACKENDS,
                    help="one or more; with two, the second's CPU time per step is compared to the first's")
+    p.add_argument("--cuda-graph", choices=["on", "off", "both"], default="on",
+                   help="CUDA: decode from CUDA graphs, eagerly, or both side by side (ratios printed)")
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    cpu_ms_of: dict[tuple[str, int], float] = {}
+    graph_modes = {"on": [False], "off": [True], "both": [True, False]}[a.cuda_graph]
+    rows: list[dict] = []
+    ms_of: dict[tuple[str, bool, int], tuple[float, float]] = {}
     for backend in a.attention_backend:
-        engine = Engine.from_config(EngineConfig(model=a.model, dtype=a.dtype, max_total_tokens=32768,
-                                                 attention_backend=backend))
-        for b in a.batch:
-            ms, cpu_ms = decode_step_ms(engine, b, a.prompt_len, a.steps)
-            cpu_ms_of[backend, b] = cpu_ms
-            print(f"backend={backend} dtype={a.dtype} batch={b} prompt_len={a.prompt_len}: decode step {ms:.1f} ms "
-                  f"({b / ms * 1e3:.0f} tok/s), CPU {cpu_ms:.1f} ms")
-        del engine
+        for disable_graph in graph_modes:
+            cfg = EngineConfig(model=a.model, dtype=a.dtype, device=a.device, load_format=a.load_format,
+                               max_total_tokens=max(32768, max(a.batch) * (a.prompt_len + a.steps + 4)),
+                               max_running_requests=max(64, max(a.batch)), attention_backend=backend,
+                               disable_cuda_graph=disable_graph)
+            engine = Engine.from_config(cfg)
+            for b in a.batch:
+                ms, cpu_ms = decode_step_ms(engine, b, a.prompt_len, a.steps)
+                ms_of[backend, disable_graph, b] = ms, cpu_ms
+                rows.append(dict(model=Path(a.model).name, device=a.device, dtype=a.dtype, backend=backend,
+                                 cuda_graph=not disable_graph and engine.runner.graph_runner is not None, batch=b,
+                                 step_ms=round(ms, 3), cpu_ms=round(cpu_ms, 3), tok_s=round(b / ms * 1e3, 1)))
+                print(f"backend={backend} graphs={rows[-1]['cuda_graph']} dtype={a.dtype} batch={b} "
+                      f"prompt_len={a.prompt_len}: decode step {ms:.2f} ms ({b / ms * 1e3:.0f} tok/s), CPU {cpu_ms:.1f} ms")
+            del engine
     if len(a.attention_backend) == 2:
         base, new = a.attention_backend
         for b in a.batch:
-            print(f"batch={b}: CPU per step {base}/{new} = {cpu_ms_of[base, b] / cpu_ms_of[new, b]:.2f}x")
+            print(f"batch={b}: CPU per step {base}/{new} = "
+                  f"{ms_of[base, graph_modes[0], b][1] / ms_of[new, graph_modes[0], b][1]:.2f}x")
+    if len(graph_modes) == 2:
+        for backend in a.attention_backend:
+            for b in a.batch:
+                print(f"backend={backend} batch={b}: eager/graph step time = "
+                      f"{ms_of[backend, True, b][0] / ms_of[backend, False, b][0]:.2f}x")
+    return rows
 
 
 if __name__ == "__main__":

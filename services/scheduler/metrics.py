@@ -87,6 +87,15 @@ class SchedulerMetrics(EngineObserver):
                  lambda: engine.policy.num_retracted),
             Read("num_decode_steps", "Steps that decoded at least one request.", "counter",
                  lambda: engine.num_decode_steps),
+            # The start-up memory split of the scheduler's device (engine.device.MemorySplit).
+            Read("memory_weights_bytes", "Bytes the model's weights take on the scheduler's device.", "gauge",
+                 lambda: engine.memory.weights),
+            Read("memory_kv_cache_bytes", "Bytes the KV pool takes on the scheduler's device.", "gauge",
+                 lambda: engine.memory.kv_cache),
+            Read("memory_reserve_bytes", "Bytes kept for activations, logits and CUDA graphs (0 on CPU).", "gauge",
+                 lambda: engine.memory.reserve),
+            Read("memory_total_bytes", "The device's memory (CPU: what was available before the KV pool).",
+                 "gauge", lambda: engine.memory.total),
         ])
         engine.observer = self
 

@@ -139,7 +139,8 @@ def test_cpu_single_replica(rendered: dict[str, list[dict]]) -> None:
     startup = sched["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600
     assert "--detokenizer=$(SCHEDULER_DETOKENIZER_ADDR)" in sched["args"]
-    assert "--dtype=$(SCHEDULER_DTYPE)" in sched["args"]
+    assert "--dtype=$(SCHEDULER_DTYPE)" in sched["args"] and "--device=$(SCHEDULER_DEVICE)" in sched["args"]
+    assert by(docs, "ConfigMap", f"{FULL}-config")["data"]["SCHEDULER_DEVICE"] == "cpu"
     assert "--max-queued-requests=$(SCHEDULER_MAX_QUEUED_REQUESTS)" in sched["args"]
     # Metrics: one HTTP port per container (names unique in the pod), labelled with the served name.
     assert sched["ports"][1] == {"name": "metrics-sched", "containerPort": 9020, "protocol": "TCP"}
@@ -193,6 +194,8 @@ def test_gpu_multi_replica(rendered: dict[str, list[dict]], helm: Path) -> None:
     assert sched["resources"]["requests"]["nvidia.com/gpu"] == 1
     assert sched["startupProbe"]["failureThreshold"] == 180
     assert "--schedule-policy=$(SCHEDULER_POLICY)" in sched["args"]
+    assert "--device=$(SCHEDULER_DEVICE)" in sched["args"]
+    assert by(docs, "ConfigMap", f"{FULL}-config")["data"]["SCHEDULER_DEVICE"] == "cuda"
     assert "--context-length=$(CONTEXT_LENGTH)" in sched["args"]
     assert "--watchdog-timeout=$(SCHEDULER_WATCHDOG_TIMEOUT)" in sched["args"]
     vols = {v["name"]: v for v in pod["volumes"]}

@@ -66,6 +66,10 @@ def test_counts_through_chunked_prefill_retraction_and_abort(make_engine, chat_i
     assert m["ringserve:req_slots_used"] == m["ringserve:kv_used_tokens"] == m["ringserve:kv_cache_usage_perc"] == 0
     assert m["ringserve:kv_total_tokens"] == size
     assert m["ringserve:req_slots_total"] == 32
+    # The memory split: SmolLM2's fp32 weights (tied embeddings once: one storage), its fp32
+    # rotary tables, and the pool's bytes.
+    assert m["ringserve:memory_weights_bytes"] == 4 * 134_515_008 + 2 * 4 * 8192 * 64
+    assert m["ringserve:memory_kv_cache_bytes"] == size * 46080 and m["ringserve:memory_reserve_bytes"] == 0
     assert not metrics_pending(engine)
 
 

@@ -250,11 +250,13 @@ class Engine:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the model's parameters and buffers, a tied tensor counted once."""
-    seen: dict[int, int] = {}
+    """Bytes of the model's parameters and buffers, each storage counted once (tied
+    embeddings share one: two Parameters over the same storage)."""
+    storages = {}
     for t in list(model.parameters()) + list(model.buffers()):
-        seen[id(t)] = t.numel() * t.element_size()
-    return sum(seen.values())
+        storage = t.untyped_storage()
+        storages[storage._cdata] = storage.nbytes()
+    return sum(storages.values())
 
 
 def activation_reserve_bytes(mc, cfg: EngineConfig, dtype: torch.dtype) -> int:
