@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 
 PROTOS := $(wildcard protos/ringserve/v1/*.proto)
 
-.PHONY: setup proto model run test test-deploy bench bench-detok soak clean
+.PHONY: setup proto model run test test-deploy bench bench-detok soak gpu-check clean
 
 setup: $(STAMPS)/venv $(STAMPS)/proto model
 
@@ -61,6 +61,11 @@ bench: setup
 SOAK_ARGS ?=
 soak: setup
 	$(VENV)/bin/ringserve bench soak --model $(MODEL) $(SOAK_ARGS)
+
+# On a machine with a CUDA GPU: the prepared GPU check (bench/gpu_check.py says how to
+# install offline); about 8 minutes on one H100/H200-class GPU.
+gpu-check: setup
+	$(PY) bench/gpu_check.py --cache-dir $(CACHE_DIR)
 
 bench-detok: setup
 	$(PY) -m services.detokenizer.bench --cache-dir $(CACHE_DIR)

@@ -1,0 +1,36 @@
+"""The scheduler: a GPU engine that also runs on the CPU.
+
+What runs where in one step (``engine.Engine.step``), on a CUDA device:
+
+- host: ``SchedulePolicy.schedule`` makes the plan (which requests extend or decode,
+  their KV rows from the host free list, the req-to-token entries, which it writes into
+  the host table and queues for the device copy); ``ModelRunner`` packs every index the
+  step needs -- ids, positions, KV rows, req slots, lengths, the packed-token map, the
+  rows that sample, the queued table writes -- into one int64 tensor.
+- host to device: that tensor, once, pinned and ``non_blocking``
+  (``engine.device.DeviceRuntime.to_device``); the table writes land in the device copy
+  of the req-to-token table.
+- device: the forward (embedding, rotary, norms, SiLU-and-mul as torch ops; attention as
+  the Triton kernels, which read K/V through the req-to-token table in place), the LM
+  head on the sampling rows, and the sampler (penalties, bias and min-token bans
+  scattered from host-built (row, token) pairs, temperature, top-k/p, min-p, the
+  exponential race with per-request generators on the device, logprobs).
+- device to host: the sampled ids -- with the logprobs and top logprobs packed beside
+  them when a request asked -- in one copy (``SampleResult.to_host``). This is the one
+  place the host waits for the device in a step.
+- host: stops (EOS, stop ids, stop strings on decoded text, lengths), freeing finished
+  requests into the prefix cache, the step's ``BatchTokenIDOutput``.
+
+What is captured: the decode forward from embedding to logits, once per batch-size
+bucket at start-up (``engine.cuda_graph``); a decode-only step of B requests copies its
+inputs into the first B rows of static buffers, pads its bucket with rows that touch only
+a padding row of the KV pool, and replays. Steps with an extend part run eagerly.
+
+Nothing in the forward reads the device: every shape comes from host ints of the plan,
+and ``tests/scheduler/test_device_placement.py`` runs a step sequence on fake CUDA
+tensors, where any CPU/CUDA mix or data-dependent read raises. On the CPU the same code
+runs with the copies as identities and the ``cpu`` attention backend's C kernels.
+
+Not built yet: overlap scheduling (planning step N+1 while the device runs step N); the
+host waits at the sampled ids' copy before it plans the next step.
+"""

@@ -1,0 +1,297 @@
+"""The one prepared GPU check (``make gpu-check``): everything only a CUDA GPU can measure.
+
+Runs in this order, each part's figures written into one JSON (``--json``) and a Markdown
+table appended to ``bench/RESULTS.md``:
+
+1. correctness on the device -- the Triton decode and extend kernels against the torch
+   reference on CUDA tensors; SmolLM2 through the engine on the GPU against transformers
+   on the GPU: fp32 logits within 1e-3 and identical greedy tokens for 32 steps on 5
+   prompts, and in bf16 the top-1 agreement under teacher forcing over 5 x 64 positions
+   (target >= 99 %); the placement test's step sequence (batched prefill, chunked prefill
+   beside decodes, a prefix-cache hit, retraction, an abort) on real CUDA tensors;
+2. the engine alone: decode step time at batch 1, 8, 64, 256 with and without CUDA graphs,
+   for SmolLM2 and for a dummy-weights model shaped like Llama-3-8B (``--load-format dummy``);
+   the HBM floor of the 8B shape at batch 1 (weight bytes / measured copy bandwidth);
+3. the whole ring against the one-request-at-a-time transformers server on the same GPU at
+   concurrency 1, 16, 64, 256 (``ringserve bench compare --device cuda``).
+
+Prepared for a machine with CUDA torch, Triton and transformers installed and no network:
+any other package (the ring's own: grpcio, fastapi, ...) comes from a wheel folder made
+beforehand on a machine with network access::
+
+    pip download -d wheels -r <(python -m pip freeze --exclude torch --exclude triton)
+    pip install --no-index --find-links wheels -e '.[all]'
+
+``python bench/gpu_check.py --device cpu --quick`` runs every part on the CPU in a few
+minutes (the Triton part under ``TRITON_INTERPRET=1``), to check the script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from ringserve.models import SMOLLM2_DIR  # noqa: E402
+from services.scheduler.bench import main as engine_bench  # noqa: E402
+from services.scheduler.config import EngineConfig  # noqa: E402
+from services.scheduler.engine.engine import Engine  # noqa: E402
+from services.scheduler.engine.model_runner import StepInputs  # noqa: E402
+from services.scheduler.engine.req import ReqInput, SamplingParams  # noqa: E402
+from services.scheduler.layers.attention import AttnMetadata, ExtendLayout  # noqa: E402
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+           "The three laws of thermodynamics are", "List five prime numbers:"]
+# Llama-3-8B's shapes (config.json of meta-llama/Meta-Llama-3-8B), for --load-format dummy.
+LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
+             "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+             "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+             "max_position_embeddings": 8192, "tie_word_embeddings": False, "hidden_act": "silu"}
+
+
+def check_kernels(device: str) -> dict:
+    """Triton decode/extend attention against the torch reference on ``device`` tensors (max abs error)."""
+    from services.scheduler.layers.attention import _decode
+    from services.scheduler.layers.triton_attention import decode_attention, extend_attention
+
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        b, hq, hkv, d, pool, width = 16, 32, 8, 128, 8192, 1000
+        k_buf = torch.randn(pool, hkv, d, generator=gen).to(device, dtype)
+        v_buf = torch.randn(pool, hkv, d, generator=gen).to(device, dtype)
+        seq = torch.randint(1, width + 1, (b,), generator=gen)
+        table = torch.stack([torch.randperm(pool, generator=gen)[:width] for _ in range(b + 3)]).to(device)
+        slots = torch.randperm(b + 3, generator=gen)[:b].to(device)
+        q = torch.randn(b, hq, d, generator=gen).to(device, dtype)
+        got = decode_attention(q, k_buf, v_buf, table.int(), seq.to(device), d**-0.5, req_slots=slots)
+        rows = table.index_select(0, slots)
+        valid = torch.arange(width, device=device)[None, :] < seq.to(device)[:, None]
+        mask = torch.zeros(valid.shape, device=device).masked_fill_(~valid, float("-inf"))[:, None, None, :]
+        want = _decode(q.float(), k_buf.float(), v_buf.float(), rows, mask, d**-0.5)
+        out[f"decode {dtype}"] = (got.float() - want).abs().max().item()
+        prefix, ext = torch.tensor([0, 300, 7]), torch.tensor([257, 1, 64])
+        q = torch.randn(int(ext.sum()), hq, d, generator=gen).to(device, dtype)
+        got = extend_attention(q, k_buf, v_buf, table.int(), prefix.to(device), ext.to(device), d**-0.5,
+                               req_slots=slots[:3], max_extend_len=257)
+        ref, start = [], 0
+        for i in range(3):
+            n, p = int(ext[i]), int(prefix[i])
+            r = rows[i, : p + n]
+            k = k_buf[r].float().repeat_interleave(hq // hkv, 1)
+            v = v_buf[r].float().repeat_interleave(hq // hkv, 1)
+            s = torch.einsum("thd,khd->htk", q[start : start + n].float(), k) * d**-0.5
+            causal = torch.arange(p + n, device=device)[None, :] <= (p + torch.arange(n, device=device))[:, None]
+            ref.append(torch.einsum("htk,khd->thd", s.masked_fill(~causal, float("-inf")).softmax(-1), v).reshape(n, -1))
+            start += n
+        out[f"extend {dtype}"] = (got.float() - torch.cat(ref)).abs().max().item()
+    return out
+
+
+def _engine(model_dir: Path, device: str, dtype: str, **kw) -> Engine:
+    cfg = EngineConfig(model=model_dir, device=device, dtype=dtype, max_total_tokens=kw.pop("max_total_tokens", 16384),
+                       max_running_requests=kw.pop("max_running_requests", 16), **kw)
+    return Engine.from_config(cfg)
+
+
+def check_against_transformers(model_dir: Path, device: str, steps: int, positions: int) -> dict:
+    """fp32: greedy tokens and per-step logits against transformers; bf16: top-1 agreement under teacher forcing."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    prompts = [tok(p).input_ids for p in PROMPTS]
+    result: dict = {}
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().to(device)
+    engine = _engine(model_dir, device, "float32")
+    logits_seen: dict[str, list[torch.Tensor]] = {}
+    forward = engine.runner.forward
+
+    def record(plan):
+        logits = forward(plan)
+        for row, req in enumerate(plan.reqs):
+            if req is not engine.policy.chunked:
+                logits_seen.setdefault(req.rid, []).append(logits[row].float().cpu())
+        return logits
+
+    engine.runner.forward = record
+    for i, ids in enumerate(prompts):
+        engine.add_request(ReqInput(rid=str(i), input_ids=ids,
+                                    sampling=SamplingParams(temperature=0.0, max_new_tokens=steps, ignore_eos=True)))
+    tokens: dict[str, list[int]] = {}
+    while engine.has_work:
+        out = engine.step()
+        for rid, t in zip(out.rids, out.output_ids):
+            tokens.setdefault(rid, []).append(t)
+    same, max_err = 0, 0.0
+    with torch.inference_mode():
+        for i, ids in enumerate(prompts):
+            seq = torch.tensor([ids + tokens[str(i)]], device=device)
+            ref = hf(seq).logits[0].float().cpu()  # [L, V]
+            want = ref[len(ids) - 1 : len(ids) - 1 + steps].argmax(-1).tolist()
+            same += want == tokens[str(i)]
+            got = torch.stack(logits_seen[str(i)])
+            max_err = max(max_err, (got - ref[len(ids) - 1 : len(ids) - 1 + steps]).abs().max().item())
+    result["fp32_greedy_identical_prompts"] = f"{same}/{len(prompts)}"
+    result["fp32_logits_max_abs_err"] = max_err
+    del engine, hf
+    # bf16 teacher forcing: the engine's logits at every position of prompt + fp32 continuation.
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval().to(device)
+    engine = _engine(model_dir, device, "bfloat16")
+    agree = total = 0
+    with torch.inference_mode():
+        for i, ids in enumerate(prompts):
+            seq = (ids + tokens[str(i)] * 4)[: len(ids) + positions]
+            ref = hf(torch.tensor([seq], device=device)).logits[0, len(ids) - 1 : -1].argmax(-1).cpu()
+            got = _all_position_logits(engine, seq)[len(ids) - 1 : -1].argmax(-1).cpu()
+            agree += int((got == ref).sum())
+            total += len(ref)
+    result["bf16_teacher_forced_top1_agreement"] = agree / total
+    result["bf16_positions"] = total
+    return result
+
+
+def _all_position_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
+    """The engine's model on one fresh prompt -> float32 logits at every position [L, V]."""
+    req_pool, kv_pool = engine.req_pool, engine.kv_pool
+    slot = req_pool.alloc()
+    rows = kv_pool.alloc(len(ids))
+    req_pool.write(slot, 0, rows)
+    req = type("R", (), {"req_slot": slot, "fill_ids": lambda self: ids})()
+    plan = type("P", (), {"reqs": [req], "prefix_lens": [0], "extend_lens": [len(ids)], "num_extend": 1})()
+    inputs = StepInputs(req_pool)
+    host = inputs.add_extend(plan)
+    dev = inputs.to_device(engine.runtime, rows)
+    meta = AttnMetadata(dev["out_cache_loc"], req_pool.device_table, len(ids),
+                        ExtendLayout(dev["ext_slots"], dev["prefix_lens"], dev["extend_lens"], dev["q_valid"], **host))
+    model = engine.runner.model
+    logits = model.compute_logits(model(dev["input_ids"], dev["positions"], meta, kv_pool))
+    kv_pool.free(rows)
+    req_pool.free(slot)
+    return logits
+
+
+def check_step_sequence(model_dir: Path, device: str) -> dict:
+    """Batched prefill, chunked prefill beside decodes, a prefix-cache hit, retraction and an
+    abort on real device tensors; every gauge back to zero."""
+    engine = _engine(model_dir, device, "auto", max_total_tokens=160, chunked_prefill_size=32, max_prefill_tokens=64,
+                     max_running_requests=8)
+    prompt = list(range(100, 130))
+    greedy = lambda rid, ids, n: ReqInput(rid=rid, input_ids=ids, sampling=SamplingParams(  # noqa: E731
+        temperature=0.0, max_new_tokens=n, ignore_eos=True))
+    engine.add_request(greedy("a", prompt, 3))
+    engine.add_request(ReqInput(rid="b", input_ids=prompt[:5], sampling=SamplingParams(
+        temperature=0.8, top_p=0.9, top_k=20, seed=5, frequency_penalty=0.5, max_new_tokens=40, ignore_eos=True)))
+    engine.step()
+    engine.add_request(greedy("c", (prompt * 2)[:50], 60))
+    for _ in range(6):
+        engine.step()
+    engine.add_request(greedy("d", prompt + [7, 8], 60))
+    for _ in range(4):
+        engine.step()
+    engine.abort("b")
+    cached = 0
+    while engine.has_work:
+        out = engine.step()
+        if out is not None and "d" in out.rids:
+            cached = out.cached_tokens[out.rids.index("d")]
+    load = engine.load()
+    return {"retractions": engine.policy.num_retracted, "d_cached_tokens": cached,
+            "idle_gauges_zero": (load.req_slots_used, load.kv_used_tokens, load.num_running_reqs) == (0, 0, 0)}
+
+
+def hbm_floor_ms(model_dir: Path, device: str) -> dict:
+    """Weight bytes / measured device copy bandwidth: the floor of a batch-1 decode step."""
+    engine = _engine(model_dir, device, "bfloat16", load_format="dummy", max_total_tokens=4096,
+                     disable_cuda_graph=True)
+    weights = engine.memory.weights
+    del engine
+    buf = torch.empty(2 * 2**30 // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(buf)
+    for _ in range(3):
+        dst.copy_(buf)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(buf)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    bandwidth = 2 * buf.numel() * 2 * 10 / (time.perf_counter() - t)  # read + write bytes per second
+    return {"weight_bytes": weights, "copy_bandwidth_gb_s": bandwidth / 1e9, "floor_ms": weights / bandwidth * 1e3}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--cache-dir", type=Path, default=Path(os.environ.get("RINGSERVE_CACHE_DIR",
+                                                                          Path.home() / ".cache" / "ringserve")))
+    p.add_argument("--quick", action="store_true", help="small sizes (a check of the script on CPU)")
+    p.add_argument("--skip-serving", action="store_true")
+    p.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "gpu_check.json")
+    p.add_argument("--results-md", type=Path, default=ROOT / "bench" / "RESULTS.md")
+    a = p.parse_args(argv)
+    smollm2 = a.cache_dir / "models" / SMOLLM2_DIR
+    llama_dir = a.cache_dir / "models" / "llama3-8b-shape"
+    llama_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the bench's ids stay below SmolLM2's vocabulary
+        (llama_dir / name).write_bytes((smollm2 / name).read_bytes())
+    (llama_dir / "config.json").write_text(json.dumps(LLAMA3_8B if not a.quick else {
+        **LLAMA3_8B, "hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 2, "num_attention_heads": 8,
+        "num_key_value_heads": 2, "vocab_size": 4096}))
+    batches = [1, 8] if a.quick else [1, 8, 64, 256]
+    report: dict = {"device": a.device, "torch": torch.__version__,
+                    "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+    started = time.monotonic()
+    report["kernels_max_abs_err"] = check_kernels(a.device)
+    report["vs_transformers"] = check_against_transformers(smollm2, a.device, 8 if a.quick else 32,
+                                                           16 if a.quick else 64)
+    report["step_sequence"] = check_step_sequence(smollm2, a.device)
+    print(json.dumps(report, indent=1), flush=True)
+    steps = ["--steps", "3" if a.quick else "30", "--prompt-len", "32" if a.quick else "128"]
+    graphs = "both" if a.device.startswith("cuda") else "off"
+    report["engine_smollm2"] = engine_bench(["--model", str(smollm2), "--device", a.device, "--dtype", "bfloat16",
+                                             "--batch", *map(str, batches), "--cuda-graph", graphs, *steps])
+    report["engine_llama3_8b_shape"] = engine_bench(["--model", str(llama_dir), "--device", a.device, "--dtype",
+                                                     "bfloat16", "--load-format", "dummy", "--batch",
+                                                     *map(str, batches), "--cuda-graph", graphs, *steps])
+    report["llama3_8b_hbm_floor"] = hbm_floor_ms(llama_dir, a.device)
+    if not a.skip_serving:
+        out = a.json.with_name("gpu_check_serving.json")
+        levels = "1,4" if a.quick else "1,16,64,256"
+        subprocess.run([sys.executable, "-m", "ringserve.cli", "bench", "compare", "--model", str(smollm2),
+                        "--device", a.device, "--concurrency", levels, "--json", str(out), "--disable-progress",
+                        "--output-len", "16" if a.quick else "128"], cwd=ROOT, check=True)
+        report["serving"] = json.loads(out.read_text())
+    report["wall_s"] = round(time.monotonic() - started, 1)
+    a.json.parent.mkdir(parents=True, exist_ok=True)
+    a.json.write_text(json.dumps(report, indent=1))
+    with a.results_md.open("a") as f:
+        f.write(_markdown(report))
+    print(f"written: {a.json}, appended to {a.results_md} ({report['wall_s']} s)")
+
+
+def _markdown(r: dict) -> str:
+    lines = [f"\n## GPU check ({r['gpu'] or r['device']}, torch {r['torch']}, {time.strftime('%Y-%m-%d')})\n",
+             f"- Triton kernels, max abs error vs torch: {json.dumps(r['kernels_max_abs_err'])}",
+             f"- vs transformers: {json.dumps(r['vs_transformers'])}",
+             f"- step sequence on the device: {json.dumps(r['step_sequence'])}",
+             f"- Llama-3-8B shape, batch-1 HBM floor: {r['llama3_8b_hbm_floor']['floor_ms']:.2f} ms "
+             f"({r['llama3_8b_hbm_floor']['copy_bandwidth_gb_s']:.0f} GB/s copy)", "",
+             "| model | batch | CUDA graph | decode step (ms) | tok/s |", "|---|---|---|---|---|"]
+    for key in ("engine_smollm2", "engine_llama3_8b_shape"):
+        for row in r[key]:
+            lines.append(f"| {row['model']} | {row['batch']} | {row['cuda_graph']} | {row['step_ms']} | {row['tok_s']} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
