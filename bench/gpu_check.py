@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
         (llama_dir / name).write_bytes((smollm2 / name).read_bytes())
     (llama_dir / "config.json").write_text(json.dumps(LLAMA3_8B if not a.quick else {
         **LLAMA3_8B, "hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 2, "num_attention_heads": 8,
-        "num_key_value_heads": 2, "vocab_size": 4096}))
+        "num_key_value_heads": 2, "vocab_size": 49152}))
     batches = [1, 8] if a.quick else [1, 8, 64, 256]
     report: dict = {"device": a.device, "torch": torch.__version__,
                     "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}

@@ -16,8 +16,8 @@ What runs where in one step (``engine.Engine.step``), on a CUDA device:
   scattered from host-built (row, token) pairs, temperature, top-k/p, min-p, the
   exponential race with per-request generators on the device, logprobs).
 - device to host: the sampled ids -- with the logprobs and top logprobs packed beside
-  them when a request asked -- in one copy (``SampleResult.to_host``). This is the one
-  place the host waits for the device in a step.
+  them when a request asked -- in one copy (``SampleResult.start_copy``: pinned memory and
+  an event). Waiting for it is the one place the host waits for the device in a step.
 - host: stops (EOS, stop ids, stop strings on decoded text, lengths), freeing finished
   requests into the prefix cache, the step's ``BatchTokenIDOutput``.
 
@@ -31,6 +31,15 @@ and ``tests/scheduler/test_device_placement.py`` runs a step sequence on fake CU
 tensors, where any CPU/CUDA mix or data-dependent read raises. On the CPU the same code
 runs with the copies as identities and the ``cpu`` attention backend's C kernels.
 
-Not built yet: overlap scheduling (planning step N+1 while the device runs step N); the
-host waits at the sampled ids' copy before it plans the next step.
+Overlap scheduling (SGLang's overlap scheduler; on by default on CUDA,
+``--disable-overlap-schedule``): ``Engine.step`` plans and launches step N+1, then waits
+for step N's sampled ids and processes them (stops, frees, the output rows), so the host's
+planning and bookkeeping run while the device computes. Step N+1's decode rows whose last
+token step N sampled take it on the device (``model_runner.FutureIds``); a request that
+step N ends by length is left out of step N+1, and one that step N ends by a stop string or
+EOS has its step N+1 row dropped and that KV row freed, not cached. A step that admits,
+chunk-prefills or retracts, or a batch with a request whose sampling reads its own output
+history (penalties, min tokens), first waits for step N, so every plan is the one made
+without overlap (``tests/scheduler/test_overlap.py``: the same tokens, finish reasons and
+gauges). On the CPU the forward holds the host thread, so overlap is off there by default.
 """

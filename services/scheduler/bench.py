@@ -16,7 +16,7 @@ import torch
 
 from services.scheduler.config import ATTENTION_BACKENDS, DTYPES, EngineConfig
 from services.scheduler.engine.engine import Engine
-from services.scheduler.engine.req import ReqInput, SamplingParams
+from services.scheduler.engine.req import FinishType, ReqInput, SamplingParams
 
 
 def decode_step_ms(engine: Engine, batch: int, prompt_len: int, steps: int) -> tuple[float, float]:
@@ -27,7 +27,9 @@ def decode_step_ms(engine: Engine, batch: int, prompt_len: int, steps: int) -> t
         ids = [(i * 7919 + j * 31) % 40000 + 100 for j in range(prompt_len)]
         engine.add_request(ReqInput(rid=f"b{batch}-{i}", input_ids=ids, sampling=params))
     while len(engine.policy.running) < batch or engine.policy.waiting:
-        engine.step()
+        out = engine.step()
+        if out is not None and any(f.type == FinishType.ABORT for f in out.finish_reasons):
+            raise ValueError(f"a benchmark request was refused: {out.finish_reasons}")
     times, cpu = [], []
     for _ in range(steps):
         t, c = time.perf_counter(), time.process_time()

@@ -45,6 +45,8 @@ class EngineConfig:
             pool and the reserve may take (SGLang's ``--mem-fraction-static``).
         cuda_graph_max_bs: CUDA: the largest decode batch replayed from a CUDA graph.
         disable_cuda_graph: CUDA: run every decode step eagerly.
+        overlap_schedule: plan step N+1 while the device runs step N; None = on for CUDA,
+            off on the CPU (whose forward holds the planning thread).
     """
 
     model: Path
@@ -65,6 +67,7 @@ class EngineConfig:
     mem_fraction_static: float = 0.85
     cuda_graph_max_bs: int = 160
     disable_cuda_graph: bool = False
+    overlap_schedule: bool | None = None
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,9 @@ def parse_args(argv: list[str] | None) -> SchedulerConfig:
     p.add_argument("--cuda-graph-max-bs", type=int, default=e.cuda_graph_max_bs,
                    help="CUDA: decode batches up to this size replay CUDA graphs captured at start-up")
     p.add_argument("--disable-cuda-graph", action="store_true", help="CUDA: run every decode step eagerly")
+    p.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="CUDA: plan each step only after the previous one's sampled ids reach the host "
+                        "(overlap is off on the CPU, where the forward holds the planning thread)")
     p.add_argument("--max-prefill-tokens", type=int, default=e.max_prefill_tokens, help="token budget of one prefill batch")
     p.add_argument("--context-length", type=int, default=None, help="default: the model's max_position_embeddings")
     p.add_argument("--seed", type=int, default=None, help="seed for requests that give none")
@@ -106,7 +109,7 @@ def parse_args(argv: list[str] | None) -> SchedulerConfig:
         chunked_prefill_size=a.chunked_prefill_size, disable_radix_cache=a.disable_radix_cache,
         schedule_policy=a.schedule_policy, load_format=a.load_format, attention_backend=a.attention_backend,
         device=a.device, mem_fraction_static=a.mem_fraction_static, cuda_graph_max_bs=a.cuda_graph_max_bs,
-        disable_cuda_graph=a.disable_cuda_graph,
+        disable_cuda_graph=a.disable_cuda_graph, overlap_schedule=False if a.disable_overlap_schedule else None,
     )
     return SchedulerConfig(engine=engine, host=a.host, port=a.port, detokenizer=a.detokenizer,
                            instance_id=a.instance_id, torch_threads=a.torch_threads,

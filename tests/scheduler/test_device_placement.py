@@ -9,7 +9,8 @@ lengths, the prefix cache -- runs for real). A whole step sequence must run thro
 batched prefill, chunked prefill mixed with decodes, a prefix-cache hit, decodes,
 retraction, an abort, a stop token, for the torch backend and the Triton backend (its
 kernel launches replaced by a check that every argument is on the device), eagerly and
-through the CUDA-graph runner's static buffers.
+through the CUDA-graph runner's static buffers, with overlap scheduling (the default on
+CUDA: decode input ids taken on the device from the step in flight) and without.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake
 
 from services.scheduler.config import EngineConfig
 from services.scheduler.engine.cuda_graph import DecodeGraphRunner
-from services.scheduler.engine.device import CudaRuntime, MemorySplit
+from services.scheduler.engine.device import CudaRuntime, DeviceRuntime, MemorySplit
 from services.scheduler.engine.engine import Engine
 from services.scheduler.engine.req import FinishType, ReqInput, SamplingParams
 from services.scheduler.engine.stops import load_eos_ids
@@ -60,6 +61,8 @@ class FakeCudaRuntime(CudaRuntime):
             out[:, 0] = self.token
             return out
 
+    to_host_async = DeviceRuntime.to_host_async  # the copy when asked, through to_host above
+
     def generator(self, seed):
         return None  # a CPU-only torch cannot make a CUDA generator; seeds are tested on CPU
 
@@ -92,13 +95,16 @@ def _req(rid, ids, n, temperature=0.0, **kw):
     return ReqInput(rid=rid, input_ids=ids, sampling=SamplingParams(temperature=temperature, max_new_tokens=n, **kw))
 
 
-@pytest.mark.parametrize("backend,graphs", [("torch", False), ("torch", True), ("triton", False), ("triton", True)])
-def test_step_sequence_on_fake_cuda_tensors(smollm2_dir, tokenizer, backend, graphs):
+@pytest.mark.parametrize("backend,graphs,overlap", [("torch", False, False), ("torch", False, True),
+                                                    ("torch", True, True), ("triton", False, True),
+                                                    ("triton", True, True)])
+def test_step_sequence_on_fake_cuda_tensors(smollm2_dir, tokenizer, backend, graphs, overlap):
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     token = tokenizer.token_to_id("Ġthe")
     runtime = FakeCudaRuntime(mode, token)
     cfg = EngineConfig(model=smollm2_dir, max_running_requests=8, max_total_tokens=128, chunked_prefill_size=32,
-                       max_prefill_tokens=64, attention_backend=backend, disable_cuda_graph=True)
+                       max_prefill_tokens=64, attention_backend=backend, disable_cuda_graph=True,
+                       overlap_schedule=overlap)
     hf = json.loads((smollm2_dir / "config.json").read_text())
     eos = load_eos_ids(smollm2_dir, tokenizer)
     with mode:

@@ -24,7 +24,7 @@ import torch
 
 from services.scheduler.engine.device import DeviceRuntime
 from services.scheduler.engine.kv_pool import GIB, ReqToTokenPool, TokenToKVPool
-from services.scheduler.engine.model_runner import StepInputs
+from services.scheduler.engine.model_runner import FutureIds, StepInputs
 from services.scheduler.engine.schedule import Plan
 from services.scheduler.layers.attention import AttnMetadata, DecodeLayout
 
@@ -77,11 +77,12 @@ class DecodeGraphRunner:
     def can_run(self, plan: Plan) -> bool:
         return plan.is_decode and len(plan.reqs) <= self.max_bs
 
-    def forward(self, plan: Plan) -> torch.Tensor:
-        """A decode-only plan -> float32 logits [B, vocab] (a view of the bucket's output)."""
+    def forward(self, plan: Plan, future: FutureIds | None = None) -> torch.Tensor:
+        """A decode-only plan -> float32 logits [B, vocab] (a view of the bucket's output);
+        ``future`` as in ``ModelRunner.forward``."""
         n = len(plan.reqs)
         bs = self.bucket(n)
-        inputs = StepInputs(self.req_pool)
+        inputs = StepInputs(self.req_pool, future)
         dec = inputs.add_decode(plan.reqs, plan.prefix_lens, pad_to=bs, pad_slot=self.req_pool.pad_slot)
         loc = torch.cat((plan.out_cache_loc, torch.full((bs - n,), self.kv_pool.pad_row, dtype=torch.int64)))
         dev = inputs.to_device(self.runtime, loc)

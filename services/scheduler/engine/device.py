@@ -29,6 +29,7 @@ tensors at all.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -129,6 +130,11 @@ class DeviceRuntime:
         """The step's device-to-host copy (the identity on CPU); blocks until ``t`` is computed."""
         return t
 
+    def to_host_async(self, t: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Start the device-to-host copy of ``t``; the returned function waits for it and
+        returns the host tensor (on the CPU the copy is the identity, made when asked)."""
+        return lambda: self.to_host(t)
+
     def generator(self, seed: int | None) -> torch.Generator:
         """A generator on the device seeded with ``seed`` (None: a nondeterministic seed)."""
         gen = torch.Generator(self.device)
@@ -171,6 +177,20 @@ class CudaRuntime(DeviceRuntime):
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         return t.to("cpu")
+
+    def to_host_async(self, t: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """A non-blocking copy into pinned memory and an event; waiting synchronizes on the
+        event only, so the host can schedule the next step meanwhile."""
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+
+        def wait() -> torch.Tensor:
+            done.synchronize()
+            return host
+
+        return wait
 
     def memory_split(self, weight_bytes, bytes_per_token, max_total_tokens, kv_cache_gib, mem_fraction,
                      reserve_bytes):

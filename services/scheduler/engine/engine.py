@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,12 +19,12 @@ from services.scheduler.config import EngineConfig
 from services.scheduler.engine.cuda_graph import DecodeGraphRunner
 from services.scheduler.engine.device import DeviceRuntime, create_runtime, resolve_device
 from services.scheduler.engine.kv_pool import GIB, ReqToTokenPool, TokenToKVPool, kv_bytes_per_token
-from services.scheduler.engine.model_runner import ModelRunner
+from services.scheduler.engine.model_runner import FutureIds, ModelRunner
 from services.scheduler.engine.observer import EngineObserver
 from services.scheduler.engine.output import StepOutput
 from services.scheduler.engine.radix_cache import RadixCache
 from services.scheduler.engine.req import FinishReason, FinishType, Req, ReqInput
-from services.scheduler.engine.sampling import Sampler
+from services.scheduler.engine.sampling import HostSample, Sampler
 from services.scheduler.engine.schedule import Plan, SchedulePolicy
 from services.scheduler.engine.stops import StopChecker, load_eos_ids
 from services.scheduler.engine.validate import validate
@@ -93,6 +94,10 @@ class Engine:
         self.num_aborted_reqs = 0
         self.num_finished_reqs = 0
         self.observer = EngineObserver()  # metrics hooks (services/scheduler/metrics.py)
+        # Overlap scheduling: on by default where the device runs the forward while the host
+        # plans (CUDA); on the CPU the forward holds the host thread, so there is nothing to overlap.
+        self.overlap = cfg.overlap_schedule if cfg.overlap_schedule is not None else device.type == "cuda"
+        self._inflight: _InFlight | None = None
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> "Engine":
@@ -165,21 +170,45 @@ class Engine:
         for req in list(self.reqs.values()):
             self._emit_abort(req, message, "INTERNAL")
         self.reqs.clear()
+        self._inflight = None
         self.policy.reset()
 
     # ---- the loop -----------------------------------------------------------------
     @property
     def has_work(self) -> bool:
-        return bool(self.reqs) or len(self._out) > 0
+        return bool(self.reqs) or len(self._out) > 0 or self._inflight is not None
 
     def step(self) -> StepOutput | None:
-        """Run one scheduling step; returns its rows, or None when no row was produced."""
+        """Run one scheduling step; returns its rows, or None when no row was produced.
+
+        With overlap scheduling the rows are those of the step before: this step is planned
+        and launched first, then the previous step's sampled ids are awaited and processed
+        (see the package docstring). A step that admits, chunk-prefills or retracts, or a
+        batch holding a request whose sampling reads its own output history (penalties,
+        min tokens), first takes the previous step's results, so every plan is the one the
+        engine makes without overlap.
+        """
+        if self._inflight is not None and not self._can_overlap():
+            self._finish(self._inflight)
+            self._inflight = None
         started = time.monotonic()
-        plan = self.policy.schedule()
+        inflight, self._inflight = self._inflight, None
+        plan = self.policy.schedule(self._ending_by_length(inflight))
+        launched = None
         if plan is not None:
-            logits = self.runner.forward(plan)
+            if inflight is None:
+                logits = self.runner.forward(plan)
+            else:
+                logits = self.runner.forward(plan, FutureIds(inflight.next_ids, inflight.rows))
             self.observer.on_step(plan, started)
-            self.process_results(plan, logits)
+            launched = self._launch(plan, logits)
+        if inflight is not None:
+            self._finish(inflight)
+        if launched is not None:
+            if self.overlap:
+                self._inflight = launched
+            else:
+                self._finish(launched)
         return self._take_output()
 
     def process_results(self, plan: Plan, logits: torch.Tensor) -> None:
@@ -188,8 +217,19 @@ class Engine:
         Args:
             logits: float32 [len(plan.reqs), vocab], from ``self.runner.forward(plan)``.
         """
+        launched = self._launch(plan, logits)
+        if launched is not None:
+            self._finish(launched)
+
+    def _launch(self, plan: Plan, logits: torch.Tensor) -> _InFlight | None:
+        """Advance the plan's requests' KV lengths, sample on the device and start the copy
+        of the sampled ids to the host; None when no row samples."""
         for req, n in zip(plan.reqs, plan.extend_lens):
             req.kv_len += n
+        num_decode = len(plan.reqs) - plan.num_extend
+        if num_decode:
+            self.num_decode_steps += 1
+            self.peak_decode_batch_size = max(self.peak_decode_batch_size, num_decode)
         reqs = plan.reqs
         partial = self.policy.chunked
         if partial is not None and partial in reqs[: plan.num_extend]:
@@ -197,17 +237,24 @@ class Engine:
             i = reqs.index(partial)
             reqs = reqs[:i] + reqs[i + 1 :]
             if not reqs:
-                return
+                return None
             keep = list(range(i)) + list(range(i + 1, len(plan.reqs)))
             logits = logits.index_select(0, self.runtime.to_device(torch.tensor(keep, dtype=torch.int64)))
+        result = self.sampler.sample(logits, reqs)
         # The step's one device-to-host copy: the sampled ids (and logprobs where asked).
-        result = self.sampler.sample(logits, reqs).to_host(self.runtime)
-        next_ids = result.next_ids
-        for req, token in zip(reqs, next_ids):
-            req.append_output(token)
-        self.stops.check(reqs)
-        for i, req in enumerate(reqs):
-            self._out.add_row(req, [next_ids[i]])
+        return _InFlight(reqs, result.next_ids, {r: i for i, r in enumerate(reqs)}, result.start_copy(self.runtime))
+
+    def _finish(self, step: _InFlight) -> None:
+        """Wait for a launched step's sampled ids; append, check stops, free finished
+        requests and record their rows. Rows of requests that ended meanwhile (a stop found
+        in the step before, an abort) are dropped."""
+        result = step.wait()
+        live = [(i, r) for i, r in enumerate(step.reqs) if not r.finished and self.reqs.get(r.rid) is r]
+        for i, req in live:
+            req.append_output(result.next_ids[i])
+        self.stops.check([r for _, r in live])
+        for i, req in live:
+            self._out.add_row(req, [result.next_ids[i]])
             if req.return_logprob:
                 k = req.top_logprobs_num
                 self._out.add_logprobs(result.logprobs[i], result.top_ids[i][:k] if k else [],
@@ -217,10 +264,20 @@ class Engine:
                 del self.reqs[req.rid]
                 self.num_finished_reqs += 1
                 self.observer.on_finish(req)
-        num_decode = len(plan.reqs) - plan.num_extend
-        if num_decode:
-            self.num_decode_steps += 1
-            self.peak_decode_batch_size = max(self.peak_decode_batch_size, num_decode)
+
+    def _can_overlap(self) -> bool:
+        """The next plan needs nothing the in-flight step's results could change."""
+        p = self.policy
+        if p.waiting or p.chunked is not None or len(p.running) > p.kv_room:
+            return False
+        return not any(_reads_output_history(r) for r in p.running)
+
+    def _ending_by_length(self, inflight: _InFlight | None) -> frozenset[Req]:
+        """Requests whose in-flight token is their last by length: not decoded again."""
+        if inflight is None:
+            return frozenset()
+        return frozenset(r for r in inflight.reqs if len(r.output_ids) + 1 >= r.sampling.max_new_tokens
+                         or r.seq_len + 1 >= self.context_length)
 
     def _emit_abort(self, req: Req, message: str, status: str) -> None:
         req.finish_reason = FinishReason(FinishType.ABORT, message=message, status=status)
@@ -247,6 +304,24 @@ class Engine:
             num_aborted_reqs=self.num_aborted_reqs,
             num_finished_reqs=self.num_finished_reqs,
         )
+
+
+@dataclass
+class _InFlight:
+    """A launched step: the rows that sampled, their ids on the device, and the wait for
+    the ids' copy to the host."""
+
+    reqs: list[Req]
+    next_ids: torch.Tensor  # int64 [len(reqs)], device
+    rows: dict[Req, int]
+    wait: Callable[[], HostSample]
+
+
+def _reads_output_history(req: Req) -> bool:
+    """Sampling this request's next token reads its output so far on the host."""
+    p = req.sampling
+    return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
+                or len(req.output_ids) < p.min_new_tokens)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

@@ -11,10 +11,13 @@ from the plan, so the forward never reads the device.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from services.scheduler.engine.device import DeviceRuntime
 from services.scheduler.engine.kv_pool import ReqToTokenPool, TokenToKVPool
+from services.scheduler.engine.req import Req
 from services.scheduler.engine.schedule import Plan
 from services.scheduler.layers.attention import AttnMetadata, DecodeLayout, ExtendLayout
 from services.scheduler.layers.linear import pack_linears
@@ -42,14 +45,18 @@ class ModelRunner:
         self.graph_runner = graph_runner
 
     @torch.inference_mode()
-    def forward(self, plan: Plan) -> torch.Tensor:
+    def forward(self, plan: Plan, future: FutureIds | None = None) -> torch.Tensor:
         """Run one step -> float32 logits [B, vocab] on the device, row i for plan.reqs[i]'s last new token.
 
         The extend part's tokens are packed first, then one token per decoding request.
+
+        Args:
+            future: under overlap scheduling, the step still in flight: decode rows whose
+                last token it sampled take their input id from its device tensor.
         """
         if self.graph_runner is not None and self.graph_runner.can_run(plan):
-            return self.graph_runner.forward(plan)
-        inputs = StepInputs(self.req_pool)
+            return self.graph_runner.forward(plan, future)
+        inputs = StepInputs(self.req_pool, future)
         ne, nd = plan.num_extend, len(plan.reqs) - plan.num_extend
         ext = inputs.add_extend(plan) if ne else None
         dec = inputs.add_decode(plan.reqs[ne:], plan.prefix_lens[ne:]) if nd else None
@@ -65,15 +72,27 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
 
+@dataclass
+class FutureIds:
+    """The in-flight step's sampled ids on the device and which request sampled each row
+    (overlap scheduling: the next step is planned before they reach the host)."""
+
+    next_ids: torch.Tensor  # int64 [R] on the device
+    rows: dict[Req, int]  # request -> row of next_ids
+
+
 class StepInputs:
     """The host side of one step: named int64 segments, packed for one host-to-device copy.
 
     Also applies the req-to-token writes the scheduler made since the last step to the
-    device copy of the table (``ReqToTokenPool.take_writes``), inside the same copy.
+    device copy of the table (``ReqToTokenPool.take_writes``), inside the same copy, and
+    under overlap scheduling takes the decode rows' input ids that the in-flight step
+    sampled from its device tensor (``future``).
     """
 
-    def __init__(self, req_pool: ReqToTokenPool):
+    def __init__(self, req_pool: ReqToTokenPool, future: FutureIds | None = None):
         self.req_pool = req_pool
+        self.future = future
         self.segments: dict[str, torch.Tensor] = {}
         self.ids: list[int] = []
         self.positions: list[int] = []
@@ -114,6 +133,10 @@ class StepInputs:
         self.ids.extend([r.last_token() for r in reqs] + [0] * pad)
         self.positions.extend(list(prefix_lens) + [0] * pad)
         self.add("dec_slots", [r.req_slot for r in reqs] + [pad_slot] * pad)
+        if self.future is not None:
+            rows = [self.future.rows.get(r, -1) for r in reqs] + [-1] * pad
+            if max(rows) >= 0:
+                self.add("future_rows", rows)
         self.add("seq_lens", seq_lens)
         if "sample_index" in self.segments:  # a mixed step: the decode rows follow the extend part's
             self.add("sample_index", torch.cat((self.segments["sample_index"],
@@ -137,4 +160,11 @@ class StepInputs:
         if writes is not None:
             table = self.req_pool.device_table.view(-1)
             table.index_copy_(0, dev.pop("table_index"), dev.pop("table_rows").to(torch.int32))
+        if "future_rows" in dev:
+            rows = dev.pop("future_rows")
+            ids = dev["input_ids"]
+            decode_ids = ids.narrow(0, self.num_extend_tokens, rows.numel())
+            taken = self.future.next_ids.index_select(0, rows.clamp(min=0))
+            decode_ids = torch.where(rows >= 0, taken, decode_ids)
+            dev["input_ids"] = torch.cat((ids.narrow(0, 0, self.num_extend_tokens), decode_ids))
         return dev

@@ -16,6 +16,7 @@ top logprobs packed beside them when a row asked for them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,16 +44,27 @@ class SampleResult:
 
     def to_host(self, runtime: DeviceRuntime) -> "HostSample":
         """One device-to-host copy of everything -> Python lists."""
+        return self.start_copy(runtime)()
+
+    def start_copy(self, runtime: DeviceRuntime) -> Callable[[], "HostSample"]:
+        """Start the one device-to-host copy of everything; the returned function waits
+        for it -> Python lists."""
         if self.logprobs is None:
-            return HostSample(runtime.to_host(self.next_ids).tolist())
+            ids = runtime.to_host_async(self.next_ids)
+            return lambda: HostSample(ids().tolist())
         cols = [self.next_ids.double().unsqueeze(1), self.logprobs.double().unsqueeze(1)]
         if self.top_ids is not None:
             cols += [self.top_ids.double(), self.top_vals.double()]
-        rows = runtime.to_host(torch.cat(cols, dim=1)).tolist()  # [B, 2 + 2K] float64: ids stay exact
+        packed = runtime.to_host_async(torch.cat(cols, dim=1))  # [B, 2 + 2K] float64: ids stay exact
         k = 0 if self.top_ids is None else self.top_ids.shape[1]
-        return HostSample([int(r[0]) for r in rows], [r[1] for r in rows],
-                          [[int(t) for t in r[2 : 2 + k]] for r in rows] if k else None,
-                          [r[2 + k :] for r in rows] if k else None)
+
+        def wait() -> HostSample:
+            rows = packed().tolist()
+            return HostSample([int(r[0]) for r in rows], [r[1] for r in rows],
+                              [[int(t) for t in r[2 : 2 + k]] for r in rows] if k else None,
+                              [r[2 + k :] for r in rows] if k else None)
+
+        return wait
 
 
 @dataclass

@@ -108,11 +108,12 @@ class SchedulePolicy:
         return self.kv_pool.alloc(n)
 
     # ---- planning ----------------------------------------------------------------------
-    def schedule(self) -> Plan | None:
+    def schedule(self, skip: frozenset[Req] = frozenset()) -> Plan | None:
         """Next plan: this step's extend part (if any request fits) plus a decode token for
-        every running request; None when there is nothing to run."""
+        every running request not in ``skip`` (under overlap scheduling: requests the step
+        in flight ends by length); None when there is nothing to run."""
         retracted = self._make_decode_room()
-        decode = list(self.running)
+        decode = [r for r in self.running if r not in skip] if skip else list(self.running)
         ext_reqs, prefix_lens, ext_lens, ext_rows = self._schedule_extend(len(decode), admit=not retracted)
         if not ext_reqs and not decode:
             return None
@@ -222,9 +223,13 @@ class SchedulePolicy:
         if self.tree is None:
             self.kv_pool.free(kv)
         else:
+            # Under overlap scheduling a request can hold the row of a step planned after
+            # its last token was sampled (kv_len == seq_len): that row is freed, not cached,
+            # so the cache holds what it would without overlap.
+            n = min(req.kv_len, req.seq_len - 1)
             # Rows the tree already held for tokens this request computed itself are duplicates.
-            kept = self.tree.insert(req.fill_ids()[: req.kv_len], kv)
-            self.kv_pool.free(kv[req.tree_len : kept])
+            kept = self.tree.insert(req.fill_ids()[:n], kv[:n])
+            self.kv_pool.free(torch.cat((kv[req.tree_len : kept], kv[n:])))
             self.tree.dec_lock_ref(req.last_node)
         req.last_node, req.tree_len = None, 0
         self.req_pool.free(req.req_slot)
