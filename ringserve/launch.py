@@ -11,6 +11,12 @@ detokenizer) and ``--tokenizers N`` N tokenizer instances, each talking to every
 replica; the gateway balances over the tokenizers with gRPC's round_robin. The
 port flags set the first instance's port; the others get free ports.
 
+Ports: the gateway's HTTP port (``--port``, 8000) and the public gRPC API, the first
+tokenizer's port (``--tokenizer-port``, 30010, as in the Helm chart), are fixed by default;
+the internal ones are free loopback ports unless given. Every fixed port is checked before
+anything starts or any model is prepared: a port in use ends the launch at once with a
+message that names it and the flag that moves it.
+
 Stopping is graceful and follows the request path: the gateway first (it stops
 accepting and finishes its open responses), then the tokenizer, the scheduler
 and the detokenizer, each given ``--grace-period`` seconds (plus a margin) to
@@ -27,6 +33,7 @@ health checks use them too.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import signal
 import socket
@@ -47,14 +54,16 @@ from ringserve.cli import LAUNCHER_PID_ENV
 STARTUP_TIMEOUT_S = 600.0
 RESTART_DELAY_S = 0.5  # before restarting a service that exited (a crash loop stays slow)
 STOP_MARGIN_S = 5.0  # beyond --grace-period, before a service that did not exit is killed
+DEFAULT_PORT = 8000  # the gateway's HTTP port
+DEFAULT_GRPC_PORT = 30010  # the public gRPC API (the first tokenizer), as the Helm chart's ports.tokenizer
 
 
 @dataclass(frozen=True)
 class LaunchConfig:
     model: Path
     host: str = "127.0.0.1"
-    port: int = 8000
-    tokenizer_port: int = 0  # 0: pick a free loopback port
+    port: int = DEFAULT_PORT
+    tokenizer_port: int = DEFAULT_GRPC_PORT  # 0: pick a free loopback port
     scheduler_port: int = 0
     detokenizer_port: int = 0
     # Prometheus /metrics ports of the first instance of each gRPC service (the others, and 0:
@@ -113,6 +122,62 @@ def free_ports(count: int, exclude: set[int] | frozenset[int] = frozenset()) -> 
         for s in held:
             s.close()
     return ports
+
+
+class PortInUse(RuntimeError):
+    """A port the launcher was told to use cannot be bound."""
+
+
+# Fixed-port flags: (LaunchConfig field, flag, what listens there, make run's variable).
+PORT_FLAGS = (
+    ("port", "--port", "gateway HTTP", "PORT"),
+    ("tokenizer_port", "--tokenizer-port", "tokenizer gRPC API", "GRPC_PORT"),
+    ("scheduler_port", "--scheduler-port", "scheduler gRPC", None),
+    ("detokenizer_port", "--detokenizer-port", "detokenizer gRPC", None),
+    ("tokenizer_metrics_port", "--tokenizer-metrics-port", "tokenizer metrics", None),
+    ("scheduler_metrics_port", "--scheduler-metrics-port", "scheduler metrics", None),
+    ("detokenizer_metrics_port", "--detokenizer-metrics-port", "detokenizer metrics", None),
+)
+
+
+def _bindable(host: str, port: int) -> OSError | None:
+    """None when a listening socket could bind ``host:port`` now, else the bind error.
+
+    SO_REUSEADDR as the servers set it (uvicorn, gRPC), so a port in TIME_WAIT counts as
+    free; without SO_REUSEPORT, so a port another server holds with it counts as taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            return exc
+    return None
+
+
+def check_ports(config: LaunchConfig) -> None:
+    """Check every fixed port of ``config`` before anything starts: each distinct and free
+    where its service binds it (the gateway on ``config.host``, the gRPC services and their
+    metrics on 127.0.0.1).
+
+    Raises:
+        PortInUse: naming the port, what would listen there, and the flag that moves it
+            (and ``make run``'s variable for the two it exposes).
+    """
+    seen: dict[int, str] = {}
+    for field_name, flag, what, make_var in PORT_FLAGS:
+        port = getattr(config, field_name)
+        if not port:
+            continue
+        move = f"{flag} N" + (f" (make run: {make_var}=N)" if make_var else "")
+        if port in seen:
+            raise PortInUse(f"port {port} is given to both {seen[port]} and {flag}; move one with {move}")
+        seen[port] = flag
+        host = config.host if field_name == "port" else "127.0.0.1"
+        error = _bindable(host, port)
+        if error is not None:
+            reason = "already in use" if error.errno == errno.EADDRINUSE else error.strerror
+            raise PortInUse(f"port {port} ({what}, {flag}) on {host} is {reason}; choose another with {move}")
 
 
 def service_processes(launcher_pid: int, name: str) -> list[tuple[int, list[str]]]:
@@ -400,9 +465,10 @@ def parse_args(argv: list[str] | None) -> LaunchConfig:
         help="HF-format Llama-family model directory (default: the packaged SmolLM2-135M-Instruct)",
     )
     parser.add_argument("--host", default="127.0.0.1", help="gateway bind address")
-    parser.add_argument("--port", type=int, default=8000, help="gateway HTTP port")
-    parser.add_argument("--tokenizer-port", type=int, default=0,
-                        help="the first tokenizer's port; 0 (and the others) = a free loopback port")
+    parser.add_argument("--port", type=int, default=LaunchConfig.port, help="gateway HTTP port (default %(default)s)")
+    parser.add_argument("--tokenizer-port", type=int, default=LaunchConfig.tokenizer_port,
+                        help="the first tokenizer's port: the public gRPC API (default %(default)s); "
+                             "0 (and the other tokenizers) = a free loopback port")
     parser.add_argument("--scheduler-port", type=int, default=0,
                         help="the first scheduler's port; 0 (and the others) = a free loopback port")
     parser.add_argument("--detokenizer-port", type=int, default=0,
@@ -479,6 +545,10 @@ def parse_args(argv: list[str] | None) -> LaunchConfig:
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
+    try:
+        check_ports(config)
+    except PortInUse as exc:
+        sys.exit(f"ringserve launch: {exc}")
     if not (config.model / "config.json").exists():
         from ringserve.models import DEFAULT_CACHE, SMOLLM2_DIR, prepare_smollm2
 
