@@ -48,21 +48,15 @@ def test_default_ports_are_fixed() -> None:
     assert parse_args(["--model", "m", "--tokenizer-port", "0"]).tokenizer_port == 0
 
 
-def test_gateway_port_in_use_fails_fast(tmp_path: Path) -> None:
-    grpc_port = free_ports(1)[0]
+@pytest.mark.parametrize("flag, what, make_var", [("--port", "gateway HTTP", "PORT"),
+                                                    ("--tokenizer-port", "tokenizer gRPC API", "GRPC_PORT")])
+def test_port_in_use_fails_fast(flag: str, what: str, make_var: str, tmp_path: Path) -> None:
+    ports = dict(zip(("--port", "--tokenizer-port"), map(str, free_ports(2))))
     with listening() as port:
-        line, elapsed = launch_fails("--port", str(port), "--tokenizer-port", str(grpc_port), tmp_path=tmp_path)
-    assert line == (f"ringserve launch: port {port} (gateway HTTP, --port) on 127.0.0.1 is already in use; "
-                    "choose another with --port N (make run: PORT=N)")
-    assert elapsed < 2.0
-
-
-def test_grpc_port_in_use_fails_fast(tmp_path: Path) -> None:
-    http_port = free_ports(1)[0]
-    with listening() as port:
-        line, elapsed = launch_fails("--port", str(http_port), "--tokenizer-port", str(port), tmp_path=tmp_path)
-    assert line == (f"ringserve launch: port {port} (tokenizer gRPC API, --tokenizer-port) on 127.0.0.1 is "
-                    "already in use; choose another with --tokenizer-port N (make run: GRPC_PORT=N)")
+        ports[flag] = str(port)
+        line, elapsed = launch_fails(*(a for item in ports.items() for a in item), tmp_path=tmp_path)
+    assert line == (f"ringserve launch: port {port} ({what}, {flag}) on 127.0.0.1 is already in use; "
+                    f"choose another with {flag} N (make run: {make_var}=N)")
     assert elapsed < 2.0
 
 
