@@ -73,6 +73,26 @@ test: setup
 test-deploy: $(STAMPS)/venv-dev
 	RINGSERVE_CACHE_DIR=$(CACHE_DIR) $(PY) -m pytest -q tests/deploy $(PYTEST_ARGS)
 
+# Container images, built from the repository root with each service's Dockerfile and tagged
+# as the Helm chart's values expect: $(REGISTRY)/ringserve-<service>:$(TAG), the scheduler in
+# two variants, -cpu and -cuda. `make push-images` pushes them. DOCKER_BUILD may be e.g.
+# 'docker buildx build --platform linux/amd64,linux/arm64 --push'.
+REGISTRY ?= ghcr.io/ringserve
+TAG ?= $(shell sed -n 's/^appVersion: *"\(.*\)"/\1/p' deploy/helm/ringserve/Chart.yaml)
+DOCKER ?= docker
+DOCKER_BUILD ?= $(DOCKER) build
+IMAGES := ringserve-gateway:$(TAG) ringserve-tokenizer:$(TAG) ringserve-detokenizer:$(TAG) \
+	ringserve-scheduler:$(TAG)-cpu ringserve-scheduler:$(TAG)-cuda
+images:
+	$(DOCKER_BUILD) -f services/gateway/Dockerfile -t $(REGISTRY)/ringserve-gateway:$(TAG) .
+	$(DOCKER_BUILD) -f services/tokenizer/Dockerfile -t $(REGISTRY)/ringserve-tokenizer:$(TAG) .
+	$(DOCKER_BUILD) -f services/detokenizer/Dockerfile -t $(REGISTRY)/ringserve-detokenizer:$(TAG) .
+	$(DOCKER_BUILD) -f services/scheduler/Dockerfile --build-arg TORCH_VARIANT=cpu -t $(REGISTRY)/ringserve-scheduler:$(TAG)-cpu .
+	$(DOCKER_BUILD) -f services/scheduler/Dockerfile --build-arg TORCH_VARIANT=cu128 -t $(REGISTRY)/ringserve-scheduler:$(TAG)-cuda .
+
+push-images:
+	for image in $(IMAGES); do $(DOCKER) push $(REGISTRY)/$$image || exit 1; done
+
 # ringserve, the transformers baseline and llama.cpp's llama-server (built once from the
 # llama-cpp-python sdist into $(CACHE_DIR)/llama-cpp: about 20 minutes on one core the first
 # time) side by side at concurrency 1, 8, 32, 64; shrink it with e.g.
