@@ -1,8 +1,8 @@
 """Stream a chat answer from ringserve's gRPC API, sync and async.
 
-Run the stack (`make run`; it prints the tokenizer's gRPC address), then:
+Run the stack (`make run`: the gRPC API on 127.0.0.1:30010, or GRPC_PORT=), then:
 
-    .venv/bin/python examples/grpc_chat.py 127.0.0.1:PORT "What is the capital of France?"
+    .venv/bin/python examples/grpc_chat.py 127.0.0.1:30010 "What is the capital of France?"
 """
 
 import asyncio

@@ -72,6 +72,8 @@ def test_scheduler_variant_and_tag_overrides(helm: Path) -> None:
     assert scheduler_image("replica.gpu.enabled=true", "image.scheduler.variant=cpu") == f"{GHCR}/ringserve-scheduler:0.1.0-cpu"
     assert scheduler_image("image.tag=0.3.0") == f"{GHCR}/ringserve-scheduler:0.3.0-cpu"
     assert scheduler_image("image.scheduler.tag=custom") == f"{GHCR}/ringserve-scheduler:custom"
+    # `make images REGISTRY=r.example.com/ai` and `--set image.registry=r.example.com/ai` agree.
+    assert scheduler_image("image.registry=r.example.com/ai") == "r.example.com/ai/ringserve-scheduler:0.1.0-cpu"
     out = subprocess.run([str(helm), "template", RELEASE, str(CHART), "--set", "image.scheduler.variant=rocm"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "variant" in out.stderr

@@ -31,6 +31,7 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
 {{/* A service's image, repository:tag: call with (dict "ctx" $ "service" "gateway"). The
+repository defaults to <image.registry>/ringserve-<service>, as `make images` tags it; the
 scheduler's default tag carries its variant: <tag>-cpu or <tag>-cuda. */}}
 {{- define "ringserve.image" -}}
 {{- $img := index .ctx.Values.image .service -}}
@@ -38,7 +39,8 @@ scheduler's default tag carries its variant: <tag>-cpu or <tag>-cuda. */}}
 {{- if eq .service "scheduler" -}}
 {{- $tag = printf "%s-%s" $tag (include "ringserve.schedulerVariant" .ctx) -}}
 {{- end -}}
-{{- printf "%s:%s" $img.repository (default $tag $img.tag) -}}
+{{- $repository := default (printf "%s/ringserve-%s" .ctx.Values.image.registry .service) $img.repository -}}
+{{- printf "%s:%s" $repository (default $tag $img.tag) -}}
 {{- end -}}
 
 {{- define "ringserve.schedulerVariant" -}}
