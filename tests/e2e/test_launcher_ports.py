@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from ringserve import grpcutil
-from ringserve.launch import PortInUse, check_ports, free_ports, parse_args
+from ringserve.launch import parse_args
+from ringserve.ports import PortInUse, check_ports, free_ports
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,0 +1,94 @@
+"""Ports of a launched ring: free loopback ports for the internal services, and the check
+that every fixed port is free before anything starts (``ringserve launch``)."""
+
+from __future__ import annotations
+
+import errno
+import socket
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ringserve.launch import LaunchConfig
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    return free_ports(1)[0]
+
+
+def free_ports(count: int, exclude: set[int] | frozenset[int] = frozenset()) -> list[int]:
+    """``count`` distinct TCP ports on 127.0.0.1, free right now and not in ``exclude``.
+
+    The sockets stay bound until all are picked: asking one at a time, the kernel may hand
+    the same ephemeral port out twice once the first socket is closed (seen: two schedulers
+    given one port, and the tokenizer refusing the duplicate address)."""
+    held: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        while len(ports) < count:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            held.append(s)
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+            if port not in exclude and port not in ports:
+                ports.append(port)
+    finally:
+        for s in held:
+            s.close()
+    return ports
+
+
+class PortInUse(RuntimeError):
+    """A port the launcher was told to use cannot be bound."""
+
+
+# Fixed-port flags: (LaunchConfig field, flag, what listens there, make run's variable).
+PORT_FLAGS = (
+    ("port", "--port", "gateway HTTP", "PORT"),
+    ("tokenizer_port", "--tokenizer-port", "tokenizer gRPC API", "GRPC_PORT"),
+    ("scheduler_port", "--scheduler-port", "scheduler gRPC", None),
+    ("detokenizer_port", "--detokenizer-port", "detokenizer gRPC", None),
+    ("tokenizer_metrics_port", "--tokenizer-metrics-port", "tokenizer metrics", None),
+    ("scheduler_metrics_port", "--scheduler-metrics-port", "scheduler metrics", None),
+    ("detokenizer_metrics_port", "--detokenizer-metrics-port", "detokenizer metrics", None),
+)
+
+
+def _bindable(host: str, port: int) -> OSError | None:
+    """None when a listening socket could bind ``host:port`` now, else the bind error.
+
+    SO_REUSEADDR as the servers set it (uvicorn, gRPC), so a port in TIME_WAIT counts as
+    free; without SO_REUSEPORT, so a port another server holds with it counts as taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            return exc
+    return None
+
+
+def check_ports(config: LaunchConfig) -> None:
+    """Check every fixed port of ``config`` before anything starts: each distinct and free
+    where its service binds it (the gateway on ``config.host``, the gRPC services and their
+    metrics on 127.0.0.1).
+
+    Raises:
+        PortInUse: naming the port, what would listen there, and the flag that moves it
+            (and ``make run``'s variable for the two it exposes).
+    """
+    seen: dict[int, str] = {}
+    for field_name, flag, what, make_var in PORT_FLAGS:
+        port = getattr(config, field_name)
+        if not port:
+            continue
+        move = f"{flag} N" + (f" (make run: {make_var}=N)" if make_var else "")
+        if port in seen:
+            raise PortInUse(f"port {port} is given to both {seen[port]} and {flag}; move one with {move}")
+        seen[port] = flag
+        host = config.host if field_name == "port" else "127.0.0.1"
+        error = _bindable(host, port)
+        if error is not None:
+            reason = "already in use" if error.errno == errno.EADDRINUSE else error.strerror
+            raise PortInUse(f"port {port} ({what}, {flag}) on {host} is {reason}; choose another with {move}")
