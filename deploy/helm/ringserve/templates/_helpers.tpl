@@ -50,6 +50,7 @@ scheduler's default tag carries its variant: <tag>-cpu or <tag>-cuda. */}}
 {{- define "ringserve.gateway" -}}{{ include "ringserve.fullname" . }}-gateway{{- end -}}
 {{- define "ringserve.tokenizer" -}}{{ include "ringserve.fullname" . }}-tokenizer{{- end -}}
 {{- define "ringserve.replica" -}}{{ include "ringserve.fullname" . }}-replica{{- end -}}
+{{- define "ringserve.grpcApi" -}}{{ include "ringserve.fullname" . }}-grpc-api{{- end -}}
 {{- define "ringserve.config" -}}{{ include "ringserve.fullname" . }}-config{{- end -}}
 
 {{- define "ringserve.apiKeySecret" -}}
