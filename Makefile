@@ -19,7 +19,7 @@ PYTEST_ARGS ?=
 PROTOS := $(wildcard protos/ringserve/v1/*.proto)
 PHASES := $(STAMPS)/phases
 
-.PHONY: setup setup-serve proto model model-all run test test-deploy images push-images bench bench-detok soak clean
+.PHONY: setup setup-serve proto model model-all ports-free run test test-deploy images push-images bench bench-detok soak clean
 
 # $(call timed,PHASE,COMMAND): run COMMAND and append "PHASE milliseconds" to $(PHASES).
 timed = @mkdir -p $(STAMPS) && t0=$$(date +%s%N) && $(2) && echo "$(1) $$(( ($$(date +%s%N) - t0) / 1000000 ))" >> $(PHASES)
@@ -66,7 +66,12 @@ endif
 model-all: $(STAMPS)/venv-dev
 	$(call timed,models,$(PY) -m ringserve.models all --cache-dir $(CACHE_DIR) >/dev/null)
 
-run: setup-serve
+# The two ports make run serves on, checked before the setup (the standard library only, so
+# the system Python runs it before the venv exists): a taken port fails at once.
+ports-free:
+	@$(PYTHON) -m ringserve.ports --host $(HOST) --port $(PORT) --tokenizer-port $(GRPC_PORT)
+
+run: ports-free setup-serve
 	$(VENV)/bin/ringserve launch --model $(MODEL) --host $(HOST) --port $(PORT) --tokenizer-port $(GRPC_PORT)
 
 test: setup

@@ -55,13 +55,11 @@ from ringserve import grpcutil
 from ringserve.apikeys import API_KEY_ENV, ApiKeys, add_api_key_args, api_keys_from_args
 from ringserve.cli import LAUNCHER_PID_ENV
 # free_port is imported from here by tests and benchmarks.
-from ringserve.ports import PortInUse, check_ports, free_port, free_ports  # noqa: F401
+from ringserve.ports import DEFAULT_GRPC_PORT, DEFAULT_PORT, PortInUse, check_ports, free_port, free_ports  # noqa: F401
 
 STARTUP_TIMEOUT_S = 600.0
 RESTART_DELAY_S = 0.5  # before restarting a service that exited (a crash loop stays slow)
 STOP_MARGIN_S = 5.0  # beyond --grace-period, before a service that did not exit is killed
-DEFAULT_PORT = 8000  # the gateway's HTTP port
-DEFAULT_GRPC_PORT = 30010  # the public gRPC API (the first tokenizer), as the Helm chart's ports.tokenizer
 
 
 @dataclass(frozen=True)
@@ -471,7 +469,7 @@ def parse_args(argv: list[str] | None) -> LaunchConfig:
 def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
     try:
-        check_ports(config)
+        check_ports(config.host, vars(config))
     except PortInUse as exc:
         sys.exit(f"ringserve launch: {exc}")
     if not (config.model / "config.json").exists():

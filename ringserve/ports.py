@@ -1,14 +1,20 @@
 """Ports of a launched ring: free loopback ports for the internal services, and the check
-that every fixed port is free before anything starts (``ringserve launch``)."""
+that every fixed port is free before anything starts (``ringserve launch``).
+
+Standard library only: ``make run`` runs ``python -m ringserve.ports`` with the system Python
+before its setup, so a taken port fails at once on a fresh clone too.
+"""
 
 from __future__ import annotations
 
+import argparse
 import errno
 import socket
-from typing import TYPE_CHECKING
+import sys
+from collections.abc import Mapping
 
-if TYPE_CHECKING:
-    from ringserve.launch import LaunchConfig
+DEFAULT_PORT = 8000  # the gateway's HTTP port
+DEFAULT_GRPC_PORT = 30010  # the public gRPC API (the first tokenizer), as the Helm chart's ports.tokenizer
 
 
 def free_port() -> int:
@@ -69,10 +75,11 @@ def _bindable(host: str, port: int) -> OSError | None:
     return None
 
 
-def check_ports(config: LaunchConfig) -> None:
-    """Check every fixed port of ``config`` before anything starts: each distinct and free
-    where its service binds it (the gateway on ``config.host``, the gRPC services and their
-    metrics on 127.0.0.1).
+def check_ports(host: str, ports: Mapping[str, int]) -> None:
+    """Check every fixed port before anything starts: each distinct and free where its
+    service binds it (the gateway on ``host``, the gRPC services and their metrics on
+    127.0.0.1). ``ports`` maps LaunchConfig field names (``PORT_FLAGS``) to ports; 0 or
+    absent: a free port picked later, not checked.
 
     Raises:
         PortInUse: naming the port, what would listen there, and the flag that moves it
@@ -80,15 +87,33 @@ def check_ports(config: LaunchConfig) -> None:
     """
     seen: dict[int, str] = {}
     for field_name, flag, what, make_var in PORT_FLAGS:
-        port = getattr(config, field_name)
+        port = ports.get(field_name, 0)
         if not port:
             continue
         move = f"{flag} N" + (f" (make run: {make_var}=N)" if make_var else "")
         if port in seen:
             raise PortInUse(f"port {port} is given to both {seen[port]} and {flag}; move one with {move}")
         seen[port] = flag
-        host = config.host if field_name == "port" else "127.0.0.1"
-        error = _bindable(host, port)
+        bind_host = host if field_name == "port" else "127.0.0.1"
+        error = _bindable(bind_host, port)
         if error is not None:
             reason = "already in use" if error.errno == errno.EADDRINUSE else error.strerror
-            raise PortInUse(f"port {port} ({what}, {flag}) on {host} is {reason}; choose another with {move}")
+            raise PortInUse(f"port {port} ({what}, {flag}) on {bind_host} is {reason}; choose another with {move}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m ringserve.ports [--host H] [--port P] [--tokenizer-port G]``: exit 1 with
+    the launcher's message when either port is taken (make run's first step)."""
+    parser = argparse.ArgumentParser(prog="python -m ringserve.ports", description=main.__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
+    parser.add_argument("--tokenizer-port", type=int, default=DEFAULT_GRPC_PORT)
+    args = parser.parse_args(argv)
+    try:
+        check_ports(args.host, {"port": args.port, "tokenizer_port": args.tokenizer_port})
+    except PortInUse as exc:
+        sys.exit(f"ringserve launch: {exc}")
+
+
+if __name__ == "__main__":
+    main()

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import run_make
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
@@ -165,8 +167,7 @@ def test_hadolint(service: str) -> None:
 
 def make_images(*variables: str) -> list[list[str]]:
     """The commands `make images` would run (make -n), split into words."""
-    out = subprocess.run(["make", "-n", "images", *variables], cwd=REPO, capture_output=True, text=True,
-                         timeout=60, check=True)
+    out = run_make("-n", "images", *variables)
     return [shlex.split(line) for line in out.stdout.splitlines() if line.strip()]
 
 
@@ -198,8 +199,7 @@ def test_make_images_registry_tag_and_builder() -> None:
     assert words[3] == ["docker", "buildx", "build", "--platform", "linux/amd64,linux/arm64", "--push", "-f",
                         "services/scheduler/Dockerfile", "--build-arg", "TORCH_VARIANT=cpu",
                         "-t", "registry.example.com/ai/ringserve-scheduler:0.2.0-cpu", "."]
-    push = subprocess.run(["make", "-n", "push-images", "REGISTRY=r.example.com", "TAG=1"], cwd=REPO,
-                          capture_output=True, text=True, timeout=60, check=True).stdout
+    push = run_make("-n", "push-images", "REGISTRY=r.example.com", "TAG=1").stdout
     assert "do docker push r.example.com/$image || exit 1; done" in push
     assert push.split(";")[0] == ("for image in ringserve-gateway:1 ringserve-tokenizer:1 ringserve-detokenizer:1 "
                                   "ringserve-scheduler:1-cpu ringserve-scheduler:1-cuda")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import yaml
 
+from tests.conftest import run_make
 from tests.deploy.test_helm_chart import K8S_VERSION, by
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,12 +34,10 @@ def test_readme_deploy_commands_hold(helm: Path) -> None:
                                      ["kubectl", "-n"], ["kubectl", "-n"], ["kubectl", "-n"], ["curl", "http://127.0.0.1:8000/v1/models"],
                                      [".venv/bin/python", "examples/grpc_chat.py"]]
     # 1. The image builds: every tag under the registry the install step points at.
-    builds = subprocess.run(["make", "-n", *cmds[0][1:]], cwd=REPO, capture_output=True, text=True,
-                            check=True, timeout=60).stdout.splitlines()
+    builds = run_make("-n", *cmds[0][1:]).stdout.splitlines()
     tags = [shlex.split(b)[shlex.split(b).index("-t") + 1] for b in builds]
     assert len(tags) == 5 and all(t.startswith("registry.example.com/ringserve/ringserve-") for t in tags)
-    push = subprocess.run(["make", "-n", *cmds[1][1:]], cwd=REPO, capture_output=True, text=True,
-                          check=True, timeout=60).stdout
+    push = run_make("-n", *cmds[1][1:]).stdout
     assert "docker push registry.example.com/ringserve/$image" in push
 
     # 2.-3. The install, rendered with the same flags: the default values pull exactly what was built.

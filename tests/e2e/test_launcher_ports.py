@@ -17,6 +17,7 @@ import pytest
 from ringserve import grpcutil
 from ringserve.launch import parse_args
 from ringserve.ports import PortInUse, check_ports, free_ports
+from tests.conftest import run_make
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -67,7 +68,7 @@ def test_internal_and_metrics_ports_are_checked_too() -> None:
         for flag, what in (("--scheduler-port", "scheduler gRPC"), ("--detokenizer-metrics-port", "detokenizer metrics")):
             config = parse_args(["--model", "m", "--port", str(http_port), "--tokenizer-port", str(grpc_port), flag, str(port)])
             with pytest.raises(PortInUse) as info:
-                check_ports(config)
+                check_ports(config.host, vars(config))
             assert str(info.value) == (f"port {port} ({what}, {flag}) on 127.0.0.1 is already in use; "
                                        f"choose another with {flag} N")
 
@@ -76,14 +77,15 @@ def test_one_port_given_twice() -> None:
     (port,) = free_ports(1)
     config = parse_args(["--model", "m", "--port", str(port), "--tokenizer-port", str(port)])
     with pytest.raises(PortInUse) as info:
-        check_ports(config)
+        check_ports(config.host, vars(config))
     assert str(info.value) == (f"port {port} is given to both --port and --tokenizer-port; "
                                "move one with --tokenizer-port N (make run: GRPC_PORT=N)")
 
 
 def test_free_ports_pass() -> None:
     http_port, grpc_port = free_ports(2)
-    check_ports(parse_args(["--model", "m", "--port", str(http_port), "--tokenizer-port", str(grpc_port)]))
+    config = parse_args(["--model", "m", "--port", str(http_port), "--tokenizer-port", str(grpc_port)])
+    check_ports(config.host, vars(config))
 
 
 async def test_grpc_server_does_not_share_a_taken_port() -> None:
@@ -94,3 +96,20 @@ async def test_grpc_server_does_not_share_a_taken_port() -> None:
             await grpcutil.start_server(f"127.0.0.1:{first.port}", [])
     finally:
         await first.server.stop(None)
+
+
+def test_make_run_checks_its_ports_before_setup() -> None:
+    """`make run` checks PORT and GRPC_PORT with the system Python before it sets anything up."""
+    (grpc_port,) = free_ports(1)
+    with listening() as port:
+        t0 = time.monotonic()
+        out = run_make("ports-free", f"PORT={port}", f"GRPC_PORT={grpc_port}", check=False)
+        elapsed = time.monotonic() - t0
+    assert out.returncode != 0 and elapsed < 2.0
+    assert out.stderr.splitlines()[0] == (f"ringserve launch: port {port} (gateway HTTP, --port) on 127.0.0.1 is "
+                                          "already in use; choose another with --port N (make run: PORT=N)")
+    dry = run_make("-n", "run", "PORT=8123", "GRPC_PORT=30123").stdout.splitlines()
+    assert dry[0] == "python3 -m ringserve.ports --host 127.0.0.1 --port 8123 --tokenizer-port 30123"
+    assert dry[-1].endswith("ringserve launch --model "
+                            f"{Path.home()}/.cache/ringserve/models/SmolLM2-135M-Instruct --host 127.0.0.1 --port 8123 "
+                            "--tokenizer-port 30123")
