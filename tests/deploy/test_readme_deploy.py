@@ -31,8 +31,8 @@ def deploy_commands() -> list[list[str]]:
 def test_readme_deploy_commands_hold(helm: Path) -> None:
     cmds = deploy_commands()
     assert [c[:2] for c in cmds] == [["make", "images"], ["make", "push-images"], ["helm", "install"],
-                                     ["kubectl", "-n"], ["kubectl", "-n"], ["kubectl", "-n"], ["curl", "http://127.0.0.1:8000/v1/models"],
-                                     [".venv/bin/python", "examples/grpc_chat.py"]]
+                                     ["kubectl", "-n"], ["helm", "test"], ["kubectl", "-n"], ["kubectl", "-n"],
+                                     ["curl", "http://127.0.0.1:8000/v1/models"], [".venv/bin/python", "examples/grpc_chat.py"]]
     # 1. The image builds: every tag under the registry the install step points at.
     builds = run_make("-n", *cmds[0][1:]).stdout.splitlines()
     tags = [shlex.split(b)[shlex.split(b).index("-t") + 1] for b in builds]
@@ -55,8 +55,10 @@ def test_readme_deploy_commands_hold(helm: Path) -> None:
     # 4. The check step names objects and ports of that render.
     assert cmds[3][2:6] == ["serve", "rollout", "status", "statefulset/rs-ringserve-replica"]
     by(docs, "StatefulSet", "rs-ringserve-replica")
-    for cmd, (local, remote) in ((cmds[4], ("8000", 80)), (cmds[5], ("30010", 30010))):
+    assert cmds[4] == ["helm", "test", "rs", "-n", "serve", "--logs"]
+    by(docs, "Pod", "rs-ringserve-test-chat")  # the hook `helm test` runs
+    for cmd, (local, remote) in ((cmds[5], ("8000", 80)), (cmds[6], ("30010", 30010))):
         assert cmd[2:4] == ["serve", "port-forward"]
         svc = by(docs, "Service", cmd[4].removeprefix("svc/"))
         assert cmd[5] == f"{local}:{remote}" and remote in [p["port"] for p in svc["spec"]["ports"]]
-    assert cmds[7][2] == "127.0.0.1:30010"
+    assert cmds[8][2] == "127.0.0.1:30010"
