@@ -28,6 +28,12 @@ for dtype in (torch.float32, torch.bfloat16):
     mask = torch.zeros(valid.shape).masked_fill_(~valid, float("-inf"))[:, None, None, :]
     want = _decode(q.float(), k_buf.float(), v_buf.float(), kv_indices, mask, 0.25)
     errors[str(dtype)] = [list(got.shape), str(got.dtype), (got.float() - want).abs().max().item()]
+    # The same rows read in place through a table and req slots (the engine's form).
+    table = torch.zeros(5, width, dtype=torch.int32)
+    slots = torch.tensor([4, 0, 2])
+    table[slots] = kv_indices.int()
+    by_slot = decode_attention(q, k_buf, v_buf, table, seq_lens, 0.25, block_n=4, req_slots=slots)
+    errors["slots " + str(dtype)] = bool(torch.equal(by_slot, got))
 
 # Extend: a fresh prompt, a single new token after a prefix, and 20 tokens after a prefix of 3.
 prefix, ext = torch.tensor([0, 7, 3]), torch.tensor([9, 1, 20])
@@ -37,6 +43,12 @@ for dtype in (torch.float32, torch.bfloat16):
     kv_indices = torch.stack([torch.randperm(128)[:width] for _ in range(3)])
     q = torch.randn(int(ext.sum()), 4, 16).to(dtype)
     got = extend_attention(q, k_buf, v_buf, kv_indices, prefix, ext, 0.25, block_m=8, block_n=4)
+    table = torch.zeros(6, width, dtype=torch.int32)
+    slots = torch.tensor([5, 1, 3])
+    table[slots] = kv_indices.int()
+    by_slot = extend_attention(q, k_buf, v_buf, table, prefix, ext, 0.25, block_m=8, block_n=4, req_slots=slots,
+                               max_extend_len=20)
+    errors["extend slots " + str(dtype)] = bool(torch.equal(by_slot, got))
     want, start = [], 0
     for b in range(3):
         n, p = int(ext[b]), int(prefix[b])
@@ -67,3 +79,6 @@ def test_triton_attention_kernels_match_torch_references():
     # bf16 probabilities into the P@V product, then one bf16 rounding of the output.
     shape, dtype, err = errors["extend torch.bfloat16"]
     assert shape == [30, 64] and dtype == "torch.bfloat16" and err < 3e-2
+    # Rows read in place through the req-to-token table and req slots: the same bits.
+    assert [errors[f"{part}torch.{t}"] for part in ("slots ", "extend slots ") for t in ("float32", "bfloat16")] \
+        == [True] * 4
