@@ -184,6 +184,8 @@ def bench_vocab(name: str, path: Path, n_streams: int, length: int) -> bool:
         ("tokenizers DecodeStream", lambda: run_decode_stream(tok, streams), 3),
         ("naive full re-decode", lambda: run_naive(tok, streams), 1),
     ]
+    if table is None:  # no verified fast path (a Strip decoder): the offset path is ringserve's
+        methods = methods[2:]
     print(f"\n== {name}: {n_streams} streams x {length} tokens, fast path: {table.kind if table else 'none'}")
     print(f"{'method':34s} {'tok/s':>12s} {'ms/step':>9s} {'core is':>9s}  text == decode(ids)")
     rows = []
@@ -193,19 +195,24 @@ def bench_vocab(name: str, path: Path, n_streams: int, length: int) -> bool:
         elapsed = min(e for e, _ in runs)
         ok = min(sum(t == r for t, r in zip(texts, refs)) for _, texts in runs)
         rows.append((label, elapsed, ok))
-    ours, e2e = rows[0][1], rows[1][1]
+    ours, e2e = rows[0][1], rows[1 if table else 0][1]
     for label, elapsed, ok in rows:
         print(f"{label:34s} {n_tokens / elapsed:12,.0f} {1000 * elapsed / length:9.3f} "
               f"{elapsed / ours:8.2f}x  {ok}/{n_streams}")
     others = [e for label, e, _ in rows if not label.startswith("ringserve")]
     correct = all(ok == n_streams for label, _, ok in rows if label.startswith("ringserve"))
     speedup = min(others) / ours
-    print(f"ringserve core vs fastest other: {speedup:.2f}x (target >= 2x); with protobuf in/out: "
-          f"{min(others) / e2e:.2f}x; ringserve correct: {correct}")
+    if table:
+        print(f"ringserve core vs fastest other: {speedup:.2f}x (target >= 2x); with protobuf in/out: "
+              f"{min(others) / e2e:.2f}x; ringserve correct: {correct}")
+    else:
+        print(f"ringserve offset path (protobuf in/out) vs fastest other: {speedup:.2f}x (no target: no fast "
+              f"path for this decoder); ringserve correct: {correct}")
     for other_len in (128, 2048):
         s = make_streams(tok, n_streams, other_len, seed=1)
         ref = tok.decode_batch(s, skip_special_tokens=True)
-        for label, run in (("core", run_ringserve_core), ("protobuf", run_ringserve)):
+        runs = (("core", run_ringserve_core), ("protobuf", run_ringserve)) if table else (("offset", run_ringserve),)
+        for label, run in runs:
             elapsed, texts = min((run(DetokenizerManager(tok, table=table), s) for _ in range(2)),
                                  key=lambda r: r[0])
             ok = texts == ref
@@ -213,7 +220,8 @@ def bench_vocab(name: str, path: Path, n_streams: int, length: int) -> bool:
                   f"{n_streams * other_len / elapsed:12,.0f} tok/s, {1000 * elapsed / other_len:.3f} ms/step, "
                   f"correct: {ok}")
             correct &= ok
-    return correct and speedup >= 2.0
+    # The 2x target is the fast path's; the offset path must be correct (and is compared).
+    return correct and (speedup >= 2.0 or table is None)
 
 
 def bench_byte_runs(name: str, tok: Tokenizer, table) -> bool:

@@ -182,12 +182,16 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     echo: bool = False  # vLLM: prepend the final assistant message (when continuing it)
+    prompt_logprobs: JsonInt | None = Field(None, ge=0, le=20)  # vLLM: logprobs of the prompt's tokens
 
 
 class CompletionRequest(SamplingFields):
     prompt: NonEmptyStr | list[NonNegInt] | list[list[NonNegInt]] | list[NonEmptyStr]
-    echo: bool = False
+    # 0 only with echo or prompt_logprobs: score the prompt, generate nothing.
+    max_tokens: JsonInt | None = Field(None, ge=0, le=INT32_MAX)
+    echo: bool = False  # with logprobs: the prompt's tokens get entries too (the first: null)
     logprobs: JsonInt | None = Field(None, ge=0, le=20)
+    prompt_logprobs: JsonInt | None = Field(None, ge=0, le=20)  # vLLM
 
 
 class NativeSamplingParams(Strict):
@@ -223,6 +227,8 @@ class GenerateRequest(Body):
     rid: str | None = Field(None, min_length=1)
     return_logprob: bool = False
     top_logprobs_num: JsonInt = Field(0, ge=0, le=20)
+    # With return_logprob: prompt logprobs from this position (SGLang); -1 = none.
+    logprob_start_len: JsonInt = Field(-1, ge=-1, le=INT32_MAX)
 
 
 class TokenizeRequest(Body):
