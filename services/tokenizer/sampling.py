@@ -100,9 +100,9 @@ def resolve_sampling_params(
     n = sp.n if sp.HasField("n") else 1
     if not 1 <= n <= MAX_N:
         raise invalid(f"n must be in [1, {MAX_N}], got {n}", "n")
-    if sp.HasField("max_new_tokens") and sp.max_new_tokens < (0 if score_only_ok else 1):
-        raise invalid(f"max_new_tokens must be at least 1 (0 only to score a prompt: with prompt logprobs), "
-                      f"got {sp.max_new_tokens}", "max_tokens")
+    lowest = 0 if score_only_ok else 1
+    if sp.HasField("max_new_tokens") and sp.max_new_tokens < lowest:
+        raise invalid(f"max_new_tokens must be at least {lowest}, got {sp.max_new_tokens}", "max_tokens")
     if sp.HasField("min_new_tokens") and sp.min_new_tokens < 0:
         raise invalid(f"min_new_tokens must be at least 0, got {sp.min_new_tokens}", "min_tokens")
     for s in sp.stop:

@@ -113,6 +113,8 @@ def test_sglang_generate_logprob_start_len(stack, prompt, expected):
     assert max(abs(lp - want) for (lp, _, _), want in zip(got, expected[0][2:])) < 1e-4
     assert all(len(top) == 2 for top in meta["input_top_logprobs"])
     assert len(meta["output_token_logprobs"]) == 2
+    bad = post(stack, "/generate", {"input_ids": prompt, "return_logprob": True, "logprob_start_len": len(prompt)})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "logprob_start_len", bad.text
     stack.wait_idle(timeout_s=5)
 
 
