@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from services.scheduler.engine.req import ReqInput, SamplingParams
+from services.scheduler.engine.req import FinishType, ReqInput, SamplingParams
 from tests.scheduler.conftest import collect
 
 PROMPTS = [
@@ -136,3 +136,24 @@ def test_retraction_mid_prompt_sends_each_logprob_once(make_engine, run_all, exp
     check(results["score"], ids, chosen, top_ids, top_vals, 0)
     assert results["decode"].completion_tokens == 20
     assert engine.load().kv_used_tokens == 0
+
+
+def test_max_new_tokens_0_scores_only_beside_generating_requests(make_engine, run_all, expected, greedy_req):
+    """Scoring requests (max_new_tokens 0) end after their prefill with no token; greedy
+    requests in the same steps generate exactly what they generate alone."""
+    alone = make_engine(disable_radix_cache=True)
+    alone.add_request(greedy_req("g", expected[1][0], 6))
+    want = run_all(alone)["g"].output_ids
+    engine = make_engine(chunked_prefill_size=16, disable_radix_cache=True)
+    for k, (ids, *_rest) in enumerate(expected):
+        engine.add_request(scoring(f"s{k}", ids, 0, max_new_tokens=0))
+        if k == 1:
+            engine.add_request(greedy_req("g", ids, 6))
+    results = run_all(engine)
+    assert results["g"].output_ids == want
+    for k, (ids, chosen, top_ids, top_vals) in enumerate(expected):
+        res = results[f"s{k}"]
+        check(res, ids, chosen, top_ids, top_vals, 0)
+        assert (res.output_ids, res.completion_tokens, res.rows) == ([], 0, 1)
+        assert res.finish.type == FinishType.LENGTH
+    assert engine.load().kv_used_tokens == 0 and not engine.reqs

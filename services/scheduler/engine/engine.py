@@ -220,7 +220,8 @@ class Engine:
                 self._out.add_row(req, [])
                 self._out.add_prompt_logprobs(req)
                 self._release(req)
-        return [reqs[i] for i in keep], logits[keep]
+        rows = torch.tensor(keep, dtype=torch.int64, device=logits.device)
+        return [reqs[i] for i in keep], logits.index_select(0, rows)
 
     def _release(self, req: Req) -> None:
         self.policy.remove(req)
