@@ -129,3 +129,22 @@ def test_grpc_prompt_logprobs(stack, prompt, expected):
     assert max(abs(a - b) for a, b in zip(p.logprobs, expected[0])) < 1e-4
     assert outs[-1].completion_tokens == 0 and outs[-1].finish_reason.type == common_pb2.FINISH_LENGTH
     assert not math.isnan(sum(p.logprobs))
+
+
+def test_lm_eval_local_completions_batch(stack, prompt, expected):
+    """lm-eval's local-completions loglikelihood request: a batch of token-id prompts,
+    echo, logprobs 1, max_tokens 0, temperature 0; the continuation's sum and greediness
+    come from token_logprobs and top_logprobs."""
+    ctx = len(prompt) - 3
+    r = post(stack, "/v1/completions", {"prompt": [prompt, prompt[:ctx + 1]], "echo": True, "logprobs": 1,
+                                        "max_tokens": 0, "temperature": 0, "seed": 1234})
+    assert r.status_code == 200, r.text
+    choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+    want, (_vals, top_ids) = expected
+    for choice, end in zip(choices, (len(prompt), ctx + 1)):
+        lp = choice["logprobs"]
+        assert len(lp["token_logprobs"]) == end
+        got = sum(lp["token_logprobs"][ctx:])
+        assert got == pytest.approx(sum(want[ctx - 1:end - 1]), abs=1e-4)
+        greedy = all(max(top, key=top.get) == tok for top, tok in zip(lp["top_logprobs"][ctx:], lp["tokens"][ctx:]))
+        assert greedy == bool((top_ids[ctx - 1:end - 1, 0] == torch.tensor(prompt[ctx:end])).all())
