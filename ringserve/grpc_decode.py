@@ -72,8 +72,10 @@ class DecodeErrorInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or handler.request_streaming:
             return handler
-        make = grpc.unary_stream_rpc_method_handler if handler.response_streaming else grpc.unary_unary_rpc_method_handler
-        behavior = handler.unary_stream if handler.response_streaming else handler.unary_unary
+        if handler.response_streaming:
+            make, behavior = grpc.unary_stream_rpc_method_handler, handler.unary_stream
+        else:
+            make, behavior = grpc.unary_unary_rpc_method_handler, handler.unary_unary
         return make(
             _checked(behavior),
             request_deserializer=_safe(handler.request_deserializer),

@@ -134,6 +134,11 @@ class Prepared:
         return len(self.subs[0].input_ids)
 
 
+def _scored_ids(sub: scheduler_pb2.TokenizedGenerateReqInput) -> list[int] | None:
+    """The prompt ids whose logprobs the request asked for (from logprob_start_len), or None."""
+    return list(sub.input_ids[sub.logprob_start_len:]) if sub.HasField("logprob_start_len") else None
+
+
 class TokenizerManager:
     """Tokenize, validate and track requests; see the module docstring for the life cycle.
 
@@ -301,8 +306,7 @@ class TokenizerManager:
             )
         event = asyncio.Event()
         states = [
-            ReqState(sub.rid, prepared.rid, i, prepared.prompt_len, event,
-                     scored_ids=list(sub.input_ids[sub.logprob_start_len:]) if sub.HasField("logprob_start_len") else None)
+            ReqState(sub.rid, prepared.rid, i, prepared.prompt_len, event, scored_ids=_scored_ids(sub))
             for i, sub in enumerate(prepared.subs)
         ]
         for st in states:

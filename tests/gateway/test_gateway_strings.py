@@ -73,7 +73,9 @@ async def test_lone_surrogate_is_400_naming_the_field(stack, route, slot):
     stack.fake.reset(stack.out("never", finish="stop"))
     stack.fake.tokenize_requests.clear()
     value = "a\udfffb"
-    body = {"model": stack.model, **body_with(route, slot, value)} if route != "/abort_request" else body_with(route, slot, value)
+    body = body_with(route, slot, value)
+    if route != "/abort_request":
+        body = {"model": stack.model, **body}
     content = json.dumps(body).encode()  # ensure_ascii: the surrogate travels as the escape \udfff
     r = await stack.client.post(route, content=content, headers={"content-type": "application/json"})
     assert r.status_code == 400, (r.status_code, r.text)

@@ -65,10 +65,8 @@ def score_prompts(model: torch.nn.Module, plan: Plan, spans: list[Span]) -> None
     if not spans:
         return
     hidden = plan.logprob_hidden
-    targets = torch.tensor(
-        [t for s in spans for t in s.req.origin_input_ids[s.req.prompt_logprob_pos : s.req.prompt_logprob_pos + s.count]],
-        dtype=torch.int64, device=hidden.device,
-    )  # [R]
+    ids = [t for s in spans for t in s.req.origin_input_ids[s.req.prompt_logprob_pos :][: s.count]]
+    targets = torch.tensor(ids, dtype=torch.int64, device=hidden.device)  # [R]
     k = max(s.req.prompt_top_logprobs_num for s in spans)
     vals: list[torch.Tensor] = []
     tops: list[tuple[torch.Tensor, torch.Tensor]] = []
