@@ -16,7 +16,7 @@ from starlette.responses import Response
 
 from . import convert
 from .backend import TokenizerClient
-from .logprobs import chat_logprobs
+from .logprobs import chat_logprobs, vllm_prompt_logprobs
 from .outputs import ChoiceUpdate, FinalChoice
 from .protocol import ChatCompletionRequest
 from .serving import respond, response_head
@@ -70,6 +70,10 @@ async def create_chat_completion(
     model = await client.check_model(req.model)
     echo = _echo_text(req)
 
+    async def prompt_logprobs(finals: list[FinalChoice]) -> dict:
+        # vLLM's chat response: the rendered prompt's logprobs, once, at the top level.
+        return {"prompt_logprobs": await vllm_prompt_logprobs(client, finals[0].out) if finals else None}
+
     async def final_choice(c: FinalChoice) -> dict:
         return {
             "index": c.index,
@@ -89,4 +93,5 @@ async def create_chat_completion(
         req.stream_options,
         _delta_choice(client, echo, req.logprobs),
         final_choice,
+        prompt_logprobs if req.prompt_logprobs is not None else None,
     )

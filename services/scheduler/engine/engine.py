@@ -22,6 +22,7 @@ from services.scheduler.engine.kv_pool import GIB, ReqToTokenPool, TokenToKVPool
 from services.scheduler.engine.model_runner import FutureIds, ModelRunner
 from services.scheduler.engine.observer import EngineObserver
 from services.scheduler.engine.output import StepOutput
+from services.scheduler.engine.prompt_logprobs import plan_logprob_rows, score_prompts
 from services.scheduler.engine.radix_cache import RadixCache
 from services.scheduler.engine.req import FinishReason, FinishType, Req, ReqInput
 from services.scheduler.engine.sampling import HostSample, Sampler
@@ -196,10 +197,12 @@ class Engine:
         plan = self.policy.schedule(self._ending_by_length(inflight))
         launched = None
         if plan is not None:
+            scored = plan_logprob_rows(plan)
             if inflight is None:
                 logits = self.runner.forward(plan)
             else:
                 logits = self.runner.forward(plan, FutureIds(inflight.next_ids, inflight.rows))
+            score_prompts(self.runner.model, plan, scored)
             self.observer.on_step(plan, started)
             launched = self._launch(plan, logits)
         if inflight is not None:
@@ -240,6 +243,10 @@ class Engine:
                 return None
             keep = list(range(i)) + list(range(i + 1, len(plan.reqs)))
             logits = logits.index_select(0, self.runtime.to_device(torch.tensor(keep, dtype=torch.int64)))
+        if any(r.sampling.max_new_tokens == 0 for r in reqs):
+            reqs, logits = self._finish_scored(reqs, logits)
+            if not reqs:
+                return None
         result = self.sampler.sample(logits, reqs)
         # The step's one device-to-host copy: the sampled ids (and logprobs where asked).
         return _InFlight(reqs, result.next_ids, {r: i for i, r in enumerate(reqs)}, result.start_copy(self.runtime))
@@ -255,15 +262,14 @@ class Engine:
         self.stops.check([r for _, r in live])
         for i, req in live:
             self._out.add_row(req, [result.next_ids[i]])
+            if req.logprob_start_len is not None and len(req.output_ids) == 1:  # its first token
+                self._out.add_prompt_logprobs(req)
             if req.return_logprob:
                 k = req.top_logprobs_num
                 self._out.add_logprobs(result.logprobs[i], result.top_ids[i][:k] if k else [],
                                        result.top_vals[i][:k] if k else [])
             if req.finished:
-                self.policy.remove(req)
-                del self.reqs[req.rid]
-                self.num_finished_reqs += 1
-                self.observer.on_finish(req)
+                self._release(req)
 
     def _can_overlap(self) -> bool:
         """The next plan needs nothing the in-flight step's results could change."""
@@ -278,6 +284,25 @@ class Engine:
             return frozenset()
         return frozenset(r for r in inflight.reqs if len(r.output_ids) + 1 >= r.sampling.max_new_tokens
                          or r.seq_len + 1 >= self.context_length)
+
+    def _finish_scored(self, reqs: list[Req], logits: torch.Tensor) -> tuple[list[Req], torch.Tensor]:
+        """Requests with max_new_tokens 0 (score the prompt only) end here, their prefill
+        done, with their prompt logprobs and no token; the rest go on to sampling."""
+        keep = [i for i, r in enumerate(reqs) if r.sampling.max_new_tokens > 0]
+        for req in reqs:
+            if req.sampling.max_new_tokens == 0:
+                req.finish_reason = FinishReason(FinishType.LENGTH)
+                self._out.add_row(req, [])
+                self._out.add_prompt_logprobs(req)
+                self._release(req)
+        rows = self.runtime.to_device(torch.tensor(keep, dtype=torch.int64))
+        return [reqs[i] for i in keep], logits.index_select(0, rows)
+
+    def _release(self, req: Req) -> None:
+        self.policy.remove(req)
+        del self.reqs[req.rid]
+        self.num_finished_reqs += 1
+        self.observer.on_finish(req)
 
     def _emit_abort(self, req: Req, message: str, status: str) -> None:
         req.finish_reason = FinishReason(FinishType.ABORT, message=message, status=status)

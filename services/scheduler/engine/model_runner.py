@@ -67,6 +67,8 @@ class ModelRunner:
         if dec is not None:
             meta.decode = DecodeLayout(dev["dec_slots"], dev["seq_lens"], **dec)
         hidden = self.model(dev["input_ids"], dev["positions"], meta, self.kv_pool)
+        if plan.logprob_rows is not None:  # prompt logprobs: at most a chunk of rows
+            plan.logprob_hidden = hidden.index_select(0, self.runtime.to_device(plan.logprob_rows))
         if "sample_index" in dev:
             hidden = hidden.index_select(0, dev["sample_index"])
         return self.model.compute_logits(hidden)
