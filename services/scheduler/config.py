@@ -12,6 +12,8 @@ SCHEDULE_POLICIES = ("fcfs", "lpm")
 LOAD_FORMATS = ("auto", "dummy")
 # "auto" and the names of layers.attention_backend.ATTENTION_BACKENDS (kept torch-free here).
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+# Keys of engine.grammar_backends.GRAMMAR_BACKENDS (kept import-free here).
+GRAMMAR_BACKENDS = ("llguidance", "xgrammar")
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,9 @@ class EngineConfig:
         attention_backend: "torch", "cpu" (C kernels), "triton", or "auto" = triton when
             the weights are on a CUDA device, cpu on CPU (torch when no C compiler is
             there; triton on CPU needs TRITON_INTERPRET=1).
+        grammar_backend: constrained decoding engine, "llguidance" or "xgrammar".
+        grammar_compile_timeout_s: a constrained request waits at most this long for its
+            grammar, then ends with INVALID_ARGUMENT.
     """
 
     model: Path
@@ -52,6 +57,8 @@ class EngineConfig:
     schedule_policy: str = "fcfs"
     load_format: str = "auto"
     attention_backend: str = "auto"
+    grammar_backend: str = "llguidance"
+    grammar_compile_timeout_s: float = 5.0
 
 
 @dataclass(frozen=True)

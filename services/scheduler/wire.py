@@ -6,6 +6,7 @@ from dataclasses import asdict, fields
 
 from ringserve.v1 import common_pb2, detokenizer_pb2, scheduler_pb2
 from services.scheduler.engine.engine import LoadStats
+from services.scheduler.engine.grammar_backends import GrammarSpec
 from services.scheduler.engine.output import StepOutput
 from services.scheduler.engine.req import FinishReason, ReqInput, SamplingParams
 
@@ -34,6 +35,7 @@ def req_input_from_proto(msg: scheduler_pb2.TokenizedGenerateReqInput, tokenizer
         return_logprob=msg.return_logprob,
         top_logprobs_num=msg.top_logprobs_num,
         stream=msg.stream,
+        grammar=grammar_from_proto(p),
     )
 
 

@@ -15,6 +15,8 @@ import torch
 from tokenizers import Tokenizer
 
 from services.scheduler.config import EngineConfig
+from services.scheduler.engine.grammar import GrammarManager, accept_grammar_tokens, apply_grammar_masks
+from services.scheduler.engine.grammar_backends import GrammarBackend, load_backend
 from services.scheduler.engine.kv_pool import ReqToTokenPool, TokenToKVPool, kv_bytes_per_token, kv_pool_tokens
 from services.scheduler.engine.model_runner import ModelRunner
 from services.scheduler.engine.observer import EngineObserver
@@ -53,6 +55,8 @@ class Engine:
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer, eos_ids: frozenset[int], cfg: EngineConfig):
+        """The grammar backend (``cfg.grammar_backend``) reads ``cfg.model``/tokenizer.json when
+        the first constrained request arrives, in the compile thread."""
         mc = model.config
         self.cfg = cfg
         self.vocab_size = mc.vocab_size
@@ -75,7 +79,8 @@ class Engine:
         self.runner = ModelRunner(model, self.req_pool, self.kv_pool)
         self.sampler = Sampler(cfg.seed, eos_ids)
         self.stops = StopChecker(tokenizer, eos_ids, self.context_length)
-        self.reqs: dict[str, Req] = {}  # rid -> in-flight request (waiting or running)
+        self.grammars = GrammarManager(lambda: self._grammar_backend(eos_ids), cfg.grammar_compile_timeout_s)
+        self.reqs: dict[str, Req] = {}  # rid -> in-flight request (compiling, waiting or running)
         self._out = StepOutput()
         self.num_decode_steps = 0
         self.peak_decode_batch_size = 0
@@ -95,7 +100,12 @@ class Engine:
         model_dir = Path(cfg.model)
         model = load_model(model_dir, resolve_dtype(cfg.dtype), cfg.load_format, cfg.attention_backend)
         tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-        return cls(model, tokenizer, load_eos_ids(model_dir, tokenizer), cfg)
+        engine = cls(model, tokenizer, load_eos_ids(model_dir, tokenizer), cfg)
+        engine.grammars.warm()
+        return engine
+
+    def _grammar_backend(self, eos_ids: frozenset[int]) -> GrammarBackend:
+        return load_backend(self.cfg.grammar_backend, Path(self.cfg.model), self.vocab_size, eos_ids)
 
     # ---- inputs -------------------------------------------------------------------
     def add_request(self, spec: ReqInput) -> None:
@@ -111,8 +121,11 @@ class Engine:
             self._emit_abort(req, error, "INVALID_ARGUMENT")
             return
         self.reqs[req.rid] = req
-        self.policy.waiting.append(req)
         self.observer.on_queued(req)
+        if spec.grammar is not None:
+            self.grammars.submit(req, spec.grammar)  # joins the queue once compiled
+        else:
+            self.policy.waiting.append(req)
 
     def refuse(self, spec: ReqInput, message: str, status: str) -> None:
         """Answer a request that is not admitted (overload, shutdown) with its final FINISH_ABORT row."""
@@ -135,7 +148,8 @@ class Engine:
             victims = list(self.reqs.values())
         for req in victims:
             req.init_sent = req.init_sent and not resend_init
-            self.policy.remove(req)
+            if not self.grammars.remove(req):
+                self.policy.remove(req)
             del self.reqs[req.rid]
             self._emit_abort(req, message, status)
         return len(victims)
@@ -149,6 +163,7 @@ class Engine:
         for req in list(self.reqs.values()):
             self._emit_abort(req, message, "INTERNAL")
         self.reqs.clear()
+        self.grammars.clear()
         self.policy.reset()
 
     # ---- the loop -----------------------------------------------------------------
@@ -156,9 +171,16 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.reqs) or len(self._out) > 0
 
+    @property
+    def only_compiling(self) -> bool:
+        """Every request held waits for its grammar: a step has nothing to run."""
+        return len(self.reqs) == self.grammars.num_pending and not len(self._out)
+
     def step(self) -> StepOutput | None:
         """Run one scheduling step; returns its rows, or None when no row was produced."""
         started = time.monotonic()
+        if self.grammars.num_pending:
+            self._admit_compiled()
         plan = self.policy.schedule()
         if plan is not None:
             logits = self.runner.forward(plan)
@@ -183,11 +205,12 @@ class Engine:
             logits = torch.cat((logits[:i], logits[i + 1 :]))
             if not reqs:
                 return
-        result = self.sampler.sample(logits, reqs)
+        result = self.sampler.sample(apply_grammar_masks(logits, reqs), reqs)
         next_ids = result.next_ids.tolist()
         for req, token in zip(reqs, next_ids):
             req.append_output(token)
         self.stops.check(reqs)
+        accept_grammar_tokens(reqs)
         logprobs = result.logprobs.tolist() if result.logprobs is not None else None
         top_ids = result.top_ids.tolist() if result.top_ids is not None else None
         top_vals = result.top_vals.tolist() if result.top_vals is not None else None
@@ -206,6 +229,14 @@ class Engine:
             self.num_decode_steps += 1
             self.peak_decode_batch_size = max(self.peak_decode_batch_size, num_decode)
 
+    def _admit_compiled(self) -> None:
+        """Queue the requests whose grammar is ready; end those whose grammar failed."""
+        ready, failed = self.grammars.take_ready()
+        self.policy.waiting.extend(ready)
+        for req, message, status in failed:
+            del self.reqs[req.rid]
+            self._emit_abort(req, message, status)
+
     def _emit_abort(self, req: Req, message: str, status: str) -> None:
         req.finish_reason = FinishReason(FinishType.ABORT, message=message, status=status)
         self._out.add_row(req, [])
@@ -221,7 +252,7 @@ class Engine:
         cached = self.policy.kv_cached
         return LoadStats(
             num_running_reqs=len(self.policy.running) + (self.policy.chunked is not None),
-            num_waiting_reqs=len(self.policy.waiting),
+            num_waiting_reqs=len(self.policy.waiting) + self.grammars.num_pending,
             req_slots_used=self.req_pool.used,
             kv_used_tokens=self.kv_pool.used - cached,
             kv_cached_tokens=cached,

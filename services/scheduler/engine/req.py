@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.scheduler.engine.grammar_backends import GrammarSpec, Matcher
+
 
 class FinishType(enum.IntEnum):
     """Values equal ``common_pb2.FinishReasonType`` so the wire mapping is the identity."""
@@ -67,6 +69,7 @@ class ReqInput:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     stream: bool = True
+    grammar: GrammarSpec | None = None  # constrained decoding (structured outputs)
 
 
 class TokenView(Sequence[int]):
@@ -103,6 +106,8 @@ class Req:
             until admitted); reported to clients as usage.
         last_node / tree_len: the prefix-cache node this request locks and how many of its
             leading KV rows belong to the cache (0 and None without a lock).
+        grammar: the constraint's matcher once compiled (None when unconstrained); it
+            advances with every output token and survives retraction with them.
     """
 
     def __init__(self, spec: ReqInput):
@@ -121,6 +126,7 @@ class Req:
         self.cached_tokens: int | None = None
         self.last_node: object | None = None
         self.tree_len = 0
+        self.grammar: Matcher | None = None
         if spec.sampling.seed is not None:
             self.generator = torch.Generator().manual_seed(spec.sampling.seed)
 

@@ -1,0 +1,176 @@
+"""Constrained decoding in the engine: compile off the engine thread, mask logits, advance matchers.
+
+A request with a constraint waits in ``GrammarManager`` (not in the scheduling queue, so it
+holds no request slot and no KV) while a worker thread compiles its grammar; compiled
+grammars sit in a bounded LRU cache keyed by (kind, text), and identical constraints in
+flight share one compile. A request whose grammar fails to compile, or is not ready within
+``compile_timeout_s``, ends with FINISH_ABORT / INVALID_ARGUMENT naming the request field.
+
+Per step, ``apply_grammar_masks`` sets the logits of disallowed tokens to -inf on the rows
+that have a matcher (others untouched), before any sampling filter (as SGLang and vLLM do);
+``accept_grammar_tokens`` advances each matcher by the token just appended and ends the
+request with STOP when its grammar has ended. Stop tokens are allowed by the mask only
+where the grammar may end.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from services.scheduler.engine.grammar_backends import GrammarBackend, GrammarError, GrammarSpec
+from services.scheduler.engine.req import FinishReason, FinishType, Req
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Pending:
+    req: Req
+    spec: GrammarSpec
+    future: Future
+    deadline: float
+
+
+class GrammarManager:
+    """Compiles constraints in a worker thread and hands requests back with their matcher.
+
+    Args:
+        load_backend: makes the backend (reads the tokenizer; run in the worker thread on
+            first use, or at start-up through ``warm``).
+        compile_timeout_s: a request waits at most this long for its grammar.
+        cache_size: compiled grammars kept (least recently used dropped first).
+    """
+
+    def __init__(self, load_backend: Callable[[], GrammarBackend], compile_timeout_s: float = 5.0,
+                 cache_size: int = 256):
+        self._load_backend = load_backend
+        self._backend: GrammarBackend | None = None
+        self._backend_lock = threading.Lock()
+        self.compile_timeout_s = compile_timeout_s
+        self.cache_size = cache_size
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._pending: dict[str, _Pending] = {}  # rid -> request waiting for its grammar
+        self.wake: Callable[[], None] = lambda: None  # set by the engine loop: a compile finished
+        self.compile_seconds: list[float] = []  # for the benchmark; bounded below
+
+    @property
+    def backend(self) -> GrammarBackend:
+        with self._backend_lock:
+            if self._backend is None:
+                self._backend = self._load_backend()
+            return self._backend
+
+    def warm(self) -> None:
+        """Load the backend in the worker thread now, so the first constrained request does not wait for it."""
+        self._executor.submit(lambda: self.backend)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    def submit(self, req: Req, spec: GrammarSpec) -> None:
+        """Hold ``req`` until its grammar is compiled (from the cache when it is there)."""
+        future = self._cache.get(spec.key)
+        if future is None:
+            future = self._executor.submit(self._compile, spec)
+            self._cache[spec.key] = future
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(spec.key)
+        future.add_done_callback(lambda _: self.wake())
+        self._pending[req.rid] = _Pending(req, spec, future, time.monotonic() + self.compile_timeout_s)
+
+    def _compile(self, spec: GrammarSpec):
+        started = time.perf_counter()
+        try:
+            return self.backend.compile(spec)
+        finally:
+            self.compile_seconds.append(time.perf_counter() - started)
+            del self.compile_seconds[:-10000]
+
+    def remove(self, req: Req) -> bool:
+        """Forget a waiting request (abort); True when it was waiting here."""
+        return self._pending.pop(req.rid, None) is not None
+
+    def clear(self) -> None:
+        self._pending.clear()
+
+    def take_ready(self) -> tuple[list[Req], list[tuple[Req, str, str]]]:
+        """(requests whose matcher is set, (request, error message, gRPC status) of those that failed)."""
+        ready: list[Req] = []
+        failed: list[tuple[Req, str, str]] = []
+        now = time.monotonic()
+        for rid, p in list(self._pending.items()):
+            if p.future.done():
+                del self._pending[rid]
+                exc = p.future.exception()
+                if exc is None:
+                    p.req.grammar = self.backend.matcher(p.future.result())
+                    ready.append(p.req)
+                elif isinstance(exc, GrammarError):
+                    failed.append((p.req, f"{p.spec.param}: the constraint cannot be used: {exc}", "INVALID_ARGUMENT"))
+                else:
+                    log.error("grammar compile failed: %r", exc)
+                    failed.append((p.req, f"{p.spec.param}: compiling the constraint failed: {exc!r}", "INTERNAL"))
+            elif now >= p.deadline:
+                del self._pending[rid]
+                failed.append((p.req, f"{p.spec.param}: the constraint did not compile within "
+                                      f"{self.compile_timeout_s:g} s (--grammar-compile-timeout); simplify it",
+                               "INVALID_ARGUMENT"))
+        return ready, failed
+
+
+def _unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """int32 [R, W] (bit j of word w = token 32w + j) -> bool [R, vocab]."""
+    shifts = torch.arange(32, dtype=torch.int32)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [R, W, 32]
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
+
+
+def apply_grammar_masks(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+    """Disallowed tokens -> -inf on the rows of ``reqs`` that have a grammar; other rows untouched.
+
+    Args:
+        logits: float32 [B, V], row i belongs to reqs[i].
+    Returns:
+        ``logits`` itself when no row has a grammar, else a new [B, V] tensor.
+    """
+    rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+    if not rows:
+        return logits
+    vocab = logits.shape[-1]
+    bitmask = torch.zeros((len(rows), (vocab + 31) // 32), dtype=torch.int32)  # host: the engines fill it
+    for j, i in enumerate(rows):
+        reqs[i].grammar.fill_bitmask(bitmask, j)
+    allowed = _unpack_bitmask(bitmask, vocab).to(logits.device, non_blocking=True)  # [R, V]
+    idx = torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
+    masked = logits.index_select(0, idx).masked_fill(~allowed, float("-inf"))
+    return logits.index_copy(0, idx, masked)
+
+
+def accept_grammar_tokens(reqs: list[Req]) -> None:
+    """Advance each grammar by its request's newest token (after stop checks).
+
+    A request whose grammar has ended finishes with STOP (also when the same token reached
+    max_new_tokens: the output is complete). A token the grammar rejects (it was masked, so
+    only a backend fault gets here) aborts the request.
+    """
+    for req in reqs:
+        g = req.grammar
+        if g is None or (req.finished and req.finish_reason.type == FinishType.ABORT):
+            continue
+        if not g.accept_token(req.output_ids[-1]):
+            req.finish_reason = FinishReason(FinishType.ABORT, message="the grammar rejected a sampled token",
+                                             status="INTERNAL")
+        elif g.ended and (req.finish_reason is None or req.finish_reason.type == FinishType.LENGTH):
+            req.finish_reason = FinishReason(FinishType.STOP)
