@@ -17,6 +17,15 @@ _SCALAR_PARAMS = tuple(
 )
 
 
+def grammar_from_proto(params: common_pb2.ResolvedSamplingParams) -> GrammarSpec | None:
+    """The constraint of resolved parameters (json_schema, regex or ebnf), or None."""
+    if not params.HasField("constraint"):
+        return None
+    c = params.constraint
+    kind = c.WhichOneof("kind")
+    return GrammarSpec(kind, getattr(c, kind), c.param or "response_format") if kind else None
+
+
 def req_input_from_proto(msg: scheduler_pb2.TokenizedGenerateReqInput, tokenizer_id: str) -> ReqInput:
     """TokenizedGenerateReqInput -> ReqInput; ``tokenizer_id`` (the stream's) fills an empty field."""
     p = msg.sampling_params

@@ -292,7 +292,9 @@ class TokenizerManager:
             )
         event = asyncio.Event()
         states = [
-            ReqState(sub.rid, prepared.rid, i, prepared.prompt_len, event) for i, sub in enumerate(prepared.subs)
+            ReqState(sub.rid, prepared.rid, i, prepared.prompt_len, event,
+                     constraint_param=sub.sampling_params.constraint.param or None)
+            for i, sub in enumerate(prepared.subs)
         ]
         for st in states:
             self.rid_to_state[st.rid] = st
@@ -411,7 +413,9 @@ class TokenizerManager:
         fr = last.finish_reason
         if fr.type == common_pb2.FINISH_ABORT and fr.status in _ERROR_STATUS_CODES:
             status = grpc.StatusCode[fr.status]
-            raise RequestError(fr.message or fr.status.lower(), status, _ERROR_STATUS_CODES[fr.status])
+            # INVALID_ARGUMENT after dispatch is the scheduler refusing the constraint.
+            param = st.constraint_param if fr.status == "INVALID_ARGUMENT" else None
+            raise RequestError(fr.message or fr.status.lower(), status, _ERROR_STATUS_CODES[fr.status], param)
         if stream:
             text = "".join(r.text for r in rows) if len(rows) > 1 else last.text
             ids = [t for r in rows for t in r.output_ids]
