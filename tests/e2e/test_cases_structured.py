@@ -1,9 +1,8 @@
 """Structured outputs and tool calls through the launched ring on SmolLM2: the S and T cases
 of ../shared/cases/CASES-structured.md that need no speculative decoding.
 
-One ring for the module, started with the shipped ChatML tool template
-(``--chat-template ringserve/templates/chatml_tools.jinja``), since SmolLM2's own template
-cannot render tools.
+The ring (``tools_ring``, tests/e2e/conftest.py) runs the shipped ChatML tool template,
+since SmolLM2's own template cannot render tools.
 """
 
 from __future__ import annotations
@@ -12,18 +11,14 @@ import asyncio
 import json
 import re
 import time
-from pathlib import Path
 
 import httpx
 import jsonschema
 import pytest
 
-from tests.ringstack import launched
-
 from .sse_reader import sse_events
 from .structured_helpers import chat, chat_body, error_of
 
-TEMPLATE = Path(__file__).resolve().parents[2] / "ringserve" / "templates" / "chatml_tools.jinja"
 TOOL_W = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
     "required": ["city", "days"]}}}
@@ -53,10 +48,9 @@ def valid(text: str | None, schema: dict) -> object:
     return value
 
 
-@pytest.fixture(scope="module")
-def ring(smollm2_dir):
-    with launched(smollm2_dir, "--chat-template", str(TEMPLATE)) as stack:
-        yield stack
+@pytest.fixture
+def ring(tools_ring):
+    return tools_ring
 
 
 @pytest.fixture
