@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 
 PROTOS := $(wildcard protos/ringserve/v1/*.proto)
 
-.PHONY: setup proto model run test test-deploy bench bench-detok soak clean
+.PHONY: setup proto model run test test-deploy bench bench-detok bench-structured soak clean
 
 setup: $(STAMPS)/venv $(STAMPS)/proto model
 
@@ -64,6 +64,11 @@ soak: setup
 
 bench-detok: setup
 	$(PY) -m services.detokenizer.bench --cache-dir $(CACHE_DIR)
+
+# Constrained decoding against the same workload unconstrained (bench/RESULTS.md).
+bench-structured: setup
+	$(PY) bench/structured.py --model $(CACHE_DIR)/models/SmolLM2-135M-Instruct
+	$(PY) bench/grammar_backends.py --model $(CACHE_DIR)/models/SmolLM2-135M-Instruct
 
 clean:
 	rm -rf $(VENV) $(STAMPS) ringserve/v1/*_pb2*.py ringserve/v1/*_pb2*.pyi

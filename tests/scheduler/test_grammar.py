@@ -156,3 +156,36 @@ def test_abort_while_compiling_frees_the_request(make_engine, run_all, chat_ids)
     out = run_all(engine)["c"]
     assert out.finish.type == FinishType.ABORT and out.finish.status == "CANCELLED"
     assert engine.reqs == {} and engine.grammars.num_pending == 0 and engine.load().num_waiting_reqs == 0
+
+
+class _FixedMask:
+    """A matcher that allows a fixed set of tokens."""
+
+    def __init__(self, allowed: list[int]):
+        self.allowed = allowed
+
+    def fill_bitmask(self, bitmask, row):
+        for t in self.allowed:
+            word = bitmask[row, t // 32].item() & 0xFFFFFFFF | (1 << (t % 32))
+            bitmask[row, t // 32] = word - (1 << 32) if word >= 1 << 31 else word
+
+
+def test_masks_touch_only_constrained_rows_and_allow_exactly_the_set():
+    import torch
+
+    from services.scheduler.engine.grammar import apply_grammar_masks
+
+    vocab = 100
+    logits = torch.arange(3 * vocab, dtype=torch.float32).reshape(3, vocab)
+    before = logits.clone()
+    reqs = [_req("a"), _req("b"), _req("c")]
+    reqs[0].grammar = _FixedMask([0, 31, 32, 63, 99])
+    reqs[2].grammar = _FixedMask([5])
+    out = apply_grammar_masks(logits, reqs)
+    assert torch.equal(out[1], before[1])
+    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [0, 31, 32, 63, 99]
+    assert torch.equal(out[0, [0, 31, 32, 63, 99]], before[0, [0, 31, 32, 63, 99]])
+    assert torch.isfinite(out[2]).nonzero().flatten().tolist() == [5]
+    reqs[1].grammar = _FixedMask([7])
+    all_rows = apply_grammar_masks(before.clone(), reqs)
+    assert [torch.isfinite(r).nonzero().flatten().tolist() for r in all_rows] == [[0, 31, 32, 63, 99], [7], [5]]
