@@ -3,31 +3,54 @@
 Run the stack (`make run`; it prints the tokenizer's gRPC address), then:
 
     .venv/bin/python examples/grpc_chat.py 127.0.0.1:PORT "What is the capital of France?"
+
+With an API key (the ring started with `--api-key KEY`) and/or TLS:
+
+    RINGSERVE_API_KEY=KEY .venv/bin/python examples/grpc_chat.py 127.0.0.1:PORT
+    .venv/bin/python examples/grpc_chat.py grpc.example.com:443 --api-key KEY --tls
+    .venv/bin/python examples/grpc_chat.py 127.0.0.1:PORT --ca-file ca.pem --cert-file cert.pem --key-file key.pem
+
+`--timeout S` sets each call's deadline; when it passes the server aborts the request.
 """
 
+import argparse
 import asyncio
-import sys
+import os
 
 from ringserve.client import AsyncRingserveClient, RingserveClient
 
+def messages(question: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": question}]
 
-def sync_chat(target: str, question: str) -> None:
-    with RingserveClient(target) as client:
-        for chunk in client.chat([{"role": "user", "content": question}], max_new_tokens=64, temperature=0.0):
+
+def sync_chat(target: str, question: str, timeout_s: float | None, **connection) -> None:
+    with RingserveClient(target, **connection) as client:
+        for chunk in client.chat(messages(question), max_new_tokens=64, temperature=0.0, timeout_s=timeout_s):
             print(chunk.text, end="", flush=True)
             if chunk.finish_reason:
                 print(f"\n[finish_reason={chunk.finish_reason}, tokens={chunk.completion_tokens}]")
 
 
-async def async_chat(target: str, question: str) -> None:
-    async with AsyncRingserveClient(target) as client:
-        async for chunk in client.chat([{"role": "user", "content": question}], max_new_tokens=64, temperature=0.0):
+async def async_chat(target: str, question: str, timeout_s: float | None, **connection) -> None:
+    async with AsyncRingserveClient(target, **connection) as client:
+        async for chunk in client.chat(messages(question), max_new_tokens=64, temperature=0.0, timeout_s=timeout_s):
             print(chunk.text, end="", flush=True)
             if chunk.finish_reason:
                 print(f"\n[finish_reason={chunk.finish_reason}, tokens={chunk.completion_tokens}]")
 
 
 if __name__ == "__main__":
-    target, question = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "What is the capital of France?"
-    sync_chat(target, question)
-    asyncio.run(async_chat(target, question))
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("target", help="the tokenizer's gRPC address, host:port")
+    p.add_argument("question", nargs="?", default="What is the capital of France?")
+    p.add_argument("--api-key", default=os.environ.get("RINGSERVE_API_KEY"),
+                   help="sent as 'authorization: Bearer <key>' (default: $RINGSERVE_API_KEY)")
+    p.add_argument("--tls", action="store_true", help="TLS, verifying the server against the system roots")
+    p.add_argument("--ca-file", help="TLS, verifying the server against this CA (PEM)")
+    p.add_argument("--cert-file", help="client certificate (PEM), for mutual TLS")
+    p.add_argument("--key-file", help="its private key (PEM)")
+    p.add_argument("--timeout", type=float, default=None, help="deadline of each call (s)")
+    a = p.parse_args()
+    connection = dict(api_key=a.api_key, tls=a.tls, ca_file=a.ca_file, cert_file=a.cert_file, key_file=a.key_file)
+    sync_chat(a.target, a.question, a.timeout, **connection)
+    asyncio.run(async_chat(a.target, a.question, a.timeout, **connection))

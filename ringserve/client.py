@@ -6,20 +6,32 @@ Sync and asyncio flavours over the generated stubs. Both stream
 Example::
 
     from ringserve.client import RingserveClient
-    with RingserveClient("127.0.0.1:30010") as client:
+    with RingserveClient("127.0.0.1:30010", api_key="sk-...") as client:
         for chunk in client.chat([{"role": "user", "content": "Hi!"}], max_new_tokens=32):
             print(chunk.text, end="", flush=True)
 
+Connection: ``api_key`` is sent as ``authorization: Bearer <key>`` metadata on every
+call (needed when the server runs with ``--api-key``). Plaintext by default; ``tls=True``
+verifies the server against the system roots, ``ca_file`` against that CA, and
+``cert_file`` + ``key_file`` add a client certificate (mutual TLS, as the tokenizer
+requires under ``--tls-ca-file``).
+
+Deadlines and cancellation: ``timeout_s`` is the call's gRPC deadline; when it passes,
+or the caller closes the iterator early (``break``, ``close()``), the call is cancelled
+and the server aborts the request (its KV cache and slot are freed).
+
 Errors: every method raises ``grpc.RpcError`` (sync) or ``grpc.aio.AioRpcError``
-(async) with the service's status code: INVALID_ARGUMENT for a bad request
-(its ``details()`` says why), ALREADY_EXISTS for a duplicate rid,
-RESOURCE_EXHAUSTED when the queue is full, UNAVAILABLE when a backend is down.
+(async) with the service's status code: UNAUTHENTICATED for a missing or wrong key,
+INVALID_ARGUMENT for a bad request (its ``details()`` says why), ALREADY_EXISTS for
+a duplicate rid, RESOURCE_EXHAUSTED when the queue is full, DEADLINE_EXCEEDED when
+``timeout_s`` passed, UNAVAILABLE when a backend is down.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -100,12 +112,44 @@ def text_request(
     )
 
 
-class RingserveClient:
-    """Blocking client. ``target`` is "host:port" of a tokenizer instance."""
+def channel_credentials(
+    tls: bool = False, ca_file: str | Path | None = None,
+    cert_file: str | Path | None = None, key_file: str | Path | None = None,
+) -> grpc.ChannelCredentials | None:
+    """TLS credentials for a channel, or None for plaintext (no TLS option given).
 
-    def __init__(self, target: str):
-        self._channel = grpc.insecure_channel(target, options=list(CHANNEL_OPTIONS))
+    Raises:
+        ValueError: only one of ``cert_file`` and ``key_file``.
+    """
+    if (cert_file is None) != (key_file is None):
+        raise ValueError("cert_file and key_file go together")
+    if not tls and ca_file is None and cert_file is None:
+        return None
+    return grpc.ssl_channel_credentials(_read(ca_file), _read(key_file), _read(cert_file))
+
+
+def _read(path: str | Path | None) -> bytes | None:
+    return Path(path).read_bytes() if path is not None else None
+
+
+def _auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {api_key}"),) if api_key else ()
+
+
+class RingserveClient:
+    """Blocking client. ``target`` is "host:port" of a tokenizer instance (or anything a gRPC
+    channel takes, e.g. an Ingress host:443 with ``tls=True``); see the module docstring
+    for ``api_key`` and the TLS options."""
+
+    def __init__(self, target: str, *, api_key: str | None = None, tls: bool = False,
+                 ca_file: str | Path | None = None, cert_file: str | Path | None = None,
+                 key_file: str | Path | None = None):
+        creds = channel_credentials(tls, ca_file, cert_file, key_file)
+        options = list(CHANNEL_OPTIONS)
+        self._channel = (grpc.secure_channel(target, creds, options=options) if creds is not None
+                         else grpc.insecure_channel(target, options=options))
         self._stub = tokenizer_pb2_grpc.TokenizerStub(self._channel)
+        self._metadata = _auth_metadata(api_key)
 
     def __enter__(self) -> RingserveClient:
         return self
@@ -117,33 +161,45 @@ class RingserveClient:
         self._channel.close()
 
     def generate(self, request: tokenizer_pb2.GenerateReqInput, timeout_s: float | None = None) -> Iterator[Chunk]:
-        """Stream the outputs of one request; closing the iterator cancels (aborts) it."""
-        call = self._stub.Generate(request, timeout=timeout_s)
+        """Stream the outputs of one request; closing the iterator, or ``timeout_s`` passing,
+        cancels (aborts) it."""
+        call = self._stub.Generate(request, timeout=timeout_s, metadata=self._metadata)
         try:
             for out in call:
                 yield Chunk.from_proto(out)
         finally:
             call.cancel()
 
-    def chat(self, messages: Sequence[Mapping[str, str]], **kwargs: Any) -> Iterator[Chunk]:
-        return self.generate(chat_request(messages, **kwargs))
+    def chat(self, messages: Sequence[Mapping[str, str]], *, timeout_s: float | None = None,
+             **kwargs: Any) -> Iterator[Chunk]:
+        """``generate`` of ``chat_request(messages, **kwargs)``."""
+        return self.generate(chat_request(messages, **kwargs), timeout_s)
 
-    def complete(self, text: str, **kwargs: Any) -> Iterator[Chunk]:
-        return self.generate(text_request(text, **kwargs))
+    def complete(self, text: str, *, timeout_s: float | None = None, **kwargs: Any) -> Iterator[Chunk]:
+        """``generate`` of ``text_request(text, **kwargs)``."""
+        return self.generate(text_request(text, **kwargs), timeout_s)
 
-    def model_info(self) -> tokenizer_pb2.ModelInfo:
-        return self._stub.GetModelInfo(common_pb2.Empty())
+    def model_info(self, timeout_s: float | None = None) -> tokenizer_pb2.ModelInfo:
+        return self._stub.GetModelInfo(common_pb2.Empty(), timeout=timeout_s, metadata=self._metadata)
 
-    def abort(self, rid: str) -> bool:
-        return self._stub.Abort(tokenizer_pb2.AbortRequest(rid=rid)).found
+    def abort(self, rid: str, timeout_s: float | None = None) -> bool:
+        """Abort the request ``rid`` on this tokenizer instance; whether it was in flight there."""
+        return self._stub.Abort(tokenizer_pb2.AbortRequest(rid=rid), timeout=timeout_s,
+                                metadata=self._metadata).found
 
 
 class AsyncRingserveClient:
-    """asyncio client. ``target`` is "host:port" of a tokenizer instance."""
+    """asyncio client; the same arguments as ``RingserveClient``."""
 
-    def __init__(self, target: str):
-        self._channel = grpc.aio.insecure_channel(target, options=list(CHANNEL_OPTIONS))
+    def __init__(self, target: str, *, api_key: str | None = None, tls: bool = False,
+                 ca_file: str | Path | None = None, cert_file: str | Path | None = None,
+                 key_file: str | Path | None = None):
+        creds = channel_credentials(tls, ca_file, cert_file, key_file)
+        options = list(CHANNEL_OPTIONS)
+        self._channel = (grpc.aio.secure_channel(target, creds, options=options) if creds is not None
+                         else grpc.aio.insecure_channel(target, options=options))
         self._stub = tokenizer_pb2_grpc.TokenizerStub(self._channel)
+        self._metadata = _auth_metadata(api_key)
 
     async def __aenter__(self) -> AsyncRingserveClient:
         return self
@@ -157,22 +213,28 @@ class AsyncRingserveClient:
     async def generate(
         self, request: tokenizer_pb2.GenerateReqInput, timeout_s: float | None = None
     ) -> AsyncIterator[Chunk]:
-        """Stream the outputs of one request; leaving the loop early cancels (aborts) it."""
-        call = self._stub.Generate(request, timeout=timeout_s)
+        """Stream the outputs of one request; leaving the loop early, or ``timeout_s``
+        passing, cancels (aborts) it."""
+        call = self._stub.Generate(request, timeout=timeout_s, metadata=self._metadata)
         try:
             async for out in call:
                 yield Chunk.from_proto(out)
         finally:
             call.cancel()
 
-    def chat(self, messages: Sequence[Mapping[str, str]], **kwargs: Any) -> AsyncIterator[Chunk]:
-        return self.generate(chat_request(messages, **kwargs))
+    def chat(self, messages: Sequence[Mapping[str, str]], *, timeout_s: float | None = None,
+             **kwargs: Any) -> AsyncIterator[Chunk]:
+        """``generate`` of ``chat_request(messages, **kwargs)``."""
+        return self.generate(chat_request(messages, **kwargs), timeout_s)
 
-    def complete(self, text: str, **kwargs: Any) -> AsyncIterator[Chunk]:
-        return self.generate(text_request(text, **kwargs))
+    def complete(self, text: str, *, timeout_s: float | None = None, **kwargs: Any) -> AsyncIterator[Chunk]:
+        """``generate`` of ``text_request(text, **kwargs)``."""
+        return self.generate(text_request(text, **kwargs), timeout_s)
 
-    async def model_info(self) -> tokenizer_pb2.ModelInfo:
-        return await self._stub.GetModelInfo(common_pb2.Empty())
+    async def model_info(self, timeout_s: float | None = None) -> tokenizer_pb2.ModelInfo:
+        return await self._stub.GetModelInfo(common_pb2.Empty(), timeout=timeout_s, metadata=self._metadata)
 
-    async def abort(self, rid: str) -> bool:
-        return (await self._stub.Abort(tokenizer_pb2.AbortRequest(rid=rid))).found
+    async def abort(self, rid: str, timeout_s: float | None = None) -> bool:
+        """Abort the request ``rid`` on this tokenizer instance; whether it was in flight there."""
+        return (await self._stub.Abort(tokenizer_pb2.AbortRequest(rid=rid), timeout=timeout_s,
+                                       metadata=self._metadata)).found

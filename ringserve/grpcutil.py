@@ -162,6 +162,7 @@ async def start_server(
     address: str,
     registrations: Sequence[tuple[Callable[[object, grpc.aio.Server], None], object, str]],
     transport: Transport | None = None,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> ServingServer:
     """Start a ``grpc.aio`` server on ``address`` ("host:port"; port 0 picks a free one).
 
@@ -169,6 +170,7 @@ async def start_server(
         address: bind address, e.g. "127.0.0.1:30020" or "unix:/tmp/sched.sock".
         registrations: (add_XServicer_to_server, servicer, full service name) triples.
         transport: message size and TLS; default: the process's (``configure``).
+        interceptors: run on every call, in order, before the servicer (the tokenizer's API key check).
 
     Returns:
         The started server; health reports NOT_SERVING until ``set_serving()``.
@@ -177,7 +179,7 @@ async def start_server(
         RuntimeError: the address could not be bound.
     """
     transport = transport or _transport
-    server = grpc.aio.server(options=transport.server_options())
+    server = grpc.aio.server(options=transport.server_options(), interceptors=list(interceptors) or None)
     names = []
     for add, servicer, name in registrations:
         add(servicer, server)

@@ -19,6 +19,11 @@ and the launcher exits with status 1 — unless ``--restart-on-failure``, which
 starts it again with the same flags and port (the tokenizer and the scheduler
 reconnect to it with backoff).
 
+API keys (``--api-key``, ``--api-key-file``, ``$RINGSERVE_API_KEY``) go to the gateway and
+every tokenizer through the environment (``RINGSERVE_API_KEY``), never on their command
+lines: the gateway requires one on its HTTP API and presents the first to the tokenizer,
+which requires one on its public gRPC service.
+
 Every service gets the same gRPC transport flags (``--grpc-max-message-bytes``, and
 ``--tls-cert-file/--tls-key-file/--tls-ca-file`` for TLS or mutual TLS); the launcher's own
 health checks use them too.
@@ -42,6 +47,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ringserve import grpcutil
+from ringserve.apikeys import API_KEY_ENV, ApiKeys, add_api_key_args, api_keys_from_args
 from ringserve.cli import LAUNCHER_PID_ENV
 
 STARTUP_TIMEOUT_S = 600.0
@@ -65,7 +71,7 @@ class LaunchConfig:
     dtype: str = "auto"  # the scheduler picks bf16 on AMX / AVX-512-BF16 CPUs, else fp32
     attention_backend: str = "auto"  # the scheduler picks triton on CUDA devices, cpu on CPU
     served_model_name: str | None = None
-    api_key: str | None = None
+    api_keys: ApiKeys = ApiKeys()  # required by the gateway's HTTP API and the tokenizers' gRPC API
     context_length: int | None = None
     max_running_requests: int | None = None
     max_total_tokens: int | None = None  # KV pool in tokens; None: --kv-cache-gib, else the scheduler's default
@@ -227,6 +233,10 @@ class Launcher:
         # Idle OpenMP workers must not spin: the services share the cores.
         env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
                LAUNCHER_PID_ENV: str(os.getpid())}
+        # The keys, for the services that check them: in the environment, not on the command line.
+        env.pop(API_KEY_ENV, None)
+        if service in ("gateway", "tokenizer"):
+            env.update(self.config.api_keys.env())
         # No preexec_fn: the child sets its parent-death signal itself (ringserve.cli).
         proc = subprocess.Popen(cmd, start_new_session=True, env=env)
         self.procs = [(n, p) for n, p in self.procs if n != name] + [(name, proc)]
@@ -295,8 +305,6 @@ class Launcher:
         gw_args = [
             "--host", c.host, "--port", str(c.port), "--tokenizer", tokenizer_target,
         ]
-        if c.api_key:
-            gw_args += ["--api-key", c.api_key]
         if c.request_timeout_s is not None:
             gw_args += ["--request-timeout", str(c.request_timeout_s)]
         if c.max_request_body_bytes is not None:
@@ -433,7 +441,7 @@ def parse_args(argv: list[str] | None) -> LaunchConfig:
                         choices=["auto", "torch", "cpu", "triton"],
                         help="scheduler: auto = triton on CUDA devices, cpu (C kernels) on CPU")
     parser.add_argument("--served-model-name", default=None)
-    parser.add_argument("--api-key", default=None)
+    add_api_key_args(parser, "the gateway's HTTP API and the tokenizers' gRPC API")
     parser.add_argument("--context-length", type=int, default=None)
     parser.add_argument("--max-running-requests", type=int, default=None)
     kv = parser.add_mutually_exclusive_group()
@@ -489,7 +497,7 @@ def parse_args(argv: list[str] | None) -> LaunchConfig:
         detokenizer_port=args.detokenizer_port, dtype=args.dtype,
         tokenizer_metrics_port=args.tokenizer_metrics_port, scheduler_metrics_port=args.scheduler_metrics_port,
         detokenizer_metrics_port=args.detokenizer_metrics_port, attention_backend=args.attention_backend,
-        served_model_name=args.served_model_name, api_key=args.api_key,
+        served_model_name=args.served_model_name, api_keys=api_keys_from_args(parser, args),
         context_length=args.context_length, max_running_requests=args.max_running_requests,
         max_total_tokens=args.max_total_tokens, kv_cache_gib=args.kv_cache_gib,
         kv_cache_mem_fraction=args.kv_cache_mem_fraction, max_queued_requests=args.max_queued_requests,

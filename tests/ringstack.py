@@ -38,6 +38,8 @@ class Stack:
     model_name: str
     proc: subprocess.Popen
     metrics_urls: dict[str, str]  # service -> its Prometheus /metrics URL
+    # Metadata of the tokenizer calls made here: the API key of a ring launched with --api-key.
+    grpc_metadata: tuple[tuple[str, str], ...] = ()
 
     def scrape(self, name: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         """Every sample of service ``name``'s /metrics: (sample name, sorted labels) -> value."""
@@ -55,7 +57,8 @@ class Stack:
 
     def tokenizer_load(self) -> common_pb2.LoadReport:
         with grpc.insecure_channel(self.tokenizer) as ch:
-            return tokenizer_pb2_grpc.TokenizerStub(ch).GetLoad(common_pb2.Empty(), timeout=5)
+            return tokenizer_pb2_grpc.TokenizerStub(ch).GetLoad(common_pb2.Empty(), timeout=5,
+                                                                 metadata=self.grpc_metadata)
 
     def detokenizer_load(self) -> common_pb2.LoadReport:
         with grpc.insecure_channel(self.detokenizer) as ch:

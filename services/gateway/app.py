@@ -7,7 +7,6 @@ service; nothing else is kept between requests.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -20,6 +19,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.types import Message as ASGIMessage
 
+from ringserve.apikeys import ApiKeys
 from ringserve.v1 import common_pb2, tokenizer_pb2
 
 from . import convert, schemas, serving_chat, serving_completions, serving_native, sse
@@ -43,14 +43,13 @@ OPEN_PATHS = frozenset({"/health", "/health_generate", "/metrics"})
 class ApiKeyMiddleware:
     """Pure ASGI (it must not buffer SSE): ``Authorization: Bearer <key>`` or a 401 error."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_keys: ApiKeys) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.api_keys = api_keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            given = Headers(scope=scope).get("authorization", "").encode()
-            if not hmac.compare_digest(given, self.expected):
+            if not self.api_keys.accepts(Headers(scope=scope).get("authorization")):
                 error = GatewayError(
                     "Incorrect or missing API key; send 'Authorization: Bearer <key>'",
                     401,
@@ -241,8 +240,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.add_exception_handler(sse.ClientDisconnected, lambda *_: Response(status_code=499))
     app.add_middleware(CurlJsonMiddleware)
     app.add_middleware(BodyLimitMiddleware, limit=config.max_request_body_bytes)
-    if config.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    if config.api_keys:
+        app.add_middleware(ApiKeyMiddleware, api_keys=config.api_keys)
 
     def client_of(request: Request) -> TokenizerClient:
         return request.app.state.client

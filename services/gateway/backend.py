@@ -13,6 +13,9 @@ Several tokenizer instances are reached through one channel whose target resolve
 all of them (``ipv4:a:p,b:p``, or ``dns:///<headless-service>:<port>``): gRPC's own
 ``round_robin`` load balancing spreads the calls (each call stays on one instance, the
 one that owns its rid).
+
+With API keys every call carries ``authorization: Bearer <first key>`` metadata (the
+tokenizer requires it on its ``Tokenizer`` service; health needs none).
 """
 
 from __future__ import annotations
@@ -117,6 +120,7 @@ class TokenizerClient:
         self._config = config
         self._channel = grpcutil.channel(config.tokenizer, config.transport, extra_options=(ROUND_ROBIN,))
         self.stub = tokenizer_pb2_grpc.TokenizerStub(self._channel)
+        self._metadata = config.api_keys.metadata()
         self.metrics = metrics or GatewayMetrics(config.served_model_name)
         self._card: ModelCard | None = None
         self._pieces: dict[int, TokenPiece] = {}  # vocabulary cache for logprobs
@@ -131,7 +135,7 @@ class TokenizerClient:
             GatewayError: the status the tokenizer returned before its first output.
         """
         started = time.monotonic()
-        call = self.stub.Generate(req, timeout=self._config.request_timeout_s)
+        call = self.stub.Generate(req, timeout=self._config.request_timeout_s, metadata=self._metadata)
         log_output = None
         if self._config.log_requests:
             logger.info("request %s: %s", req.rid, text_format.MessageToString(req, as_one_line=True))
@@ -191,7 +195,8 @@ class TokenizerClient:
         """
         if self._card is None:
             try:
-                info = await self.stub.GetModelInfo(common_pb2.Empty(), timeout=self._config.rpc_timeout_s)
+                info = await self.stub.GetModelInfo(common_pb2.Empty(), timeout=self._config.rpc_timeout_s,
+                                                    metadata=self._metadata)
             except grpc.aio.AioRpcError as exc:
                 raise from_rpc_error(exc) from None
             name = self._config.served_model_name or info.served_model_name or info.model_path
@@ -221,7 +226,8 @@ class TokenizerClient:
     async def unary(self, method: str, request: object) -> object:
         """Call a unary Tokenizer RPC by name, mapping gRPC errors to GatewayError."""
         try:
-            return await getattr(self.stub, method)(request, timeout=self._config.rpc_timeout_s)
+            return await getattr(self.stub, method)(request, timeout=self._config.rpc_timeout_s,
+                                                    metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from None
 
@@ -237,7 +243,8 @@ class TokenizerClient:
             async with grpcutil.channel(address, self._config.transport) as channel:
                 stub = tokenizer_pb2_grpc.TokenizerStub(channel)
                 try:
-                    return await stub.GetClusterLoad(common_pb2.Empty(), timeout=self._config.rpc_timeout_s)
+                    return await stub.GetClusterLoad(common_pb2.Empty(), timeout=self._config.rpc_timeout_s,
+                                                     metadata=self._metadata)
                 except grpc.aio.AioRpcError as exc:
                     raise from_rpc_error(exc) from None
 

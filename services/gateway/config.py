@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ringserve.apikeys import ApiKeys
 from ringserve.grpcutil import Transport
 
 
@@ -12,7 +13,9 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     tokenizer: str = "127.0.0.1:30010"  # the tokenizer service's gRPC address
-    api_key: str | None = None  # when set, every route but /health needs "Authorization: Bearer <key>"
+    # Non-empty: every route but the probes and /metrics needs "Authorization: Bearer <key>" with one
+    # of these keys, and the first is presented to the tokenizer on every call.
+    api_keys: ApiKeys = ApiKeys()
     served_model_name: str | None = None  # overrides the tokenizer's served model name
     rpc_timeout_s: float = 5.0  # deadline of the unary calls (model info, tokenize, abort, load)
     health_timeout_s: float = 2.0

@@ -11,6 +11,8 @@ Every error leaves the gateway as ``{"error": {"message", "type", "param", "code
     UNAVAILABLE        -> 503 service_unavailable_error + Retry-After
     CANCELLED          -> 503 service_unavailable_error + Retry-After (the tokenizer went away)
     DEADLINE_EXCEEDED  -> 504 timeout_error
+    UNAUTHENTICATED    -> 500 server_error: the tokenizer refused the gateway's own key (the
+                          client's was checked here), a configuration error named in the log
     anything else      -> 500 server_error (the gRPC details, never a stack trace)
 """
 
@@ -82,6 +84,11 @@ def from_grpc_status(
 ) -> GatewayError:
     """Map a gRPC status (and the tokenizer's "code"/"param" trailing metadata) to a GatewayError."""
     metadata = metadata or {}
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        logger.error("the tokenizer refused the gateway's API key (%s): the gateway's first key must be "
+                     "one the tokenizer accepts", details)
+        return GatewayError("the server's tokenizer refused the gateway's API key (a server configuration error)",
+                            500, "server_error", None, "internal_error")
     status, type_, default_code, retry = _GRPC_STATUS.get(code, (500, "server_error", "internal_error", False))
     message = details or code.name.lower()
     if status == 500:

@@ -8,6 +8,7 @@ import logging
 import uvicorn
 
 from ringserve import grpcutil
+from ringserve.apikeys import add_api_key_args, api_keys_from_args
 
 from .app import create_app
 from .config import GatewayConfig
@@ -28,7 +29,7 @@ def parse_args(argv: list[str] | None) -> GatewayConfig:
         default=defaults.tokenizer,
         help="gRPC address of the tokenizer service (default %(default)s)",
     )
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on the API routes")
+    add_api_key_args(parser, "the API routes (the first key is also sent to the tokenizer)")
     parser.add_argument(
         "--served-model-name",
         default=None,
@@ -57,7 +58,7 @@ def parse_args(argv: list[str] | None) -> GatewayConfig:
         host=args.host,
         port=args.port,
         tokenizer=args.tokenizer,
-        api_key=args.api_key,
+        api_keys=api_keys_from_args(parser, args),
         served_model_name=args.served_model_name,
         request_timeout_s=args.request_timeout if args.request_timeout and args.request_timeout > 0 else None,
         max_request_body_bytes=args.max_request_body_bytes,

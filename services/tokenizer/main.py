@@ -10,6 +10,11 @@ only the requests dispatched to that replica. SIGTERM and SIGINT turn health
 NOT_SERVING and stop accepting calls; in-flight calls get ``--grace-period``
 seconds to finish (the links stay up meanwhile), then the rest are cancelled (which
 aborts them at their scheduler), pending aborts are flushed and the links closed.
+
+With API keys (``--api-key``, ``--api-key-file``, ``$RINGSERVE_API_KEY``; see
+``ringserve.apikeys``) every RPC of the ``Tokenizer`` service needs
+``authorization: Bearer <key>`` metadata, else it ends UNAUTHENTICATED before any work;
+health and reflection stay open.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ringserve import grpcutil
+from ringserve.apikeys import ApiKeyInterceptor, ApiKeys, add_api_key_args, api_keys_from_args
 from ringserve.grpcutil import ServingServer, start_server
 from ringserve.metrics import ServiceMetrics, add_metrics_port_flag
 from ringserve.v1 import tokenizer_pb2_grpc
@@ -63,6 +69,7 @@ class TokenizerConfig:
     chat_template: Path | None = None  # a Jinja chat template file replacing the model's
     metrics_port: int | None = None  # Prometheus /metrics on host:port; None = off, 0 = a free port
     transport: grpcutil.Transport = grpcutil.Transport()  # message size and TLS, server and both links
+    api_keys: ApiKeys = ApiKeys()  # keys the Tokenizer service requires; empty: none
 
     @property
     def address(self) -> str:
@@ -143,13 +150,16 @@ class TokenizerService:
         )
         install_tokenizer_metrics(self.metrics, self.manager, [r.scheduler for r in self.replicas.replicas], servicer)
         self.metrics.serve(self.config.host, self.config.metrics_port)
+        interceptors = [ApiKeyInterceptor(self.config.api_keys, (SERVICE_NAME,))] if self.config.api_keys else []
         self.server = await start_server(
-            self.config.address, [(tokenizer_pb2_grpc.add_TokenizerServicer_to_server, servicer, SERVICE_NAME)]
+            self.config.address, [(tokenizer_pb2_grpc.add_TokenizerServicer_to_server, servicer, SERVICE_NAME)],
+            interceptors=interceptors,
         )
         for replica in self.replicas.replicas:
             replica.start()
-        logger.info("tokenizer %s listening on %s:%d, replicas %s", self.config.instance_id, self.config.host,
-                    self.port, ", ".join(f"{r.address.scheduler}+{r.address.detokenizer}" for r in self.replicas.replicas))
+        logger.info("tokenizer %s listening on %s:%d, replicas %s, %s", self.config.instance_id, self.config.host,
+                    self.port, ", ".join(f"{r.address.scheduler}+{r.address.detokenizer}" for r in self.replicas.replicas),
+                    f"API key required ({len(self.config.api_keys.keys)} valid)" if self.config.api_keys else "no API key")
 
     async def stop(self) -> None:
         if self.server is not None:
@@ -185,6 +195,7 @@ def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
                         "to call tools with a ChatML model whose template cannot render them)")
     add_metrics_port_flag(p)
     grpcutil.add_transport_args(p)
+    add_api_key_args(p, "every RPC of the Tokenizer service (health and reflection stay open)")
     a = p.parse_args(argv)
     if a.chat_template is not None and not a.chat_template.is_file():
         p.error(f"--chat-template {a.chat_template}: no such file")
@@ -208,6 +219,7 @@ def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
         chat_template=a.chat_template,
         metrics_port=a.metrics_port,
         transport=grpcutil.transport_from_args(p, a),
+        api_keys=api_keys_from_args(p, a),
     )
 
 

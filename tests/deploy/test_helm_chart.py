@@ -24,7 +24,7 @@ RELEASE = "rs"
 FULL = "rs-ringserve"
 # Custom resources: no upstream schema; checked structurally below.
 CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
-VALUE_SETS = ["cpu-single", "gpu-multi", "tls-apikey"]
+VALUE_SETS = ["cpu-single", "gpu-multi", "tls-apikey", "grpc-api", "grpc-api-tls"]
 
 
 def render(helm: Path, values: str | None, *extra: str) -> list[dict]:
@@ -264,7 +264,11 @@ def test_tls_and_api_key(rendered: dict[str, list[dict]]) -> None:
     gw = container(by(docs, "Deployment", f"{FULL}-gateway")["spec"]["template"]["spec"], "gateway")
     env = {e["name"]: e for e in gw["env"]}
     assert env["RINGSERVE_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": f"{FULL}-api-key", "key": "api-key"}
-    assert "--api-key=$(RINGSERVE_API_KEY)" in gw["args"]
+    # The gateway and the tokenizer read the variable themselves: no key on a command line.
+    tok = container(by(docs, "Deployment", f"{FULL}-tokenizer")["spec"]["template"]["spec"], "tokenizer")
+    assert {e["name"]: e for e in tok["env"]}["RINGSERVE_API_KEY"] == env["RINGSERVE_API_KEY"]
+    for c in (gw, tok):
+        assert not [a for a in c["args"] if "api-key" in a.lower() or "API_KEY" in a]
     # The key never appears in plain text outside the Secret.
     for d in docs:
         if d["kind"] != "Secret":
@@ -331,3 +335,103 @@ def test_api_key_requires_value(helm: Path) -> None:
         [str(helm), "template", RELEASE, str(CHART), "--set", "apiKey.enabled=true"],
         capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "apiKey.value" in out.stderr
+
+
+def grpc_api_objects(docs: list[dict]) -> list[tuple[str, str]]:
+    return [(d["kind"], d["metadata"]["name"]) for d in docs if d["metadata"]["name"] == f"{FULL}-grpc-api"]
+
+
+def tokenizer_policy(docs: list[dict]) -> list[dict]:
+    return by(docs, "NetworkPolicy", f"{FULL}-tokenizer")["spec"]["ingress"]
+
+
+def test_grpc_api_off_by_default(rendered: dict[str, list[dict]]) -> None:
+    """Without grpcApi.enabled: no Service or Ingress for it, and the tokenizer's gRPC port
+    admits the gateway alone (its second rule is the metrics port)."""
+    for values in ("defaults", "cpu-single", "gpu-multi", "tls-apikey"):
+        docs = rendered[values]
+        assert grpc_api_objects(docs) == [], values
+        rules = tokenizer_policy(docs)
+        assert len(rules) == 2 and rules[1]["ports"] == [{"port": 9010, "protocol": "TCP"}], values
+    assert "--api-key" not in yaml.safe_dump_all(rendered["defaults"])
+
+
+def test_grpc_api_without_tls(rendered: dict[str, list[dict]], helm: Path) -> None:
+    docs = rendered["grpc-api"]
+    assert sorted(grpc_api_objects(docs)) == [("Ingress", f"{FULL}-grpc-api"), ("Service", f"{FULL}-grpc-api")]
+    svc = by(docs, "Service", f"{FULL}-grpc-api")["spec"]
+    assert svc["type"] == "LoadBalancer"
+    assert svc["ports"] == [{"name": "grpc", "port": 443, "targetPort": "grpc", "protocol": "TCP", "appProtocol": "grpc"}]
+    tok_dep = by(docs, "Deployment", f"{FULL}-tokenizer")
+    assert svc["selector"] == tok_dep["spec"]["selector"]["matchLabels"]
+    assert {"name": "grpc", "containerPort": 30010, "protocol": "TCP"} in container(
+        tok_dep["spec"]["template"]["spec"], "tokenizer")["ports"]
+
+    ing = by(docs, "Ingress", f"{FULL}-grpc-api")
+    assert ing["metadata"]["annotations"] == {
+        "nginx.ingress.kubernetes.io/backend-protocol": "GRPC",
+        "nginx.ingress.kubernetes.io/proxy-read-timeout": "600",
+        "nginx.ingress.kubernetes.io/proxy-send-timeout": "600",
+    }
+    assert ing["spec"]["ingressClassName"] == "nginx" and "tls" not in ing["spec"]
+    rule = ing["spec"]["rules"][0]
+    assert rule["host"] == "grpc.ringserve.test"
+    assert rule["http"]["paths"][0]["backend"]["service"] == {"name": f"{FULL}-grpc-api", "port": {"name": "grpc"}}
+
+    # The NetworkPolicy: the gateway, then grpcApi.allowedFrom, to the gRPC port; then metrics.
+    rules = tokenizer_policy(docs)
+    assert rules[0]["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "gateway"
+    assert rules[1] == {"ports": [{"port": 30010, "protocol": "TCP"}], "from": [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress-nginx"}}},
+        {"ipBlock": {"cidr": "10.20.0.0/16"}}]}
+    assert rules[2]["ports"] == [{"port": 9010, "protocol": "TCP"}]
+
+    # The key: the gateway's Secret (an existing one here), in both containers' environment.
+    ref = {"secretKeyRef": {"name": "team-api-keys", "key": "keys"}}
+    for kind, name in (("gateway", "gateway"), ("tokenizer", "tokenizer")):
+        c = container(by(docs, "Deployment", f"{FULL}-{kind}")["spec"]["template"]["spec"], name)
+        assert {e["name"]: e.get("valueFrom") for e in c["env"]}["RINGSERVE_API_KEY"] == ref
+    assert not any(d["kind"] == "Secret" for d in docs)
+
+    assert ('grpcurl -plaintext -H "authorization: Bearer $API_KEY" grpc.ringserve.test:80 '
+            'ringserve.v1.Tokenizer/GetModelInfo') in render_notes(helm, "grpc-api")
+    assert ('grpcurl -H "authorization: Bearer $API_KEY" grpc.ringserve.test:443 '
+            'ringserve.v1.Tokenizer/GetModelInfo') in render_notes(helm, "grpc-api-tls")
+    assert "ringserve.v1.Tokenizer" not in render_notes(helm, "tls-apikey")
+
+
+def test_grpc_api_with_tls(rendered: dict[str, list[dict]], helm: Path) -> None:
+    """Client TLS ends at the Ingress (its own Secret); to the tokenizer, which speaks mutual
+    TLS under grpcTls, nginx speaks GRPCS with the grpcTls Secret's client certificate."""
+    docs = rendered["grpc-api-tls"]
+    svc = by(docs, "Service", f"{FULL}-grpc-api")["spec"]
+    assert svc["type"] == "ClusterIP" and svc["ports"][0]["port"] == 30010
+    ing = by(docs, "Ingress", f"{FULL}-grpc-api")
+    assert ing["metadata"]["annotations"] == {
+        "nginx.ingress.kubernetes.io/backend-protocol": "GRPCS",
+        "nginx.ingress.kubernetes.io/proxy-ssl-secret": f"{NAMESPACE}/ringserve-grpc-mtls",
+        "nginx.ingress.kubernetes.io/proxy-ssl-verify": "on",
+        "nginx.ingress.kubernetes.io/proxy-ssl-name": f"{FULL}-tokenizer.{NAMESPACE}.svc.cluster.local",
+        "nginx.ingress.kubernetes.io/proxy-ssl-server-name": "on",
+        "nginx.ingress.kubernetes.io/proxy-read-timeout": "3600",  # the values' own annotation wins
+        "nginx.ingress.kubernetes.io/proxy-send-timeout": "600",
+    }
+    assert ing["spec"]["tls"] == [{"hosts": ["grpc.ringserve.test"], "secretName": "grpc-ringserve-test-tls"}]
+    assert tokenizer_policy(docs)[1] == {"ports": [{"port": 30010, "protocol": "TCP"}]}  # no allowedFrom: any
+    tok = container(by(docs, "Deployment", f"{FULL}-tokenizer")["spec"]["template"]["spec"], "tokenizer")
+    assert [a for a in tok["args"] if a.startswith("--tls-")] == GRPC_TLS_ARGS
+    assert {e["name"]: e.get("valueFrom") for e in tok["env"]}["RINGSERVE_API_KEY"] == {
+        "secretKeyRef": {"name": f"{FULL}-api-key", "key": "api-key"}}
+    for d in docs:
+        if d["kind"] != "Secret":
+            assert "sk-test-not-a-real-key" not in yaml.safe_dump(d)
+    # Without its own tlsSecret the Ingress uses the tls.* Secret.
+    own = render(helm, "grpc-api-tls", "--set", "grpcApi.ingress.tlsSecret=")
+    assert by(own, "Ingress", f"{FULL}-grpc-api")["spec"]["tls"][0]["secretName"] == f"{FULL}-tls"
+
+
+def test_grpc_api_requires_an_api_key(helm: Path) -> None:
+    out = subprocess.run(
+        [str(helm), "template", RELEASE, str(CHART), "--set", "grpcApi.enabled=true"],
+        capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "grpcApi.enabled needs apiKey.enabled" in out.stderr

@@ -18,6 +18,7 @@ import pytest_asyncio
 import uvicorn
 
 from ringserve import grpcutil
+from ringserve.apikeys import ApiKeys
 from ringserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from services.gateway.app import create_app
 from services.gateway.config import GatewayConfig
@@ -57,6 +58,7 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
         self.cancelled = asyncio.Event()
         self.tokenize_requests: list[tokenizer_pb2.TokenizeRequest] = []
         self.pieces_requests: list[list[int]] = []
+        self.authorizations: list[str | None] = []  # each Generate call's authorization metadata
 
     def reset(self, *steps) -> None:
         self.script = list(steps)
@@ -65,6 +67,7 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
 
     async def Generate(self, request, context):
         self.requests.append(request)
+        self.authorizations.append(dict(context.invocation_metadata()).get("authorization"))
         try:
             for step in list(self.script):
                 if isinstance(step, Fail):
@@ -163,9 +166,10 @@ async def stack(tokenizer_server) -> AsyncIterator[Stack]:
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def keyed(tokenizer_server) -> AsyncIterator[httpx.AsyncClient]:
-    """A gateway started with --api-key sekrit."""
+    """A gateway started with --api-key sekrit --api-key rotated."""
     _, server = tokenizer_server
-    async for client in _gateway(GatewayConfig(tokenizer=f"127.0.0.1:{server.port}", api_key="sekrit")):
+    keys = ApiKeys(("sekrit", "rotated"))
+    async for client in _gateway(GatewayConfig(tokenizer=f"127.0.0.1:{server.port}", api_keys=keys)):
         yield client
 
 

@@ -128,9 +128,10 @@ async def test_grpc_status_mapping(stack, stream, code, metadata, status, type_,
     assert (r.headers.get("retry-after") == "1") is retry
 
 
-async def test_api_key(keyed):
+async def test_api_key(keyed, stack):
     body = {"model": "smol", "messages": MSG}
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}, {"Authorization": "Bearer sekri"},
+                    {"Authorization": "Bearer sekrit,rotated"}):
         r = await keyed.post("/v1/chat/completions", json=body, headers=headers)
         assert_error(r, 401, None, "invalid_api_key", "authentication_error")
     # malformed JSON without a key is still a 401: the key is checked first
@@ -139,6 +140,23 @@ async def test_api_key(keyed):
     r = await keyed.get("/v1/models", headers={"Authorization": "Bearer sekrit"})
     assert r.status_code == 200 and r.json()["data"][0]["id"] == "smol"
     assert (await keyed.get("/health")).status_code == 200
+    # Either of two keys (rotation); the gateway presents its first key to the tokenizer.
+    for key in ("sekrit", "rotated"):
+        stack.fake.reset(stack.out("Paris", finish="stop"))
+        stack.fake.authorizations.clear()
+        r = await keyed.post("/v1/chat/completions", json=body, headers={"Authorization": f"bearer {key}"})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "Paris"
+        assert stack.fake.authorizations == ["Bearer sekrit"]
+
+
+async def test_tokenizer_refusing_the_gateways_key_is_a_server_error(stack, caplog):
+    """The client's key passed the gateway; a key mismatch between gateway and tokenizer is
+    the server's fault: 500, and a log line that says what to fix."""
+    stack.fake.reset(stack.Fail(grpc.StatusCode.UNAUTHENTICATED, "invalid API key"))
+    r = await stack.client.post("/v1/chat/completions", json={"model": "smol", "messages": MSG})
+    err = assert_error(r, 500, None, "internal_error", "server_error")
+    assert err["message"] == "the server's tokenizer refused the gateway's API key (a server configuration error)"
+    assert "the tokenizer refused the gateway's API key (invalid API key)" in caplog.text
 
 
 async def test_tokenizer_down(orphan):

@@ -37,6 +37,7 @@ app.kubernetes.io/component: {{ .component }}
 {{- define "ringserve.gateway" -}}{{ include "ringserve.fullname" . }}-gateway{{- end -}}
 {{- define "ringserve.tokenizer" -}}{{ include "ringserve.fullname" . }}-tokenizer{{- end -}}
 {{- define "ringserve.replica" -}}{{ include "ringserve.fullname" . }}-replica{{- end -}}
+{{- define "ringserve.grpcApi" -}}{{ include "ringserve.fullname" . }}-grpc-api{{- end -}}
 {{- define "ringserve.config" -}}{{ include "ringserve.fullname" . }}-config{{- end -}}
 
 {{- define "ringserve.apiKeySecret" -}}
