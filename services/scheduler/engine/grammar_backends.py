@@ -128,8 +128,10 @@ class LLGuidanceBackend:
                 grammar = llg.grammar_from("gbnf", spec.text)
             else:
                 raise GrammarError(f"unknown constraint kind {spec.kind!r}")
-        except ValueError as exc:
-            raise GrammarError(str(exc)) from None
+        except GrammarError:
+            raise
+        except Exception as exc:  # the engine's verdict on the client's grammar, whatever its type
+            raise GrammarError(str(exc) or type(exc).__name__) from None
         failed, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         if failed:
             raise GrammarError("; ".join(messages))
@@ -181,7 +183,9 @@ class XGrammarBackend:
                 return self.compiler.compile_regex(spec.text)
             if spec.kind == "ebnf":
                 return self.compiler.compile_grammar(spec.text)
-        except (RuntimeError, ValueError) as exc:
+        except GrammarError:
+            raise
+        except Exception as exc:  # the engine's verdict on the client's grammar, whatever its type
             raise GrammarError(str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__) from None
         raise GrammarError(f"unknown constraint kind {spec.kind!r}")
 
