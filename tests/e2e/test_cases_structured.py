@@ -125,18 +125,35 @@ def nested_one_of_defs(depth: int, keyword: str) -> dict:
 
 
 async def test_s05_a_heavy_grammar_never_stalls_the_server(ring, client):
+    """Depth-16 nested oneOf/anyOf schemas sent while a plain stream runs and /health is
+    polled every 100 ms. On a CPU two more rows in the batch lengthen every step whatever
+    they carry, so the stream's largest gap is compared with the same two requests sent
+    without a constraint (on a GPU that control is the solo stream)."""
     model = ring.model_name
     body = chat_body(model, "Count from one to twenty in words.", max_tokens=48, stream=True)
 
-    async def gaps() -> list[float]:
+    async def largest_gap(during) -> tuple[float, list]:
         stamps = []
-        async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
-            async for line in resp.aiter_lines():
-                if line.startswith("data: {"):
-                    stamps.append(time.monotonic())
-        return [b - a for a, b in zip(stamps[1:], stamps[2:])]
 
-    solo = max(await gaps())
+        async def read() -> None:
+            async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: {"):
+                        stamps.append(time.monotonic())
+
+        reader = asyncio.ensure_future(read())
+        await asyncio.sleep(0.3)
+        results = await during()
+        await reader
+        return max(b - a for a, b in zip(stamps[1:], stamps[2:])), results
+
+    def send(constrained: bool):
+        schemas = [nested_one_of_defs(16, "oneOf"), nested_one_of_defs(16, "anyOf")]
+        return lambda: asyncio.gather(*(client.post("/v1/chat/completions", json=chat_body(
+            model, "Hi", max_tokens=16, **({"response_format": json_schema(s)} if constrained else {})))
+            for s in schemas))
+
+    control, _ = await largest_gap(send(False))
     health: list[float] = []
     stop = asyncio.Event()
 
@@ -148,13 +165,9 @@ async def test_s05_a_heavy_grammar_never_stalls_the_server(ring, client):
             await asyncio.sleep(0.1)
 
     poller = asyncio.ensure_future(poll())
-    stream = asyncio.ensure_future(gaps())
     started = time.monotonic()
-    heavy = [nested_one_of_defs(16, "oneOf"), nested_one_of_defs(16, "anyOf")]
-    results = await asyncio.gather(*(client.post("/v1/chat/completions", json=chat_body(
-        model, "Hi", response_format=json_schema(s), max_tokens=16)) for s in heavy))
+    with_heavy, results = await largest_gap(send(True))
     took = time.monotonic() - started
-    with_heavy = max(await stream)
     stop.set()
     await poller
     # llguidance builds the grammar lazily (the oneOf branches here are disjoint, so it is
@@ -162,10 +175,10 @@ async def test_s05_a_heavy_grammar_never_stalls_the_server(ring, client):
     for resp in results:
         assert resp.status_code == 200, resp.text
         assert resp.json()["choices"][0]["finish_reason"] == "length"
-    assert took < 5.0 + 2.0  # the compile budget (--grammar-compile-timeout 5) plus slack
+    assert took < 5.0 + 10.0  # the compile budget (--grammar-compile-timeout 5) plus the stream
     health.sort()
     assert health[int(len(health) * 0.99)] < 1.0
-    assert with_heavy < 2 * solo + 0.05, (with_heavy, solo)
+    assert with_heavy < 2 * control, (with_heavy, control)
 
 
 async def test_s06_schema_is_enforced_and_a_missing_schema_is_a_400(ring, client):
@@ -342,3 +355,24 @@ async def test_tool_results_render_through_the_template(ring, client):
     assert '"name": "get_weather"' in prompt.split("<tools>\n")[1].split("</tools>")[0]
     (msg,) = await chat(client, chat_body(ring.model_name, messages, tools=[TOOL_W], tool_choice="none"), False)
     assert msg.content and msg.finish_reason in ("stop", "length") and not msg.tool_calls
+
+
+def test_grpc_generate_takes_a_constraint_and_refuses_a_bad_one(ring):
+    import grpc
+
+    from ringserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+
+    def request(constraint: common_pb2.Constraint) -> tokenizer_pb2.GenerateReqInput:
+        return tokenizer_pb2.GenerateReqInput(
+            text="The IP address of the local host is",
+            sampling_params=common_pb2.SamplingParams(temperature=0, max_new_tokens=32, constraint=constraint))
+
+    with grpc.insecure_channel(ring.tokenizer) as ch:
+        stub = tokenizer_pb2_grpc.TokenizerStub(ch)
+        (out,) = list(stub.Generate(request(common_pb2.Constraint(regex=IPV4)), timeout=60))
+        assert re.fullmatch(IPV4, out.text) and out.finish_reason.type == common_pb2.FINISH_STOP
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(request(common_pb2.Constraint(regex="(a")), timeout=60))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details().startswith("regex: the constraint cannot be used")
+        assert ("param", "regex") in tuple(info.value.trailing_metadata())
