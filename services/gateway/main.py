@@ -46,7 +46,8 @@ def parse_args(argv: list[str] | None) -> GatewayConfig:
                         choices=[*TOOL_CALL_PARSERS, "none"],
                         help="format of the model's own tool calls under tool_choice auto: hermes "
                              "(<tool_call> JSON: Hermes, Qwen2.5/3, chatml_tools.jinja), llama3_json "
-                             "(Llama 3.x); none = leave them in content (default %(default)s)")
+                             "(Llama 3.x), mistral ([TOOL_CALLS]), pythonic ([f(a=1)]); none = leave them "
+                             "in content (default %(default)s)")
     parser.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
                         help="split <think>...</think> into reasoning_content: deepseek_r1 (the opening tag "
                              "may be in the prompt) or qwen3 (default: off)")

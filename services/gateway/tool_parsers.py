@@ -15,6 +15,12 @@ Formats (``--tool-call-parser``):
   ringserve/templates/chatml_tools.jinja for ChatML models such as SmolLM2).
 - ``llama3_json``: the whole output is ``{"name": ..., "parameters": {...}}`` (optionally
   after ``<|python_tag|>``), several separated by ``;`` (Llama 3.1/3.2/3.3).
+- ``mistral``: ``[TOOL_CALLS]`` then a JSON array of ``{"name", "arguments"}`` objects
+  (Mistral 7B v0.3, Mixtral 8x22B, Mistral Small/Nemo); text before the marker is content.
+- ``pythonic``: the whole output is a Python list of calls, ``[get_weather(city="Paris",
+  days=3), get_time()]``, keyword arguments as Python literals (Llama 3.2 and Llama 4 with
+  their pythonic templates, ToolACE); each call is sent once its closing parenthesis has
+  arrived, its arguments as JSON.
 - the forced format (tool_choice "required" or a named function, enforced by a grammar,
   whatever the model): a JSON array ``[{"name": ..., "arguments": {...}}, ...]``.
 """
@@ -274,9 +280,103 @@ class JsonCallsParser(ToolParser):
         return "", self._call.finish() if self._call is not None else []
 
 
+class MistralToolParser(ToolParser):
+    """Content until ``[TOOL_CALLS]``, then the calls as a JSON array."""
+
+    MARKER = "[TOOL_CALLS]"
+
+    def __init__(self) -> None:
+        self._buf = ""
+        self._calls: JsonCallsParser | None = None
+
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        if self._calls is not None:
+            out = self._calls.feed(text)
+            self.calls = self._calls.calls
+            return out
+        self._buf += text
+        at = self._buf.find(self.MARKER)
+        if at < 0:
+            keep = partial_suffix(self._buf, self.MARKER)
+            content, self._buf = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep :]
+            return content, []
+        content, rest = self._buf[:at], self._buf[at + len(self.MARKER) :]
+        self._buf = ""
+        self._calls = JsonCallsParser()
+        _, deltas = self._calls.feed(rest)
+        self.calls = self._calls.calls
+        return content, deltas
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        if self._calls is None:
+            rest, self._buf = self._buf, ""
+            return rest, []
+        return self._calls.finish()
+
+
+class PythonicToolParser(ToolParser):
+    """``[f(a=1), g()]``: each call is parsed with ``ast`` once it is complete. Output that
+    does not open with ``[`` is content."""
+
+    def __init__(self) -> None:
+        self._buf = ""
+        self._sent = 0  # calls already sent
+        self._content: bool | None = None  # decided by the first non-blank character
+
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        if self._content:
+            return text, []
+        self._buf += text
+        if self._content is None:
+            head = self._buf.lstrip()
+            if not head:
+                return "", []
+            self._content = not head.startswith("[")
+            if self._content:
+                out, self._buf = self._buf, ""
+                return out, []
+        return "", self._complete_calls()
+
+    def _complete_calls(self) -> list[ToolCallDelta]:
+        import ast
+
+        body = self._buf.strip()
+        # The longest prefix that closes into a valid list holds the calls complete so far.
+        for end in range(len(body), 0, -1):
+            if body[end - 1] not in ")]":
+                continue
+            candidate = body[:end].rstrip("]") + "]"
+            try:
+                tree = ast.parse(candidate, mode="eval").body
+            except SyntaxError:
+                continue
+            if not isinstance(tree, ast.List) or not all(isinstance(c, ast.Call) for c in tree.elts):
+                return []
+            deltas = []
+            for call in tree.elts[self._sent :]:
+                try:
+                    args = {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}
+                except ValueError:
+                    return deltas
+                name = ast.unparse(call.func)
+                deltas.append(ToolCallDelta(self._sent, json.dumps(args, ensure_ascii=False), new_call_id(), name))
+                self._sent += 1
+                self.calls = self._sent
+            return deltas
+        return []
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        if self._content is None:
+            rest, self._buf = self._buf, ""
+            return rest, []
+        return "", []
+
+
 TOOL_CALL_PARSERS = {
     "hermes": HermesToolParser,
     "llama3_json": lambda: JsonCallsParser("<|python_tag|>"),
+    "mistral": MistralToolParser,
+    "pythonic": PythonicToolParser,
 }
 
 

@@ -18,14 +18,20 @@ LLAMA3 = ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo", 
           '{"name": "get_time", "parameters": {}}')
 FORCED = ('[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}},\n {"name": "get_weather", '
           '"arguments": {"city": "Rome \\"old\\" town", "days": 1}}, {"name": "get_time", "arguments": {}}]')
+MISTRAL = ('Checking. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}, '
+           '{"name": "get_time", "arguments": {}}]')
+PYTHONIC = '[get_weather(city="Paris", days=3), book_trip(city="Rome (old)", dates={"nights": 2}), get_time()]'
 EXPECTED = {
     "hermes": ("Let me check.\n\n", [("get_weather", '{"city": "Paris", "days": 3}'),
                                      ("book_trip", '{"city": "Rome", "dates": {"from": "May 3", "nights": 2}}')]),
     "llama3_json": ("", [("get_weather", '{"city": "Oslo", "days": 10}'), ("get_time", "{}")]),
+    "mistral": ("Checking. ", [("get_weather", '{"city": "Oslo", "days": 2}'), ("get_time", "{}")]),
+    "pythonic": ("", [("get_weather", '{"city": "Paris", "days": 3}'),
+                      ("book_trip", '{"city": "Rome (old)", "dates": {"nights": 2}}'), ("get_time", "{}")]),
     "forced": ("", [("get_weather", '{"city": "Paris", "days": 3}'),
                     ("get_weather", '{"city": "Rome \\"old\\" town", "days": 1}'), ("get_time", "{}")]),
 }
-TEXTS = {"hermes": HERMES, "llama3_json": LLAMA3, "forced": FORCED}
+TEXTS = {"hermes": HERMES, "llama3_json": LLAMA3, "mistral": MISTRAL, "pythonic": PYTHONIC, "forced": FORCED}
 
 
 def make(name: str):
@@ -67,9 +73,11 @@ def test_one_character_chunks(name):
         json.loads(arguments)
 
 
-def test_hermes_without_calls_is_all_content_and_a_partial_tag_is_flushed():
+def test_text_without_calls_is_all_content_and_a_partial_marker_is_flushed():
     assert run("hermes", ["Plain answer <tool", "_ca"]) == ("Plain answer <tool_ca", [])
     assert run("hermes", ["a < b and <b>bold</b>"]) == ("a < b and <b>bold</b>", [])
+    assert run("mistral", ["Plain [TOOL", "_CA"]) == ("Plain [TOOL_CA", [])
+    assert run("pythonic", ["  Plain (", "answer)"]) == ("  Plain (answer)", [])
 
 
 THINK = "<think>\nThe user asks 2+2. That is 4.\n</think>\n\nThe answer is 4."
