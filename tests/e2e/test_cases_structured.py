@@ -376,3 +376,17 @@ def test_grpc_generate_takes_a_constraint_and_refuses_a_bad_one(ring):
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert info.value.details().startswith("regex: the constraint cannot be used")
         assert ("param", "regex") in tuple(info.value.trailing_metadata())
+
+
+async def test_constraints_with_logprobs_and_stop_strings(ring, client):
+    body = chat_body(ring.model_name, "Answer in one English sentence: what is 19+4?",
+                     response_format=json_schema(SCHEMA_S06), logprobs=True, top_logprobs=2)
+    resp = await client.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    tokens = choice["logprobs"]["content"]
+    assert "".join(t["token"] for t in tokens) == choice["message"]["content"]
+    assert all(t["logprob"] <= 0 and len(t["top_logprobs"]) == 2 for t in tokens)
+    valid(choice["message"]["content"], SCHEMA_S06)
+    (msg,) = await chat(client, {**body, "logprobs": False, "top_logprobs": None, "stop": ["ENFORCED"]}, False)
+    assert msg.finish_reason == "stop" and msg.content.endswith('"SCHEMA_')
