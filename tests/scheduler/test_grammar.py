@@ -189,3 +189,17 @@ def test_masks_touch_only_constrained_rows_and_allow_exactly_the_set():
     reqs[1].grammar = _FixedMask([7])
     all_rows = apply_grammar_masks(before.clone(), reqs)
     assert [torch.isfinite(r).nonzero().flatten().tolist() for r in all_rows] == [[0, 31, 32, 63, 99], [7], [5]]
+
+
+def test_chunked_prefill_samples_the_constrained_row_only_at_the_prompt_end(make_engine, run_all, chat_ids, tokenizer):
+    prompt = chat_ids("Answer in one English sentence: what is 19+4? " + "Think about it carefully. " * 6)
+    spec = GrammarSpec("json_schema", json.dumps(SCHEMA_S06))
+    whole = make_engine()
+    whole.add_request(constrained("w", prompt, spec))
+    want = run_all(whole)["w"].output_ids
+    chunked = make_engine(chunked_prefill_size=16)
+    chunked.add_request(constrained("c", prompt, spec))
+    got = run_all(chunked)["c"]
+    assert len(prompt) > 3 * 16
+    assert got.output_ids == want and got.finish.type == FinishType.STOP
+    jsonschema.validate(json.loads(tokenizer.decode(got.output_ids)), SCHEMA_S06)
