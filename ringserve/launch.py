@@ -49,6 +49,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ringserve import grpcutil
 from ringserve.apikeys import API_KEY_ENV, ApiKeys, add_api_key_args, api_keys_from_args
 from ringserve.cli import LAUNCHER_PID_ENV
+from services.gateway.reasoning import REASONING_PARSERS
+from services.gateway.tool_parsers import TOOL_CALL_PARSERS
+from services.scheduler.config import GRAMMAR_BACKENDS
 
 STARTUP_TIMEOUT_S = 600.0
 RESTART_DELAY_S = 0.5  # before restarting a service that exited (a crash loop stays slow)
@@ -477,13 +480,13 @@ def parse_args(argv: list[str] | None) -> LaunchConfig:
     parser.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
                         help="tokenizer: Jinja chat template replacing the model's "
                              "(ringserve/templates/chatml_tools.jinja: tool calling on ChatML models)")
-    parser.add_argument("--grammar-backend", default=None, choices=["llguidance", "xgrammar"],
+    parser.add_argument("--grammar-backend", default=None, choices=GRAMMAR_BACKENDS,
                         help="scheduler: constrained decoding engine (default llguidance)")
     parser.add_argument("--grammar-compile-timeout", type=float, default=None,
                         help="scheduler: seconds a constrained request waits for its grammar (default 5)")
-    parser.add_argument("--tool-call-parser", default=None,
+    parser.add_argument("--tool-call-parser", default=None, choices=[*TOOL_CALL_PARSERS, "none"],
                         help="gateway: format of the model's own tool calls under tool_choice auto (default hermes)")
-    parser.add_argument("--reasoning-parser", default=None,
+    parser.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
                         help="gateway: split <think>...</think> into reasoning_content (deepseek_r1, qwen3)")
     grpcutil.add_transport_args(parser)
     args = parser.parse_args(argv)

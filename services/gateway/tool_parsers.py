@@ -232,10 +232,14 @@ class HermesToolParser(ToolParser):
         return "".join(content), deltas
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
-        deltas = self._call.finish() if self._call is not None else []
-        rest = self._buf if self._call is None else ""
-        self._buf = ""
-        return rest, deltas
+        call, rest = self._call, self._buf
+        self._buf, self._call = "", None
+        if call is None:
+            return rest, []
+        if call.name is None:  # never became a call (no name): the client sees the text as written
+            self.calls -= 1
+            return self.OPEN + call.text, []
+        return "", call.finish()
 
 
 class JsonCallsParser(ToolParser):

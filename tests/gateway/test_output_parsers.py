@@ -77,6 +77,7 @@ def test_text_without_calls_is_all_content_and_a_partial_marker_is_flushed():
     assert run("hermes", ["Plain answer <tool", "_ca"]) == ("Plain answer <tool_ca", [])
     assert run("hermes", ["a < b and <b>bold</b>"]) == ("a < b and <b>bold</b>", [])
     assert run("mistral", ["Plain [TOOL", "_CA"]) == ("Plain [TOOL_CA", [])
+    assert run("hermes", ["Hi <tool_call>\n{not json"]) == ("Hi <tool_call>\n{not json", [])
     assert run("pythonic", ["  Plain (", "answer)"]) == ("  Plain (answer)", [])
 
 
