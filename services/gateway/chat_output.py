@@ -31,9 +31,10 @@ class ChoiceDelta:
 class ChoiceParser:
     """reasoning -> tool calls -> content, for one choice."""
 
-    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None):
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None, parallel: bool = True):
         self.reasoning = reasoning
         self.tools = tools
+        self.parallel = parallel  # false: calls after the first are dropped (parallel_tool_calls)
 
     @property
     def made_calls(self) -> bool:
@@ -46,6 +47,8 @@ class ChoiceParser:
         if final:
             more, tail = self.tools.finish()
             text, calls = text + more, calls + tail
+        if not self.parallel:
+            calls = [d for d in calls if d.index == 0]
         return ChoiceDelta(reasoning, text, calls)
 
     def feed(self, text: str, final: bool = False) -> ChoiceDelta:
@@ -80,10 +83,11 @@ def parser_factory(req: ChatCompletionRequest, config: GatewayConfig) -> Callabl
     if reasoning is None and tools is None:
         return None
     kwargs = req.chat_template_kwargs
+    parallel = req.parallel_tool_calls is not False  # the forced format enforces it in the grammar too
 
     def make() -> ChoiceParser:
         return ChoiceParser(make_reasoning_parser(reasoning, kwargs) if reasoning else None,
-                            tools() if tools else None)
+                            tools() if tools else None, parallel)
 
     return make
 

@@ -118,3 +118,10 @@ def test_reasoning_then_tool_calls_in_one_message():
     assert message["reasoning_content"] == "I should call the tool."
     assert message["content"] == "Let me check.\n\n"
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == EXPECTED["hermes"][1]
+
+
+def test_parallel_tool_calls_false_keeps_only_the_first_call():
+    parser = ChoiceParser(None, TOOL_CALL_PARSERS["hermes"](), parallel=False)
+    message = final_message(parser, HERMES)
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == \
+        EXPECTED["hermes"][1][:1]
