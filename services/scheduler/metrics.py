@@ -56,6 +56,9 @@ class SchedulerMetrics(EngineObserver):
                                         "Seconds from the first step that schedules a request to the forward pass that completes its prompt.")
         self.decode_time = m.histogram("request_decode_time_seconds",
                                        "Seconds from a request's first token to its end.")
+        compile_time = m.histogram("grammar_compile_time_seconds",
+                                   "Seconds one output constraint took to compile (worker thread; cache hits not counted).")
+        engine.grammars.observe_compile = compile_time.observe
         finished = Counter(PREFIX + "scheduler_requests_finished", "Requests that left the scheduler, by finish reason.",
                            ["model_name", "finished_reason"], registry=m.registry)
         self._finished = {t: finished.labels(m.model_name, name) for t, name in _REASONS.items()}
@@ -87,6 +90,8 @@ class SchedulerMetrics(EngineObserver):
                  lambda: engine.policy.num_retracted),
             Read("num_decode_steps", "Steps that decoded at least one request.", "counter",
                  lambda: engine.num_decode_steps),
+            Read("num_requests_compiling", "Requests waiting for their output constraint to compile (also counted "
+                 "in num_requests_waiting).", "gauge", lambda: engine.grammars.num_pending),
         ])
         engine.observer = self
 

@@ -60,7 +60,7 @@ class GrammarManager:
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._pending: dict[str, _Pending] = {}  # rid -> request waiting for its grammar
         self.wake: Callable[[], None] = lambda: None  # set by the engine loop: a compile finished
-        self.compile_seconds: list[float] = []  # for the benchmark; bounded below
+        self.observe_compile: Callable[[float], None] = lambda seconds: None  # metrics (worker thread)
 
     @property
     def backend(self) -> GrammarBackend:
@@ -95,8 +95,7 @@ class GrammarManager:
         try:
             return self.backend.compile(spec)
         finally:
-            self.compile_seconds.append(time.perf_counter() - started)
-            del self.compile_seconds[:-10000]
+            self.observe_compile(time.perf_counter() - started)
 
     def remove(self, req: Req) -> bool:
         """Forget a waiting request (abort); True when it was waiting here."""
