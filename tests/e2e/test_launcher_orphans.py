@@ -40,7 +40,7 @@ def test_every_service_exits_when_the_launcher_is_killed(smollm2_dir: Path, tmp_
 def test_ctrl_c_stops_a_launcher_started_with_sigint_ignored(smollm2_dir: Path, tmp_path: Path) -> None:
     port = free_port()
     launch = [sys.executable, "-m", "ringserve.cli", "launch", "--model", str(smollm2_dir), "--port", str(port),
-              "--dtype", "float32", "--max-total-tokens", "2048"]
+              "--tokenizer-port", "0", "--dtype", "float32", "--max-total-tokens", "2048"]
     with open(tmp_path / "ring.log", "w") as log:
         # `trap "" INT` is what a non-interactive shell does to a command it starts with `&`.
         proc = subprocess.Popen(["sh", "-c", 'trap "" INT; exec "$@"', "sh", *launch], start_new_session=True,

@@ -288,7 +288,7 @@ def test_gateway_health_and_models(stack):
     assert [m["id"] for m in models["data"]] == [stack.model_name]
 
 
-@pytest.mark.parametrize("sub", ["launch", "gateway", "tokenizer", "scheduler", "detokenizer"])
+@pytest.mark.parametrize("sub", ["launch", "gateway", "tokenizer", "scheduler", "detokenizer", "prepare-model"])
 def test_cli_help(sub):
     out = subprocess.run([sys.executable, "-m", "ringserve.cli", sub, "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

@@ -21,6 +21,7 @@ on blanks. Errors: ``GrammarError`` with a message for the client.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -216,8 +217,10 @@ def load_backend(name: str, model_dir: Path, vocab_size: int, eos_ids: frozenset
     """The backend ``name`` for a model directory (reads its tokenizer.json).
 
     Raises:
-        ValueError: a name outside GRAMMAR_BACKENDS.
+        ValueError: a name outside GRAMMAR_BACKENDS, or its package is not installed.
     """
     if name not in GRAMMAR_BACKENDS:
         raise ValueError(f"unknown grammar backend {name!r}; choose one of {', '.join(GRAMMAR_BACKENDS)}")
+    if importlib.util.find_spec(name) is None:
+        raise ValueError(f"--grammar-backend {name} needs the {name} package: pip install 'ringserve[{name}]'")
     return GRAMMAR_BACKENDS[name](model_dir, vocab_size, eos_ids)

@@ -30,8 +30,21 @@ app.kubernetes.io/instance: {{ .ctx.Release.Name }}
 app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
+{{/* A service's image, repository:tag: call with (dict "ctx" $ "service" "gateway"). The
+repository defaults to <image.registry>/ringserve-<service>, as `make images` tags it; the
+scheduler's default tag carries its variant: <tag>-cpu or <tag>-cuda. */}}
 {{- define "ringserve.image" -}}
-{{- printf "%s/ringserve-%s:%s" .ctx.Values.image.registry .service (default .ctx.Chart.AppVersion .ctx.Values.image.tag) -}}
+{{- $img := index .ctx.Values.image .service -}}
+{{- $tag := default .ctx.Chart.AppVersion .ctx.Values.image.tag -}}
+{{- if eq .service "scheduler" -}}
+{{- $tag = printf "%s-%s" $tag (include "ringserve.schedulerVariant" .ctx) -}}
+{{- end -}}
+{{- $repository := default (printf "%s/ringserve-%s" .ctx.Values.image.registry .service) $img.repository -}}
+{{- printf "%s:%s" $repository (default $tag $img.tag) -}}
+{{- end -}}
+
+{{- define "ringserve.schedulerVariant" -}}
+{{- default (ternary "cuda" "cpu" .Values.replica.gpu.enabled) .Values.image.scheduler.variant -}}
 {{- end -}}
 
 {{- define "ringserve.gateway" -}}{{ include "ringserve.fullname" . }}-gateway{{- end -}}
@@ -100,47 +113,142 @@ grpc:
 
 {{- define "ringserve.modelDir" -}}/models/{{ .Values.model.name }}{{- end -}}
 
-{{/* The model volume (and an init container for source=initContainer). */}}
+{{- define "ringserve.modelClaim" -}}
+{{- default (printf "%s-models" (include "ringserve.fullname" .)) .Values.model.volume.pvc.existingClaim -}}
+{{- end -}}
+
+{{/* The model volume. Read-only where nothing is prepared into it (source hf). */}}
 {{- define "ringserve.modelVolume" -}}
+{{- $v := .Values.model.volume -}}
 - name: model
-{{- if eq .Values.model.source "pvc" }}
+{{- if eq $v.type "pvc" }}
   persistentVolumeClaim:
-    claimName: {{ .Values.model.pvc.claimName }}
+    claimName: {{ include "ringserve.modelClaim" . }}
+    {{- if eq .Values.model.source "hf" }}
     readOnly: true
-{{- else if eq .Values.model.source "hostPath" }}
+    {{- end }}
+{{- else if eq $v.type "hostPath" }}
   hostPath:
-    path: {{ .Values.model.hostPath.path }}
-    type: Directory
+    path: {{ $v.hostPath.path }}
+    type: {{ ternary "Directory" "DirectoryOrCreate" (eq .Values.model.source "hf") }}
 {{- else }}
+{{- if ne .Values.model.source "image" }}
+{{- fail "model.volume.type=emptyDir needs model.source=image: every pod fills its own emptyDir" }}
+{{- end }}
   emptyDir:
-    sizeLimit: {{ .Values.model.initContainer.sizeLimit }}
+    sizeLimit: {{ $v.emptyDir.sizeLimit }}
 {{- end }}
 {{- end -}}
 
+{{/* Mount of the model volume at /models: call with (dict "ctx" $ "readOnly" bool). */}}
 {{- define "ringserve.modelMount" -}}
 - name: model
   mountPath: /models
+  {{- if .readOnly }}
   readOnly: true
-{{- if and (eq .Values.model.source "pvc") .Values.model.pvc.subPath }}
-  subPath: {{ .Values.model.pvc.subPath }}
+  {{- end }}
+{{- if and (eq .ctx.Values.model.volume.type "pvc") .ctx.Values.model.volume.pvc.subPath }}
+  subPath: {{ .ctx.Values.model.volume.pvc.subPath }}
 {{- end }}
 {{- end -}}
 
+{{/* `ringserve prepare-model`'s source flags (see model.source in values.yaml). */}}
+{{- define "ringserve.modelSourceArgs" -}}
+{{- $m := .Values.model -}}
+{{- if eq $m.source "registry" }}
+- --registry={{ required "model.registry.requirement is required when model.source=registry" $m.registry.requirement }}
+- --file={{ required "model.registry.file is required when model.source=registry" $m.registry.file }}
+{{- else if eq $m.source "gguf" }}
+{{- if $m.gguf.url }}
+- --gguf-url={{ $m.gguf.url }}
+{{- else }}
+- --gguf=/models/{{ required "model.gguf.path or model.gguf.url is required when model.source=gguf" $m.gguf.path }}
+{{- end }}
+{{- else }}
+- --hf
+{{- end }}
+{{- end -}}
+
+{{/* The init container that makes /models/<name> ready before a service starts: call with
+(dict "ctx" $ "role" "replica"|"tokenizer"). Replica pods prepare the model (the scheduler
+image has torch and gguf) under a lock; tokenizer pods wait for it; source=image copies it
+in every pod. */}}
 {{- define "ringserve.modelInit" -}}
-{{- if eq .Values.model.source "initContainer" }}
+{{- $c := .ctx -}}
+{{- $m := $c.Values.model -}}
 initContainers:
-  - name: fetch-model
-    image: {{ .Values.model.initContainer.image }}
-    imagePullPolicy: {{ .Values.image.pullPolicy }}
-    command: {{ toJson .Values.model.initContainer.command }}
+{{- if eq $m.source "image" }}
+  - name: copy-model
+    image: {{ printf "%s:%s" (required "model.image.repository is required when model.source=image" $m.image.repository) (required "model.image.tag is required when model.source=image" $m.image.tag) }}
+    command: {{ toJson $m.image.command }}
+{{- else if eq .role "replica" }}
+  - name: prepare-model
+    image: {{ include "ringserve.image" (dict "ctx" $c "service" "scheduler") }}
+    command: ["ringserve", "prepare-model"]
+    args:
+      - --dir={{ include "ringserve.modelDir" $c }}
+      {{- include "ringserve.modelSourceArgs" $c | nindent 6 }}
+{{- else }}
+  - name: wait-model
+    image: {{ include "ringserve.image" (dict "ctx" $c "service" "tokenizer") }}
+    command: ["ringserve", "prepare-model"]
+    args:
+      - --dir={{ include "ringserve.modelDir" $c }}
+      - --wait
+{{- end }}
+    imagePullPolicy: {{ $c.Values.image.pullPolicy }}
     env:
-      - name: MODEL_NAME
-        value: {{ .Values.model.name | quote }}
+      - name: MODEL_DIR
+        value: {{ include "ringserve.modelDir" $c | quote }}
+      # pip and transformers write their caches under $HOME: the /tmp emptyDir.
+      - name: HOME
+        value: /tmp
+      - name: PIP_NO_CACHE_DIR
+        value: "1"
+      {{- with $m.registry.indexUrl }}
+      - name: PIP_INDEX_URL
+        value: {{ . | quote }}
+      {{- end }}
     securityContext:
-      {{- toYaml .Values.containerSecurityContext | nindent 6 }}
+      {{- toYaml $c.Values.containerSecurityContext | nindent 6 }}
+    # Within what the pod's own containers ask for (a conversion holds the model in fp32).
+    resources:
+      {{- toYaml (ternary $c.Values.replica.scheduler.resources $c.Values.tokenizer.resources (eq .role "replica")) | nindent 6 }}
     volumeMounts:
-      - name: model
-        mountPath: /models
+      {{- $writes := or (eq $m.source "image") (and (eq .role "replica") (ne $m.source "hf")) }}
+      {{- include "ringserve.modelMount" (dict "ctx" $c "readOnly" (not $writes)) | nindent 6 }}
+      - name: tmp
+        mountPath: /tmp
+{{- end -}}
+
+{{/* Whether the model pods must share a node: the chart's own ReadWriteOnce claim. */}}
+{{- define "ringserve.modelOnOneNode" -}}
+{{- $v := .Values.model.volume -}}
+{{- if and (eq $v.type "pvc") (not $v.pvc.existingClaim) (has "ReadWriteOnce" $v.pvc.accessModes) }}true{{ end -}}
+{{- end -}}
+
+{{/* Pod affinity of a pod that mounts the model: call with (dict "ctx" $ "affinity" values).
+The given affinity, else, on a ReadWriteOnce claim, every model pod on one node. */}}
+{{- define "ringserve.modelPodAffinity" -}}
+{{- if .affinity }}
+affinity:
+  {{- toYaml .affinity | nindent 2 }}
+{{- else if include "ringserve.modelOnOneNode" .ctx }}
+affinity:
+  podAffinity:
+    requiredDuringSchedulingIgnoredDuringExecution:
+      - labelSelector:
+          matchLabels:
+            app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+            ringserve.io/model-volume: {{ include "ringserve.modelClaim" .ctx }}
+        topologyKey: kubernetes.io/hostname
+{{- end }}
+{{- end -}}
+
+{{/* The pod label that affinity matches. */}}
+{{- define "ringserve.modelPodLabel" -}}
+{{- if include "ringserve.modelOnOneNode" . }}
+ringserve.io/model-volume: {{ include "ringserve.modelClaim" . }}
 {{- end }}
 {{- end -}}
 
