@@ -203,3 +203,22 @@ def test_chunked_prefill_samples_the_constrained_row_only_at_the_prompt_end(make
     assert len(prompt) > 3 * 16
     assert got.output_ids == want and got.finish.type == FinishType.STOP
     jsonschema.validate(json.loads(tokenizer.decode(got.output_ids)), SCHEMA_S06)
+
+
+def test_eos_stays_masked_until_the_grammar_may_end(engine, tokenizer):
+    import torch
+
+    from services.scheduler.engine.grammar import apply_grammar_masks
+
+    backend = engine.grammars.backend
+    req = _req("eos")
+    req.grammar = backend.matcher(backend.compile(GrammarSpec("regex", "ab(c)?")))
+    eos = 2  # SmolLM2's <|im_end|>
+    masked = apply_grammar_masks(torch.zeros(1, engine.vocab_size), [req])
+    assert masked[0, eos] == float("-inf")
+    for t in tokenizer.encode("ab", add_special_tokens=False).ids:
+        assert req.grammar.accept_token(t)
+    masked = apply_grammar_masks(torch.zeros(1, engine.vocab_size), [req])
+    assert masked[0, eos] == 0.0  # "ab" may end here, or go on with "c"
+    assert masked[0, tokenizer.token_to_id("c")] == 0.0
+    assert not req.grammar.ended

@@ -191,8 +191,9 @@ class XGrammarBackend:
         raise GrammarError(f"unknown constraint kind {spec.kind!r}")
 
     def matcher(self, compiled: Any) -> Matcher:
-        # Ends when the grammar is complete, without waiting for a stop token (as llguidance).
-        return XGrammarMatcher(self._xgr.GrammarMatcher(compiled, terminate_without_stop_token=True))
+        # Stop tokens are allowed wherever the grammar may end, and accepting one ends it (its
+        # terminate_without_stop_token would forbid ending "ab" under "ab(c)?", forcing the "c").
+        return XGrammarMatcher(self._xgr.GrammarMatcher(compiled))
 
 
 def _refuse_keywords(schema: Any) -> None:
