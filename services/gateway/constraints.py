@@ -13,6 +13,7 @@ call; the tokenizer checks the rest (see services/tokenizer/constraints.py).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 
 from ringserve.v1 import common_pb2
@@ -20,6 +21,7 @@ from ringserve.v1 import common_pb2
 from .errors import invalid
 from .protocol import ChatCompletionRequest, GenerateRequest, SamplingFields, Tool
 
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
@@ -112,9 +114,16 @@ def forced_tools(req: ChatCompletionRequest) -> list[Tool] | None:
     """The tools a call must be made from (tool_choice "required" or named), else None.
 
     Raises:
-        GatewayError(400): tool_choice without tools, "required" with an empty list, a named
-            function not in tools, or a forced call together with an output constraint.
+        GatewayError(400): a tool name outside OpenAI's rule or given twice, tool_choice
+            without tools, "required" with an empty list, a named function not in tools, or
+            a forced call together with an output constraint.
     """
+    names = [t.function.name for t in req.tools or ()]
+    bad = next((n for n in names if not TOOL_NAME.fullmatch(n)), None)
+    if bad is not None:
+        raise invalid(f"tools: function name {bad!r} must be 1-64 letters, digits, '_' or '-'", "tools")
+    if len(set(names)) != len(names):
+        raise invalid("tools: function names must be unique", "tools")
     choice = req.tool_choice
     if choice is None or choice in ("none", "auto"):
         if choice is not None and req.tools is None:
