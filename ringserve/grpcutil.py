@@ -26,6 +26,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from .grpc_decode import DecodeErrorInterceptor
+
 # Large enough for a BatchTokenIDOutput of a full batch with logprobs.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -182,7 +184,9 @@ async def start_server(
         RuntimeError: the address could not be bound.
     """
     transport = transport or _transport
-    server = grpc.aio.server(options=transport.server_options(), interceptors=list(interceptors) or None)
+    # Key checks (issue 19) come first: a refused call does no work, not even parsing.
+    chain = [*interceptors, DecodeErrorInterceptor()]
+    server = grpc.aio.server(options=transport.server_options(), interceptors=chain)
     names = []
     for add, servicer, name in registrations:
         add(servicer, server)

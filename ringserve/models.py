@@ -316,7 +316,43 @@ def prepare_gemma3(cache_dir: Path = DEFAULT_CACHE) -> Path:
     return out_dir
 
 
-PREPARERS = {"smollm2": prepare_smollm2, "qwen25": prepare_qwen25, "gemma3": prepare_gemma3}
+GEMMA3_STRIP_DIR = "gemma-3-270m-strip-vocab"
+
+
+def prepare_gemma3_strip(cache_dir: Path = DEFAULT_CACHE) -> Path:
+    """Return a directory with the Gemma 3 vocabulary behind a Llama-2-style pipeline.
+
+    Same 262,144 tokens and merges as ``prepare_gemma3``, but normalized and decoded as
+    Llama-2 and Mistral tokenizers are: the normalizer prepends "▁" and replaces spaces
+    (no pre-tokenizer), and the decoder is ``Replace("▁", " ")``, ``ByteFallback``,
+    ``Fuse``, ``Strip(" ", 1, 0)`` — the leading space of a decoded sequence is removed.
+    Such a decoder does not concatenate per-token pieces, so the detokenizer serves it
+    with its general offset algorithm; the tests and ``bench-detok`` use it for that.
+    """
+    from tokenizers import Tokenizer, decoders, normalizers
+
+    out_dir = cache_dir / "models" / GEMMA3_STRIP_DIR
+    if _vocab_ready(out_dir):
+        return out_dir
+    source = prepare_gemma3(cache_dir)
+    with staged_dir(out_dir, ".ringserve-vocab", VOCAB_VERSION) as tmp:
+        tok = Tokenizer.from_file(str(source / "tokenizer.json"))
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+        tok.pre_tokenizer = None
+        tok.decoder = decoders.Sequence(
+            [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+        )
+        tok.save(str(tmp / "tokenizer.json"))
+        shutil.copy(source / "tokenizer_config.json", tmp / "tokenizer_config.json")
+    return out_dir
+
+
+PREPARERS = {
+    "smollm2": prepare_smollm2,
+    "qwen25": prepare_qwen25,
+    "gemma3": prepare_gemma3,
+    "gemma3-strip": prepare_gemma3_strip,
+}
 
 
 def prepare_all(cache_dir: Path = DEFAULT_CACHE) -> list[Path]:

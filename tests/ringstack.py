@@ -92,6 +92,16 @@ class Stack:
 SERVICES = ("gateway", "tokenizer", "scheduler", "detokenizer")
 
 
+def still_serves(stack: Stack) -> None:
+    """The ring still answers a known greedy question correctly and goes back to idle."""
+    resp = httpx.post(f"{stack.base_url}/v1/chat/completions", timeout=60, json={
+        "model": stack.model_name, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "max_tokens": 16, "temperature": 0})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["message"]["content"] == "The capital of France is Paris."
+    stack.wait_idle(timeout_s=5)
+
+
 def _flag(args: list[str], flag: str) -> str:
     return args[args.index(flag) + 1]
 

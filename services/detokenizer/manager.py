@@ -350,10 +350,12 @@ class DetokenizerManager:
         """Prompt tail ids usable as decode context: none that ends mid-character.
 
         A tail ending in an incomplete character would merge with the first output bytes
-        and shift the offsets; dropping those ids costs only the context they carried.
+        and shift the offsets, and so would one ending in a ``<0xXX>`` run (a ByteFallback
+        run decodes as one unit); dropping those ids costs only the context they carried.
         """
         ctx = [i for i in prompt_tail if 0 <= i < self.vocab_size]
-        while ctx and self.tokenizer.decode(ctx, skip_special_tokens=skip).endswith(REPLACEMENT):
+        while ctx and (ctx[-1] in self.byte_ids
+                       or self.tokenizer.decode(ctx, skip_special_tokens=skip).endswith(REPLACEMENT)):
             ctx.pop()
         return ctx
 

@@ -17,13 +17,21 @@ Differences from SGLang's DetokenizerManager.handle_batch_token_id_out:
   the stream nor grow the window;
 * the window is cut back to ``ids[surr:]`` at every commit, so per-token work is bounded.
 
-* with a ByteFallback decoder, a window that ends in a ``<0xXX>`` token is left open: the
-  run decodes all or nothing, so nothing of it is stable until a text token closes it.
+* with a ByteFallback decoder (Gemma, and Llama-2 / Mistral with their ``Strip`` step), a
+  run of ``<0xXX>`` tokens decodes all or nothing: its UTF-8 text if the whole run is valid,
+  else one U+FFFD per byte. So the run is tracked apart from the windows, in O(1) per byte
+  token (``DecodeStatus.run``, validated incrementally past its last complete character):
+  text before the run is committed when it opens; while it is valid nothing of it is
+  stable (a later byte can still turn it into U+FFFDs) and it is not decoded at all; once
+  its bytes can no longer be valid UTF-8 every byte is released at once as U+FFFD, as the
+  full decode will have it. The run is decoded once, in the window, when a text token
+  closes it: amortized O(1) per token however long the run.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from codecs import utf_8_decode as _utf8_decode
+from collections.abc import Mapping, Sequence
 
 from tokenizers import Tokenizer
 
@@ -37,7 +45,7 @@ def offset_step(
     tok: Tokenizer,
     rows: Sequence[tuple[DecodeStatus, Sequence[int], bool]],
     special_ids: frozenset[int],
-    byte_ids: frozenset[int] = frozenset(),
+    byte_ids: Mapping[int, int] | None = None,
 ) -> list[str]:
     """Advance every (status, new_ids, final) row by one step; return each row's stable text.
 
@@ -45,41 +53,86 @@ def offset_step(
     decoder has no spaces-between option (transformers' fast tokenizers ignore it too), so
     that key only keeps groups honest if a decoder ever honours it. With ``final`` the whole
     remaining window text is returned, trailing U+FFFD included, as the full decode has it.
-    ``byte_ids`` are the ``<0xXX>`` tokens of a ByteFallback decoder (empty otherwise).
+    ``byte_ids`` maps the ``<0xXX>`` tokens of a ByteFallback decoder to their byte (empty
+    or None otherwise).
     """
     groups: dict[tuple[bool, bool], list[int]] = {}
-    for k, (st, ids, _final) in enumerate(rows):
-        st.decode_ids.extend(ids)
-        groups.setdefault((st.skip_special_tokens, st.spaces_between_special_tokens), []).append(k)
+    ends = [0] * len(rows)  # per row: where the window ends (an open byte run is left out)
     out = [""] * len(rows)
+    for k, (st, ids, final) in enumerate(rows):
+        start = len(st.decode_ids)
+        st.decode_ids.extend(ids)
+        run_start = _track_run(st, start, special_ids, byte_ids) if byte_ids and not final else None
+        ends[k] = len(st.decode_ids) if run_start is None else run_start
+        if run_start is not None and run_start == st.read_offset:
+            out[k] = _release_bad_run(st)  # nothing to decode: the window holds only the run
+            continue
+        groups.setdefault((st.skip_special_tokens, st.spaces_between_special_tokens), []).append(k)
     for (skip, _spaces), members in groups.items():
         windows: list[list[int]] = []
         for k in members:
             st = rows[k][0]
             windows.append(st.decode_ids[st.surr_offset:st.read_offset])
-            windows.append(st.decode_ids[st.surr_offset:])
+            windows.append(st.decode_ids[st.surr_offset:ends[k]])
         texts = tok.decode_batch(windows, skip_special_tokens=skip)
         for j, k in enumerate(members):
             st, _ids, final = rows[k]
-            out[k] = _advance(tok, st, texts[2 * j], texts[2 * j + 1], final, special_ids, byte_ids)
+            surr_text, read_text = texts[2 * j], texts[2 * j + 1]
+            if ends[k] < len(st.decode_ids):
+                # A byte run opened after text: commit the text (a boundary before a byte
+                # run is final), then release the run's bytes if they are already invalid.
+                out[k] = _commit_text(st, read_text[len(surr_text):], ends[k]) + _release_bad_run(st)
+            else:
+                out[k] = _advance(tok, st, surr_text, read_text, final, special_ids)
     return out
 
 
+def _track_run(st: DecodeStatus, start: int, special_ids: frozenset[int], byte_ids: Mapping[int, int]) -> int | None:
+    """Walk the ids from ``start`` (this step's) and return where the byte run that the
+    window ends in starts, or None. An open run always starts at ``read_offset`` between
+    steps (its opening commits the text before it). Skipped specials do not close a run."""
+    ids = st.decode_ids
+    skip = st.skip_special_tokens
+    run_start = st.read_offset if st.run else None
+    for k in range(start, len(ids)):
+        i = ids[k]
+        if i in byte_ids:
+            if run_start is None:
+                run_start = k
+            _feed_byte(st, byte_ids[i])
+        elif not (skip and i in special_ids):
+            run_start = None
+            st.run.clear()
+            st.run_used = 0
+            st.run_bad = False
+    return run_start
+
+
+def _feed_byte(st: DecodeStatus, byte: int) -> None:
+    st.run.append(byte)
+    if not st.run_bad:
+        try:
+            # Validate only past the last complete character: O(1) per byte.
+            st.run_used += _utf8_decode(st.run[st.run_used:], "strict", False)[1]
+        except UnicodeDecodeError:
+            st.run_bad = True
+
+
+def _release_bad_run(st: DecodeStatus) -> str:
+    """U+FFFD for each byte of an invalid open run not sent yet (the run starts at
+    ``read_offset``, so its characters are the first of the uncommitted text)."""
+    if not st.run_bad or len(st.run) <= st.sent_offset:
+        return ""
+    delta = REPLACEMENT * (len(st.run) - st.sent_offset)
+    st.sent_offset = len(st.run)
+    return delta
+
+
 def _advance(tok: Tokenizer, st: DecodeStatus, surr_text: str, read_text: str, final: bool,
-             special_ids: frozenset[int], byte_ids: frozenset[int]) -> str:
+             special_ids: frozenset[int]) -> str:
     new = read_text[len(surr_text):]
     if final:
         return new[st.sent_offset:]
-    if byte_ids:
-        run_start = _open_run_start(st, special_ids, byte_ids)
-        if run_start is not None:
-            # ByteFallback decodes a run of <0xXX> tokens all or nothing (valid UTF-8, else
-            # one U+FFFD per byte), so nothing of an open run is stable: commit only up to
-            # the run (a boundary after a text token is final) and keep the run open.
-            if run_start <= st.read_offset:
-                return ""
-            text = tok.decode(st.decode_ids[st.surr_offset:run_start], skip_special_tokens=st.skip_special_tokens)
-            return _commit_text(st, text[len(surr_text):], run_start)
     if new and not new.endswith(REPLACEMENT):
         delta = new[st.sent_offset:]
         _commit(st, len(st.decode_ids))
@@ -98,35 +151,21 @@ def _advance(tok: Tokenizer, st: DecodeStatus, surr_text: str, read_text: str, f
     return delta
 
 
-def _open_run_start(st: DecodeStatus, special_ids: frozenset[int], byte_ids: frozenset[int]) -> int | None:
-    """Start of the run of byte tokens the window ends in, or None (skipped specials do not
-    close a run). Only the uncommitted ids are searched: commits never split a run."""
-    ids = st.decode_ids
-    skip = st.skip_special_tokens
-    k = len(ids)
-    saw_byte = False
-    while k > st.read_offset and (ids[k - 1] in byte_ids or (skip and ids[k - 1] in special_ids)):
-        saw_byte = saw_byte or ids[k - 1] in byte_ids
-        k -= 1
-    if not saw_byte:
-        return None
-    while k < len(ids) and ids[k] not in byte_ids:  # leading skipped specials are not the run
-        k += 1
-    return k
-
-
 def _commit_text(st: DecodeStatus, committed: str, read: int) -> str:
     """Commit ids up to ``read`` whose text past the context is ``committed``; return the unsent part."""
     delta = committed[st.sent_offset:]
     sent_beyond = max(0, st.sent_offset - len(committed))
-    _commit(st, read)
+    _commit(st, read, keep_context=not committed)
     st.sent_offset = sent_beyond
     return delta
 
 
-def _commit(st: DecodeStatus, read: int) -> None:
-    """Commit ids up to ``read``: the old read offset becomes the context start."""
-    st.surr_offset = st.read_offset
+def _commit(st: DecodeStatus, read: int, keep_context: bool = False) -> None:
+    """Commit ids up to ``read``: the old read offset becomes the context start, unless
+    ``keep_context`` (the committed ids have no text, e.g. only skipped specials): a
+    context without text would let a ``Strip`` decoder eat the next token's leading space."""
+    if not keep_context:
+        st.surr_offset = st.read_offset
     st.read_offset = read
     st.sent_offset = 0
     # Cut the window so the next decode starts at the context: bounded work per token.

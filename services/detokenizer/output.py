@@ -40,7 +40,7 @@ def group_outputs(batch: detokenizer_pb2.BatchTokenIDOutput, rids: list[str], te
             completion_tokens=batch.completion_tokens, cached_tokens=batch.cached_tokens,
             logprob_counts=batch.logprob_counts, output_token_logprobs=batch.output_token_logprobs,
             top_logprobs_nums=top_ns or (), top_logprob_ids=batch.top_logprob_ids,
-            top_logprob_vals=batch.top_logprob_vals)
+            top_logprob_vals=batch.top_logprob_vals, prompt_logprobs=batch.prompt_logprobs)
         if any(ftypes):
             fins = batch.finish_reasons
             wire = [_EMPTY_FIN] * n
@@ -62,6 +62,7 @@ def _group_rows(batch, rids, texts, errors, top_ns) -> dict[str, detokenizer_pb2
     fins = batch.finish_reasons
     lp_counts = batch.logprob_counts if len(batch.logprob_counts) == n else [0] * n
     pos = lp_pos = top_pos = 0
+    prompt = {p.row: p for p in batch.prompt_logprobs}
     for i in range(n):
         c = counts[i]
         lc = lp_counts[i]
@@ -91,6 +92,9 @@ def _group_rows(batch, rids, texts, errors, top_ns) -> dict[str, detokenizer_pb2
             o.top_logprobs_nums.append(top_n)
             o.top_logprob_ids.extend(batch.top_logprob_ids[top_pos:top_pos + lc * top_n])
             o.top_logprob_vals.extend(batch.top_logprob_vals[top_pos:top_pos + lc * top_n])
+            if i in prompt:
+                o.prompt_logprobs.append(prompt[i])
+                o.prompt_logprobs[-1].row = len(o.rids) - 1
         pos += c
         lp_pos += lc
         top_pos += lc * top_n

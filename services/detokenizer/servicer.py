@@ -45,6 +45,9 @@ def check_batch(batch: detokenizer_pb2.BatchTokenIDOutput, vocab_size: int) -> s
     lp = batch.logprob_counts
     if (lp and min(lp) < 0) or sum(lp) != len(batch.output_token_logprobs):
         return "logprob_counts do not cover output_token_logprobs"
+    for p in batch.prompt_logprobs:
+        if not (0 <= p.row < n and p.top_n >= 0 and len(p.top_ids) == len(p.top_vals) == p.top_n * len(p.logprobs)):
+            return f"a PromptLogprobs (row {p.row} of {n}) is malformed"
     for init in batch.inits:
         if not 0 <= init.row < n:
             return f"a RowInit names row {init.row} of {n}"

@@ -20,7 +20,7 @@ itself vLLM's incremental detokenization) with the fixes that issue 3 asks for. 
   stays a few bytes however long the output grows.
 
 Guarantees (tests/detokenizer/test_properties.py and test_cases.py check each, exactly, on
-SmolLM2, Qwen2.5 and Gemma 3):
+SmolLM2, Qwen2.5, Gemma 3 and Gemma 3 behind a Llama-2-style ``Strip`` decoder):
 
 1. Text only moves forward: nothing is sent twice or out of order (the offsets never move
    back); every delta is a ``str`` without surrogates, so it encodes as valid UTF-8.
@@ -28,9 +28,10 @@ SmolLM2, Qwen2.5 and Gemma 3):
    skip_special_tokens=...)`` (less the trimmed stop), whatever the split of ids into steps.
 3. U+FFFD is sent only where the full decode has one. What is held back for an incomplete
    character is bounded: at most 3 bytes (so at most 3 tokens) for byte-level BPE; for byte
-   fallback, the open run of ``<0xXX>`` tokens, because tokenizers decodes such a run all or
-   nothing — and the fast path releases a run the moment it becomes invalid. A token that
-   truly decodes to U+FFFD is committed and the text after it keeps streaming.
+   fallback, a valid open run of ``<0xXX>`` tokens, because tokenizers decodes such a run all
+   or nothing — and both paths release a run, one U+FFFD per byte, the moment its bytes can
+   no longer be valid UTF-8, at O(1) cost per byte token. A token that truly decodes to
+   U+FFFD is committed and the text after it keeps streaming.
 4. Per-token work does not grow with the output: no window grows, no string is appended to.
 5. At finish the matched stop is trimmed unless ``no_stop_trim`` (a stop string: the unsent
    text is cut at its first occurrence; a stop token id: that token is not decoded), the

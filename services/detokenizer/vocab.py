@@ -145,13 +145,15 @@ def _decoder_kind(tok: Tokenizer) -> tuple[str | None, list[tuple[str, str]]]:
     return (BYTE_FALLBACK if seen_fallback else None), replaces
 
 
-def byte_fallback_ids(tok: Tokenizer) -> frozenset[int]:
-    """Ids of the ``<0xXX>`` tokens when the decoder has a ByteFallback step, else empty."""
+def byte_fallback_ids(tok: Tokenizer) -> dict[int, int]:
+    """Id -> byte value of the ``<0xXX>`` tokens when the decoder has a ByteFallback step,
+    else empty."""
     import json
 
     if '"ByteFallback"' not in json.dumps(json.loads(tok.to_str()).get("decoder")):
-        return frozenset()
-    return frozenset(i for t, i in tok.get_vocab(with_added_tokens=False).items() if _BYTE_TOKEN.match(t))
+        return {}
+    vocab = tok.get_vocab(with_added_tokens=False)
+    return {i: int(m.group(1), 16) for t, i in vocab.items() if (m := _BYTE_TOKEN.match(t))}
 
 
 def build_byte_table(tok: Tokenizer, seed: int = 0) -> ByteTable | None:

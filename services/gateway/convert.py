@@ -222,7 +222,7 @@ def chat_request(req: ChatCompletionRequest, rid: str) -> tokenizer_pb2.Generate
     params = sampling_params(req)
     if forced is not None:
         params.constraint.CopyFrom(forced_tool_constraint(req, forced))
-    return tokenizer_pb2.GenerateReqInput(
+    pb = tokenizer_pb2.GenerateReqInput(
         rid=rid,
         chat=chat,
         sampling_params=params,
@@ -230,6 +230,30 @@ def chat_request(req: ChatCompletionRequest, rid: str) -> tokenizer_pb2.Generate
         return_logprob=req.logprobs,
         top_logprobs_num=req.top_logprobs or 0,
     )
+    if req.prompt_logprobs is not None:
+        if req.stream:
+            raise invalid("prompt_logprobs is not available with stream (as in vLLM)", "prompt_logprobs")
+        pb.logprob_start_len = 0
+        pb.prompt_top_logprobs_num = req.prompt_logprobs
+    return pb
+
+
+def prompt_top_logprobs(req: CompletionRequest) -> int | None:
+    """Top logprobs per prompt token a completions request needs (None: no prompt logprobs):
+    ``echo`` with ``logprobs`` (OpenAI), vLLM's ``prompt_logprobs``, and ``max_tokens: 0``
+    (scoring) each ask for the prompt's logprobs.
+
+    Raises:
+        GatewayError(400): max_tokens 0 without echo or prompt_logprobs (nothing to return).
+    """
+    if req.prompt_logprobs is not None and req.stream:
+        raise invalid("prompt_logprobs is not available with stream (as in vLLM)", "prompt_logprobs")
+    if req.max_tokens == 0 and not (req.echo or req.prompt_logprobs is not None):
+        raise invalid("max_tokens 0 is only allowed with echo or prompt_logprobs (score the prompt)", "max_tokens")
+    wanted = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
+    if wanted:
+        return max(wanted)
+    return 0 if req.max_tokens == 0 else None
 
 
 def completion_prompts(prompt: str | list[int] | list[list[int]] | list[str]) -> list[str | list[int]]:
@@ -249,6 +273,7 @@ def completion_prompts(prompt: str | list[int] | list[list[int]] | list[str]) ->
 def completion_requests(req: CompletionRequest, rid: str) -> list[tokenizer_pb2.GenerateReqInput]:
     """One GenerateReqInput per prompt; a batch gets rids ``<rid>-<i>``."""
     params = sampling_params(req)
+    prompt_top = prompt_top_logprobs(req)
     prompts = completion_prompts(req.prompt)
     out = []
     for i, prompt in enumerate(prompts):
@@ -259,6 +284,9 @@ def completion_requests(req: CompletionRequest, rid: str) -> list[tokenizer_pb2.
             return_logprob=req.logprobs is not None,
             top_logprobs_num=req.logprobs or 0,
         )
+        if prompt_top is not None:
+            pb.logprob_start_len = 0
+            pb.prompt_top_logprobs_num = prompt_top
         if isinstance(prompt, str):
             pb.text = prompt
         else:
@@ -281,6 +309,9 @@ def native_request(req: GenerateRequest, rid: str) -> tokenizer_pb2.GenerateReqI
         return_logprob=req.return_logprob,
         top_logprobs_num=req.top_logprobs_num,
     )
+    if req.return_logprob and req.logprob_start_len >= 0:
+        pb.logprob_start_len = req.logprob_start_len
+        pb.prompt_top_logprobs_num = req.top_logprobs_num
     if req.text is not None:
         pb.text = req.text
     else:

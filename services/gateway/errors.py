@@ -159,6 +159,11 @@ def from_validation_errors(errors: Sequence[Mapping[str, Any]]) -> GatewayError:
     if kind == "json_invalid":
         detail = (err.get("ctx") or {}).get("error", "JSON decode error")
         return invalid(f"Invalid JSON body: {detail}", None, "invalid_json")
+    if kind == "string_not_utf8":
+        # Raised by protocol.Body for the whole body: the path is in the context.
+        path = (err.get("ctx") or {}).get("path", "")
+        param = path.split(".", 1)[0].split("[", 1)[0] or None
+        return invalid(err.get("msg", f"'{path}' cannot be encoded as UTF-8"), param, "invalid_encoding")
     loc = _loc(err)
     path = _path(loc)
     param = str(loc[0]) if loc else None

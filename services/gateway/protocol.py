@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 
 class Strict(BaseModel):
@@ -20,6 +21,53 @@ class Strict(BaseModel):
     says. An integer is still accepted where a number is expected."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def first_unencodable(value: Any, path: str = "") -> tuple[str, str] | None:
+    """The path (``messages[0].content``) and value of the first string in a JSON value that
+    cannot be encoded as UTF-8 (a lone surrogate, which JSON's ``\\udfff`` escape allows),
+    looking at object keys too; None when every string encodes. Iterative: no recursion limit
+    for deeply nested client JSON."""
+    stack: list[tuple[Any, str]] = [(value, path)]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    return where or "body", item
+        elif isinstance(item, dict):
+            for key, sub in reversed(list(item.items())):
+                name = str(key).encode("utf-8", "backslashreplace").decode("utf-8")
+                sub_path = f"{where}.{name}" if where else name
+                if name != key:
+                    return sub_path, key
+                stack.append((sub, sub_path))
+        elif isinstance(item, list):
+            stack.extend((sub, f"{where}[{i}]") for i, sub in reversed(list(enumerate(item))))
+    return None
+
+
+class Body(Strict):
+    """A request body. Every string in it, at any depth (free-form JSON such as tool
+    parameters and chat_template_kwargs included, and object keys), must be encodable as
+    UTF-8: protobuf, the tokenizer and the JSON encoder all refuse lone surrogates, so one
+    check here turns that whole class of input into a 400 naming the field."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _utf8_strings(cls, data: Any) -> Any:
+        bad = first_unencodable(data)
+        if bad is not None:
+            where, text = bad
+            index = next(i for i, ch in enumerate(text) if 0xD800 <= ord(ch) <= 0xDFFF)
+            raise PydanticCustomError(
+                "string_not_utf8",
+                "'{path}' cannot be encoded as UTF-8: lone surrogate U+{code} at index {index}",
+                {"path": where, "code": f"{ord(text[index]):04X}", "index": index},
+            )
+        return data
 
 
 # Token counts and ids travel as proto int32: a larger number is a 400 here, not a 500 later.
@@ -119,7 +167,7 @@ class StructuredOutputs(Strict):
     grammar: str | None = None
 
 
-class SamplingFields(Strict):
+class SamplingFields(Body):
     """Fields shared by chat and completions requests (OpenAI plus the SGLang/vLLM extensions)."""
 
     model: str | None = None
@@ -163,12 +211,16 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     echo: bool = False  # vLLM: prepend the final assistant message (when continuing it)
+    prompt_logprobs: JsonInt | None = Field(None, ge=0, le=20)  # vLLM: logprobs of the prompt's tokens
 
 
 class CompletionRequest(SamplingFields):
     prompt: NonEmptyStr | list[NonNegInt] | list[list[NonNegInt]] | list[NonEmptyStr]
-    echo: bool = False
+    # 0 only with echo or prompt_logprobs: score the prompt, generate nothing.
+    max_tokens: JsonInt | None = Field(None, ge=0, le=INT32_MAX)
+    echo: bool = False  # with logprobs: the prompt's tokens get entries too (the first: null)
     logprobs: JsonInt | None = Field(None, ge=0, le=20)
+    prompt_logprobs: JsonInt | None = Field(None, ge=0, le=20)  # vLLM
 
 
 class NativeSamplingParams(Strict):
@@ -198,7 +250,7 @@ class NativeSamplingParams(Strict):
     ebnf: str | None = None
 
 
-class GenerateRequest(Strict):
+class GenerateRequest(Body):
     """``POST /generate`` (SGLang's native API): exactly one of text and input_ids."""
 
     text: str | None = None
@@ -208,12 +260,14 @@ class GenerateRequest(Strict):
     rid: str | None = Field(None, min_length=1)
     return_logprob: bool = False
     top_logprobs_num: JsonInt = Field(0, ge=0, le=20)
+    # With return_logprob: prompt logprobs from this position (SGLang); -1 = none.
+    logprob_start_len: JsonInt = Field(-1, ge=-1, le=INT32_MAX)
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
 
 
-class TokenizeRequest(Strict):
+class TokenizeRequest(Body):
     """``POST /v1/tokenize``: a prompt, or chat messages rendered with the template."""
 
     model: str | None = None
@@ -226,11 +280,11 @@ class TokenizeRequest(Strict):
     tools: list[Tool] | None = None
 
 
-class DetokenizeRequest(Strict):
+class DetokenizeRequest(Body):
     model: str | None = None
     tokens: list[NonNegInt]
     skip_special_tokens: bool = False
 
 
-class AbortRequest(Strict):
+class AbortRequest(Body):
     rid: str = Field(min_length=1)

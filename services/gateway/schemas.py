@@ -72,6 +72,7 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str | None = None
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # with vLLM's prompt_logprobs
 
 
 class CompletionChoice(BaseModel):
@@ -80,6 +81,7 @@ class CompletionChoice(BaseModel):
     logprobs: dict[str, Any] | None
     finish_reason: str | None
     matched_stop: str | int | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # with vLLM's prompt_logprobs
 
 
 class CompletionResponse(BaseModel):

@@ -39,6 +39,7 @@ async def respond(
     stream_options: StreamOptions | None,
     choice_of: Callable[[ChoiceUpdate], Awaitable[dict | None]],
     final_choice: Callable[[FinalChoice], Awaitable[dict]],
+    body_extra: Callable[[list[FinalChoice]], Awaitable[dict]] | None = None,
 ) -> Response:
     """Serve generation requests ``pbs`` (n choices each) as an OpenAI response.
 
@@ -46,6 +47,7 @@ async def respond(
         objects: the ``object`` of the non-stream body and of a stream chunk.
         choice_of: a stream update -> one chunk choice (None: send nothing).
         final_choice: a finished choice -> its entry in the body.
+        body_extra: the finished choices -> more top-level fields of the body.
 
     Raises:
         GatewayError: anything the tokenizer reports before the first output.
@@ -63,4 +65,5 @@ async def respond(
 
     finals = await sse.unless_disconnected(request, run())
     choices = [await final_choice(c) for c in finals]
-    return sse.json_response({**head, "object": body_object, "choices": choices, "usage": usage.to_dict()})
+    extra = await body_extra(finals) if body_extra is not None else {}
+    return sse.json_response({**head, "object": body_object, "choices": choices, "usage": usage.to_dict(), **extra})

@@ -18,7 +18,7 @@ from . import convert
 from .backend import TokenizerClient
 from .chat_output import ChoiceParser, delta_calls, final_message, finish_reason, parser_factory
 from .config import GatewayConfig
-from .logprobs import chat_logprobs
+from .logprobs import chat_logprobs, vllm_prompt_logprobs
 from .outputs import ChoiceUpdate, FinalChoice
 from .protocol import ChatCompletionRequest
 from .serving import respond, response_head
@@ -86,6 +86,10 @@ async def create_chat_completion(
     model = await client.check_model(req.model)
     echo = _echo_text(req)
 
+    async def prompt_logprobs(finals: list[FinalChoice]) -> dict:
+        # vLLM's chat response: the rendered prompt's logprobs, once, at the top level.
+        return {"prompt_logprobs": await vllm_prompt_logprobs(client, finals[0].out) if finals else None}
+
     async def final_choice(c: FinalChoice) -> dict:
         parser = make_parser() if make_parser is not None else None
         fields = final_message(parser, c.text) if parser is not None else {"content": c.text, "tool_calls": None}
@@ -109,4 +113,5 @@ async def create_chat_completion(
         req.stream_options,
         _delta_choice(client, echo, req.logprobs, make_parser),
         final_choice,
+        prompt_logprobs if req.prompt_logprobs is not None else None,
     )

@@ -2,7 +2,10 @@
 
 A batch (list of strings or of id lists) runs one ``Generate`` call per prompt; choice
 ``j`` of prompt ``i`` is reported as index ``i * n + j``. ``echo`` prepends the prompt text
-(decoded by the tokenizer service when the prompt is token ids) to each choice's text.
+(decoded by the tokenizer service when the prompt is token ids) to each choice's text;
+with ``logprobs`` its tokens get logprob entries too (computed by the scheduler during
+prefill; the first token's is null, as OpenAI's), and ``max_tokens: 0`` scores the prompt
+without generating. vLLM's ``prompt_logprobs: k`` adds each choice's ``prompt_logprobs``.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from ringserve.v1 import tokenizer_pb2
 
 from . import convert
 from .backend import TokenizerClient
-from .logprobs import completion_logprobs
+from .logprobs import completion_logprobs, echo_logprobs, join_completion_logprobs, vllm_prompt_logprobs
 from .outputs import ChoiceUpdate, FinalChoice
 from .protocol import CompletionRequest
 from .serving import respond, response_head
@@ -33,22 +36,30 @@ async def _echo_texts(client: TokenizerClient, reqs: Sequence[tokenizer_pb2.Gene
     return list(await asyncio.gather(*(text_of(pb) for pb in reqs)))
 
 
+async def _logprobs(client: TokenizerClient, out: tokenizer_pb2.GenerateOutput, echoed: bool, offset: int,
+                    want_top: bool) -> dict | None:
+    """The choice's ``logprobs``: the echoed prompt's tokens first (once), then the output's."""
+    prompt = await echo_logprobs(client, out, want_top) if echoed else None
+    return join_completion_logprobs(prompt, await completion_logprobs(client, out, offset, want_top))
+
+
 def _text_choice(
-    client: TokenizerClient, echoes: Sequence[str], want_logprobs: bool, want_top: bool
+    client: TokenizerClient, echoes: Sequence[str], want_logprobs: bool, want_top: bool, echo: bool
 ) -> Callable[[ChoiceUpdate], Awaitable[dict | None]]:
     sent: dict[int, int] = {}  # choice index -> characters sent, for text_offset
 
     async def choice_of(u: ChoiceUpdate) -> dict | None:
-        echo = echoes[u.prompt_index] if u.first else ""
-        text = echo + u.text
+        echo_text = echoes[u.prompt_index] if u.first else ""
+        text = echo_text + u.text
         if not text and u.finish_reason is None and not (want_logprobs and u.out.output_ids):
             return None
-        offset = sent.get(u.index, 0) + len(echo)
+        offset = sent.get(u.index, 0) + len(echo_text)
         sent[u.index] = offset + len(u.text)
+        logprobs = await _logprobs(client, u.out, echo and u.first, offset, want_top) if want_logprobs else None
         return {
             "index": u.index,
             "text": text,
-            "logprobs": await completion_logprobs(client, u.out, offset, want_top) if want_logprobs else None,
+            "logprobs": logprobs,
             "finish_reason": u.finish_reason,
             "matched_stop": u.matched_stop,
         }
@@ -72,13 +83,16 @@ async def create_completion(client: TokenizerClient, request: Request, req: Comp
 
     async def final_choice(c: FinalChoice) -> dict:
         echo = echoes[c.prompt_index]
-        return {
+        choice = {
             "index": c.index,
             "text": echo + c.text,
-            "logprobs": await completion_logprobs(client, c.out, len(echo), want_top) if want_logprobs else None,
+            "logprobs": await _logprobs(client, c.out, req.echo, len(echo), want_top) if want_logprobs else None,
             "finish_reason": c.finish_reason,
             "matched_stop": c.matched_stop,
         }
+        if req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = await vllm_prompt_logprobs(client, c.out)
+        return choice
 
     return await respond(
         client,
@@ -88,6 +102,6 @@ async def create_completion(client: TokenizerClient, request: Request, req: Comp
         response_head("cmpl", rid, model),
         ("text_completion", "text_completion"),
         req.stream_options,
-        _text_choice(client, echoes, want_logprobs, want_top),
+        _text_choice(client, echoes, want_logprobs, want_top, req.echo),
         final_choice,
     )

@@ -15,6 +15,7 @@ from ringserve.v1 import tokenizer_pb2
 from . import convert, sse
 from .backend import TokenizerClient
 from .errors import GatewayError
+from .logprobs import sglang_input_logprobs
 from .outputs import ChoiceUpdate, FinalChoice, Usage, collect, sse_events
 from .protocol import AbortRequest, GenerateRequest
 
@@ -44,6 +45,7 @@ def _meta(rid: str, index: int, finish: dict | None, out: tokenizer_pb2.Generate
         "completion_tokens": out.completion_tokens,
         "cached_tokens": out.cached_tokens,
     }
+    meta.update(sglang_input_logprobs(out))
     if out.output_token_logprobs:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(out.output_token_logprobs, out.output_ids)]
         meta["output_top_logprobs"] = [

@@ -44,6 +44,8 @@ def req_input_from_proto(msg: scheduler_pb2.TokenizedGenerateReqInput, tokenizer
         return_logprob=msg.return_logprob,
         top_logprobs_num=msg.top_logprobs_num,
         stream=msg.stream,
+        logprob_start_len=msg.logprob_start_len if msg.HasField("logprob_start_len") else None,
+        prompt_top_logprobs_num=msg.prompt_top_logprobs_num,
         grammar=grammar_from_proto(p),
     )
 
@@ -69,9 +71,13 @@ def step_output_to_proto(out: StepOutput) -> detokenizer_pb2.BatchTokenIDOutput:
         )
         for i in out.inits
     ]
-    columns = {f.name: getattr(out, f.name) for f in fields(StepOutput) if f.name not in ("inits", "finish_reasons")}
+    columns = {f.name: getattr(out, f.name) for f in fields(StepOutput)
+               if f.name not in ("inits", "finish_reasons", "prompt_logprobs")}
+    prompt = [common_pb2.PromptLogprobs(row=p.row, start=p.start, logprobs=p.logprobs, top_n=p.top_n,
+                                        top_ids=p.top_ids, top_vals=p.top_vals) for p in out.prompt_logprobs]
     return detokenizer_pb2.BatchTokenIDOutput(
-        **columns, inits=inits, finish_reasons=[_finish_to_proto(f) for f in out.finish_reasons]
+        **columns, inits=inits, finish_reasons=[_finish_to_proto(f) for f in out.finish_reasons],
+        prompt_logprobs=prompt,
     )
 
 

@@ -50,7 +50,12 @@ from services.tokenizer.errors import (
 )
 from services.tokenizer.model import ModelFacts
 from services.tokenizer.special import SpecialTokenGuard
-from services.tokenizer.sampling import check_top_logprobs_num, resolve_sampling_params, seed_for_choice
+from services.tokenizer.sampling import (
+    check_prompt_logprobs,
+    check_top_logprobs_num,
+    resolve_sampling_params,
+    seed_for_choice,
+)
 from services.tokenizer.state import ReqState, Row, split_rows
 
 logger = logging.getLogger(__name__)
@@ -127,6 +132,11 @@ class Prepared:
     @property
     def prompt_len(self) -> int:
         return len(self.subs[0].input_ids)
+
+
+def _scored_ids(sub: scheduler_pb2.TokenizedGenerateReqInput) -> list[int] | None:
+    """The prompt ids whose logprobs the request asked for (from logprob_start_len), or None."""
+    return list(sub.input_ids[sub.logprob_start_len:]) if sub.HasField("logprob_start_len") else None
 
 
 class TokenizerManager:
@@ -248,8 +258,10 @@ class TokenizerManager:
         """
         ids, prompt, param = self.prompt_ids(req)
         check_top_logprobs_num(req.top_logprobs_num)
+        check_prompt_logprobs(req, len(ids))
         resolved = resolve_sampling_params(
-            req.sampling_params, len(ids), self.facts.context_length, self.facts.vocab_size, param
+            req.sampling_params, len(ids), self.facts.context_length, self.facts.vocab_size, param,
+            score_only_ok=req.HasField("logprob_start_len"),
         )
         rid = req.rid or uuid.uuid4().hex
         subs = []
@@ -268,6 +280,8 @@ class TokenizerManager:
                     top_logprobs_num=req.top_logprobs_num,
                     tokenizer_id=self.instance_id,
                     stream=req.stream,
+                    logprob_start_len=req.logprob_start_len if req.HasField("logprob_start_len") else None,
+                    prompt_top_logprobs_num=req.prompt_top_logprobs_num,
                 )
             )
         return Prepared(rid, prompt, tuple(subs))
@@ -292,7 +306,7 @@ class TokenizerManager:
             )
         event = asyncio.Event()
         states = [
-            ReqState(sub.rid, prepared.rid, i, prepared.prompt_len, event,
+            ReqState(sub.rid, prepared.rid, i, prepared.prompt_len, event, scored_ids=_scored_ids(sub),
                      constraint_param=sub.sampling_params.constraint.param or None)
             for i, sub in enumerate(prepared.subs)
         ]
@@ -416,6 +430,10 @@ class TokenizerManager:
             # INVALID_ARGUMENT after dispatch is the scheduler refusing the constraint.
             param = st.constraint_param if fr.status == "INVALID_ARGUMENT" else None
             raise RequestError(fr.message or fr.status.lower(), status, _ERROR_STATUS_CODES[fr.status], param)
+        prompt = next((r.prompt_logprobs for r in rows if r.prompt_logprobs is not None), None)
+        if prompt is not None and st.scored_ids is not None:
+            prompt.token_ids.extend(st.scored_ids)  # from the requested start; logprobs are their tail
+            st.prompt_logprobs = prompt
         if stream:
             text = "".join(r.text for r in rows) if len(rows) > 1 else last.text
             ids = [t for r in rows for t in r.output_ids]
@@ -430,7 +448,9 @@ class TokenizerManager:
             if not last.finished:
                 return None
             text, ids, lps, tops = "".join(st.text_chunks), st.output_ids, st.logprobs, st.top_logprobs
+            prompt = st.prompt_logprobs
         return tokenizer_pb2.GenerateOutput(
+            prompt_logprobs=prompt,
             rid=st.parent_rid,
             index=st.index,
             text=text,

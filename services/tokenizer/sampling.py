@@ -10,6 +10,8 @@ message names the proto field, the "param" trailer names the OpenAI parameter
 
 from __future__ import annotations
 
+from typing import Any
+
 import math
 from dataclasses import dataclass
 
@@ -66,6 +68,7 @@ def resolve_sampling_params(
     context_length: int,
     vocab_size: int,
     prompt_param: str = "prompt",
+    score_only_ok: bool = False,
 ) -> Resolved:
     """Check ``sp`` against the model and the prompt; return it with every default filled in.
 
@@ -75,6 +78,8 @@ def resolve_sampling_params(
         context_length: the model's context window in tokens.
         vocab_size: ids must lie in [0, vocab_size) (stop_token_ids, logit_bias keys).
         prompt_param: "messages" (chat) or "prompt" (text / input_ids), for errors.
+        score_only_ok: max_new_tokens may be 0 (the request asks for prompt logprobs:
+            it scores the prompt and generates nothing).
 
     Returns:
         ``Resolved``: ``params.max_new_tokens`` defaults to ``context_length - prompt_len``.
@@ -96,8 +101,9 @@ def resolve_sampling_params(
     n = sp.n if sp.HasField("n") else 1
     if not 1 <= n <= MAX_N:
         raise invalid(f"n must be in [1, {MAX_N}], got {n}", "n")
-    if sp.HasField("max_new_tokens") and sp.max_new_tokens < 1:
-        raise invalid(f"max_new_tokens must be at least 1, got {sp.max_new_tokens}", "max_tokens")
+    lowest = 0 if score_only_ok else 1
+    if sp.HasField("max_new_tokens") and sp.max_new_tokens < lowest:
+        raise invalid(f"max_new_tokens must be at least {lowest}, got {sp.max_new_tokens}", "max_tokens")
     if sp.HasField("min_new_tokens") and sp.min_new_tokens < 0:
         raise invalid(f"min_new_tokens must be at least 0, got {sp.min_new_tokens}", "min_tokens")
     for s in sp.stop:
@@ -165,6 +171,20 @@ def check_top_logprobs_num(top_logprobs_num: int) -> None:
     """
     if not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
         raise invalid(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs_num}", "top_logprobs")
+
+
+def check_prompt_logprobs(req: Any, prompt_len: int) -> None:
+    """logprob_start_len (when given) inside the prompt, prompt_top_logprobs_num in [0, 20].
+
+    Raises:
+        RequestError: INVALID_ARGUMENT, param "logprob_start_len" or "prompt_logprobs".
+    """
+    if req.HasField("logprob_start_len") and not 0 <= req.logprob_start_len < prompt_len:
+        raise invalid(f"logprob_start_len must be in [0, {prompt_len}) (the prompt has {prompt_len} tokens), "
+                      f"got {req.logprob_start_len}", "logprob_start_len")
+    if not 0 <= req.prompt_top_logprobs_num <= MAX_TOP_LOGPROBS:
+        raise invalid(f"prompt_top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], "
+                      f"got {req.prompt_top_logprobs_num}", "prompt_logprobs")
 
 
 def seed_for_choice(seed: int, index: int) -> int:

@@ -27,6 +27,7 @@ class Row:
     cached_tokens: int
     logprobs: list[float]
     top_logprobs: list[tokenizer_pb2.TopLogprobs]
+    prompt_logprobs: common_pb2.PromptLogprobs | None = None
 
     @property
     def finished(self) -> bool:
@@ -36,6 +37,7 @@ class Row:
 def split_rows(batch: detokenizer_pb2.BatchStrOutput) -> list[Row]:
     """The rows of a columnar BatchStrOutput (layout in detokenizer.proto)."""
     rows = []
+    prompt = {p.row: p for p in batch.prompt_logprobs}
     ids_at = lp_at = top_at = 0
     for i, rid in enumerate(batch.rids):
         n_ids = batch.new_token_counts[i]
@@ -59,6 +61,7 @@ def split_rows(batch: detokenizer_pb2.BatchStrOutput) -> list[Row]:
                 cached_tokens=batch.cached_tokens[i],
                 logprobs=list(batch.output_token_logprobs[lp_at : lp_at + n_lp]),
                 top_logprobs=top,
+                prompt_logprobs=prompt.get(i),
             )
         )
         ids_at += n_ids
@@ -91,3 +94,6 @@ class ReqState:
     top_logprobs: list[tokenizer_pb2.TopLogprobs] = field(default_factory=list)
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # With prompt logprobs: the prompt ids from the requested start, and what came back.
+    scored_ids: list[int] | None = None
+    prompt_logprobs: common_pb2.PromptLogprobs | None = None

@@ -11,12 +11,15 @@ from ringserve import models
 from services.detokenizer.vocab import build_byte_table, load_tokenizer
 
 CACHE_DIR = Path(os.environ.get("RINGSERVE_CACHE_DIR", models.DEFAULT_CACHE))
-VOCABS = ("smollm2", "qwen25", "gemma3")
+# gemma3-strip: Gemma 3's tokens behind a Llama-2-style decoder with a Strip step, which
+# has no verified fast path: the general offset algorithm serves it.
+VOCABS = ("smollm2", "qwen25", "gemma3", "gemma3-strip")
+FAST_VOCABS = ("smollm2", "qwen25", "gemma3")
 
 
 @pytest.fixture(scope="session")
 def vocab_dirs() -> dict[str, Path]:
-    """name -> directory with tokenizer.json, for SmolLM2, Qwen2.5 and Gemma 3."""
+    """name -> directory with tokenizer.json, for SmolLM2, Qwen2.5, Gemma 3 and Gemma 3 with Strip."""
     return {name: models.PREPARERS[name](CACHE_DIR) for name in VOCABS}
 
 
@@ -29,6 +32,13 @@ def tokenizers(vocab_dirs):
 def tables(tokenizers):
     """Verified fast-path tables (None would mean the vocabulary failed verification)."""
     return {name: build_byte_table(tok) for name, tok in tokenizers.items()}
+
+
+@pytest.fixture(scope="session")
+def ref_tables(tables):
+    """Per vocabulary, a verified table of its ids (byte tokens, pieces) for building and
+    judging streams; gemma3-strip shares Gemma 3's ids, so it uses Gemma 3's table."""
+    return {**tables, "gemma3-strip": tables["gemma3"]}
 
 
 @pytest.fixture(scope="session")

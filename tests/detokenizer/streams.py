@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import random
 from dataclasses import dataclass
 
@@ -91,10 +92,12 @@ def decided_positions(case: Case, table: ByteTable, special: set[int]) -> list[i
     """Per step, the id count m whose text must already be sent after that step.
 
     Byte-level BPE: all but the last 3 visible tokens (an incomplete character is at most 3
-    bytes). Byte fallback: everything before the open run of byte tokens.
+    bytes). Byte fallback: everything before the open run of byte tokens, unless the run's
+    bytes can no longer be valid UTF-8: then the whole run is decided (one U+FFFD per byte).
     """
     skip = case.spec.skip_special_tokens
     ids = case.ids
+    pieces = table.pieces_keep
     out, fed = [], 0
     for chunk in case.spec.chunks:
         fed += len(chunk)
@@ -106,8 +109,13 @@ def decided_positions(case: Case, table: ByteTable, special: set[int]) -> list[i
                 if not (skip and ids[m] in special):
                     visible += 1
         else:
-            while m > 0 and (isinstance(table.pieces_keep[ids[m - 1]], int) or (skip and ids[m - 1] in special)):
+            while m > 0 and (isinstance(pieces[ids[m - 1]], int) or (skip and ids[m - 1] in special)):
                 m -= 1
+            run = bytes(pieces[i] for i in ids[m:fed] if isinstance(pieces[i], int))
+            try:
+                codecs.getincrementaldecoder("utf-8")().decode(run, final=False)
+            except UnicodeDecodeError:
+                m = fed
         out.append(m)
     return out
 

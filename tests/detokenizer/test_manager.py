@@ -107,15 +107,17 @@ def test_one_step_request_and_prefill_only_steps(make_manager, tokenizers):
     assert m.num_decode_states == 0
 
 
-@pytest.mark.parametrize("vocab", ["smollm2", "gemma3"])
-def test_invalid_byte_is_committed_and_text_keeps_streaming(vocab, make_manager, tokenizers, tables):
+@pytest.mark.parametrize("vocab", ["smollm2", "gemma3", "gemma3-strip"])
+def test_invalid_byte_is_committed_and_text_keeps_streaming(vocab, make_manager, tokenizers, ref_tables):
     """A lone continuation byte decodes to U+FFFD for good: it is sent, and so is what follows."""
     from .streams import byte_ids
 
-    tok, table = tokenizers[vocab], tables[vocab]
+    tok, table = tokenizers[vocab], ref_tables[vocab]
     pieces = table.pieces_keep
     cont = next(i for i in byte_ids(table) if (pieces[i] if isinstance(pieces[i], int) else pieces[i][0]) == 0x80)
-    words = tok.encode(" and more text", add_special_tokens=False).ids
+    # A Strip vocabulary's normalizer prepends the space itself.
+    words = tok.encode(" and more text".removeprefix(" " if vocab == "gemma3-strip" else ""),
+                       add_special_tokens=False).ids
     m = make_manager(vocab)
     spec = StreamSpec("bad", [[cont]] + [[i] for i in words])
     deltas: list[str] = []
@@ -124,3 +126,55 @@ def test_invalid_byte_is_committed_and_text_keeps_streaming(vocab, make_manager,
     assert deltas[0] == "\ufffd"  # committed at once, not held
     assert "".join(deltas) == tok.decode([cont] + words) == "\ufffd and more text"
     assert all(deltas[1:])  # every later token streams in its own step
+
+
+class CountingTokenizer:
+    """A tokenizers.Tokenizer that counts the ids it is asked to decode."""
+
+    def __init__(self, tok) -> None:
+        self.tok = tok
+        self.decoded_ids = 0
+
+    def decode_batch(self, seqs, **kw):
+        self.decoded_ids += sum(map(len, seqs))
+        return self.tok.decode_batch(seqs, **kw)
+
+    def decode(self, ids, **kw):
+        self.decoded_ids += len(ids)
+        return self.tok.decode(ids, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+
+@pytest.mark.parametrize("vocab,fast", [("gemma3", True), ("gemma3", False), ("gemma3-strip", False)])
+@pytest.mark.parametrize("run", [500, 2_000])
+def test_long_invalid_byte_run_streams_at_once_in_linear_work(vocab, fast, run, make_manager, tokenizers):
+    """Issue 14: 2,000 ``<0x80>`` tokens are 2,000 U+FFFD, one per step as each arrives (a
+    lone continuation byte can never complete a character), then the text after them; the
+    decoding work is linear in the stream (no window grows with the run)."""
+    tok = tokenizers[vocab]
+    cont = tok.token_to_id("<0x80>")
+    e4, b8, ad = (tok.token_to_id(f"<0x{b:02X}>") for b in (0xE4, 0xB8, 0xAD))  # 中
+    words = tok.encode("Hello there", add_special_tokens=False).ids
+    ids = words + [cont] * run + words + [e4, b8, ad] + words
+    m = make_manager(vocab, fast)
+    assert m.fast == fast
+    counting = CountingTokenizer(m.tokenizer)
+    m.tokenizer = counting
+    spec = StreamSpec("run", [[i] for i in ids], prompt_tail_ids=words)
+    deltas: list[str] = []
+    for batch in build_steps([spec]):
+        deltas += [t for o in m.handle_batch(batch).values() for t in o.texts]
+    n = len(words)
+    hello = tok.decode(words + words)[len(tok.decode(words)):]  # " Hello there", with its space
+    assert "".join(deltas[:n]) == hello
+    assert deltas[n:n + run] == ["\ufffd"] * run  # each byte released in its own step
+    k = 2 * n + run
+    assert "".join(deltas[n + run:k]) == hello
+    # A valid run is held until a text token closes it: ByteFallback decodes a run all or
+    # nothing, so a later <0x80> would still turn this 中 into three U+FFFD.
+    assert deltas[k:k + 3] == ["", "", ""] and deltas[k + 3].startswith("中")
+    assert "".join(deltas) == hello + "\ufffd" * run + hello + "中" + hello
+    assert counting.decoded_ids <= 12 * len(ids), counting.decoded_ids
+    assert m.num_decode_states == 0

@@ -45,6 +45,19 @@ def test_gemma3_is_sentencepiece_with_byte_fallback(tokenizers):
     assert tok.decode(tok.encode("\U0002A6D6 x", add_special_tokens=False).ids) == "\U0002A6D6 x"
 
 
+def test_gemma3_strip_is_llama2_style_and_left_to_the_offset_path(tokenizers, tables):
+    """Gemma 3's tokens behind Llama-2's pipeline: a leading "▁" is added when encoding and
+    stripped when decoding, which no per-token table reproduces."""
+    tok, gemma = tokenizers["gemma3-strip"], tokenizers["gemma3"]
+    assert tok.get_vocab_size(with_added_tokens=True) == 262_144
+    ids = tok.encode("Hello world", add_special_tokens=False).ids
+    assert tok.encode("Hello world", add_special_tokens=False).tokens == ["▁Hello", "▁world"]
+    assert ids == gemma.encode(" Hello world", add_special_tokens=False).ids
+    assert tok.decode(ids) == "Hello world" and gemma.decode(ids) == " Hello world"
+    assert tok.decode(ids[1:]) == "world"  # the Strip step: a window's first space is dropped
+    assert tables["gemma3-strip"] is None
+
+
 def test_each_vocabulary_verifies_for_the_fast_path(tables):
     assert tables["smollm2"].kind == BYTE_LEVEL and tables["smollm2"].vocab_size == 49_152
     assert tables["qwen25"].kind == BYTE_LEVEL

@@ -180,8 +180,12 @@ async def test_logprobs_and_echo_through_the_sdk(stack, aclient):
     assert len(content) == chat.usage.completion_tokens
     assert all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in content)
     c = cmpl.choices[0]
-    assert c.text.startswith(COUNT_PROMPT) and len(c.logprobs.tokens) == cmpl.usage.completion_tokens
-    assert c.logprobs.text_offset[0] == len(COUNT_PROMPT)
+    # echo + logprobs scores the prompt's tokens too (issue 14): the first has no logprob.
+    n_prompt = cmpl.usage.prompt_tokens
+    assert c.text.startswith(COUNT_PROMPT) and len(c.logprobs.tokens) == n_prompt + cmpl.usage.completion_tokens
+    assert c.logprobs.token_logprobs[0] is None and c.logprobs.top_logprobs[0] is None
+    assert all(lp <= 0 for lp in c.logprobs.token_logprobs[1:])
+    assert c.logprobs.text_offset[0] == 0 and c.logprobs.text_offset[n_prompt] == len(COUNT_PROMPT)
     stack.wait_idle()
 
 

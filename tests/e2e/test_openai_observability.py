@@ -150,10 +150,15 @@ def test_completion_logprobs_tokens_offsets_and_echo(stack, stream):
         choice = r.json()["choices"][0]
         text, lp = choice["text"], choice["logprobs"]
         tokens, token_lps, tops, offsets = lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], lp["text_offset"]
-    assert text.startswith(prompt) and len(tokens) == 10
-    assert prompt + "".join(tokens) == text
-    assert offsets == [len(prompt) + len("".join(tokens[:i])) for i in range(len(tokens))]
-    assert all(x <= 0 for x in token_lps)
-    for token, lp, top in zip(tokens, token_lps, tops):
+    # echo scores the prompt's tokens too (issue 14): they come first, the first without a logprob.
+    n_prompt = len(tokens) - 10
+    assert text.startswith(prompt) and n_prompt > 0 and "".join(tokens[:n_prompt]) == prompt
+    assert "".join(tokens) == text
+    assert offsets == [len("".join(tokens[:i])) for i in range(len(tokens))]
+    assert token_lps[0] is None and tops[0] is None
+    assert all(x <= 0 for x in token_lps[1:])
+    for top in tops[1:n_prompt]:
+        assert len(top) in (1, 2)  # a prompt token need not be among the top 2
+    for token, lp, top in zip(tokens[n_prompt:], token_lps[n_prompt:], tops[n_prompt:]):
         assert len(top) in (1, 2) and max(top.values()) == pytest.approx(lp, abs=1e-5) and top.get(token) is not None
     stack.wait_idle()

@@ -20,7 +20,6 @@ import threading
 import uuid
 
 import grpc
-import httpx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -33,6 +32,7 @@ from ringserve.v1 import (
     tokenizer_pb2,
     tokenizer_pb2_grpc,
 )
+from tests.ringstack import still_serves
 
 VOCAB = 49152  # SmolLM2
 CONTEXT = 8192
@@ -41,15 +41,6 @@ FUZZ = settings(max_examples=25, deadline=None, suppress_health_check=list(Healt
 bad_id = st.integers(-(2**31), -1) | st.integers(VOCAB, 2**31 - 1)
 bad_float = st.sampled_from([math.nan, math.inf, -math.inf])
 FLOAT_PARAMS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
-
-
-def still_serves(stack) -> None:
-    resp = httpx.post(f"{stack.base_url}/v1/chat/completions", timeout=60, json={
-        "model": stack.model_name, "messages": [{"role": "user", "content": "What is the capital of France?"}],
-        "max_tokens": 16, "temperature": 0})
-    assert resp.status_code == 200, resp.text
-    assert resp.json()["choices"][0]["message"]["content"] == "The capital of France is Paris."
-    stack.wait_idle(timeout_s=5)
 
 
 # --- tokenizer -----------------------------------------------------------------------------

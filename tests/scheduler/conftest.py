@@ -62,6 +62,10 @@ class Result:
     top_ids: list[int] = field(default_factory=list)
     top_vals: list[float] = field(default_factory=list)
     top_width: int = 0
+    prompt_start: int | None = None  # prompt logprobs (issue 14), once per rid
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_ids: list[int] = field(default_factory=list)
+    prompt_top_vals: list[float] = field(default_factory=list)
 
 
 def collect(out, results: dict[str, Result], step: int = 0) -> None:
@@ -90,6 +94,12 @@ def collect(out, results: dict[str, Result], step: int = 0) -> None:
         res.top_vals.extend(out.top_logprob_vals[top : top + width])
         top += width
     assert (pos, lp, top) == (len(out.output_ids), len(out.output_token_logprobs), len(out.top_logprob_ids))
+    for p in out.prompt_logprobs:
+        res = results[out.rids[p.row]]
+        assert res.prompt_start is None, "prompt logprobs are sent once"
+        assert len(p.top_ids) == len(p.top_vals) == p.top_n * len(p.logprobs)
+        res.prompt_start = p.start
+        res.prompt_logprobs, res.prompt_top_ids, res.prompt_top_vals = p.logprobs, p.top_ids, p.top_vals
 
 
 @pytest.fixture(scope="session")

@@ -21,6 +21,7 @@ from services.scheduler.engine.kv_pool import ReqToTokenPool, TokenToKVPool, kv_
 from services.scheduler.engine.model_runner import ModelRunner
 from services.scheduler.engine.observer import EngineObserver
 from services.scheduler.engine.output import StepOutput
+from services.scheduler.engine.prompt_logprobs import plan_logprob_rows, score_prompts
 from services.scheduler.engine.radix_cache import RadixCache
 from services.scheduler.engine.req import FinishReason, FinishType, Req, ReqInput
 from services.scheduler.engine.sampling import Sampler
@@ -183,7 +184,9 @@ class Engine:
             self._admit_compiled()
         plan = self.policy.schedule()
         if plan is not None:
+            scored = plan_logprob_rows(plan)
             logits = self.runner.forward(plan)
+            score_prompts(self.runner.model, plan, scored)
             self.observer.on_step(plan, started)
             self.process_results(plan, logits)
         return self._take_output()
@@ -203,8 +206,10 @@ class Engine:
             i = reqs.index(partial)
             reqs = reqs[:i] + reqs[i + 1 :]
             logits = torch.cat((logits[:i], logits[i + 1 :]))
-            if not reqs:
-                return
+        if any(r.sampling.max_new_tokens == 0 for r in reqs):
+            reqs, logits = self._finish_scored(reqs, logits)
+        if not reqs:
+            return
         result = self.sampler.sample(apply_grammar_masks(logits, reqs), reqs)
         next_ids = result.next_ids.tolist()
         for req, token in zip(reqs, next_ids):
@@ -216,14 +221,13 @@ class Engine:
         top_vals = result.top_vals.tolist() if result.top_vals is not None else None
         for i, req in enumerate(reqs):
             self._out.add_row(req, [next_ids[i]])
+            if req.logprob_start_len is not None and len(req.output_ids) == 1:  # its first token
+                self._out.add_prompt_logprobs(req)
             if req.return_logprob:
                 k = req.top_logprobs_num
                 self._out.add_logprobs(logprobs[i], top_ids[i][:k] if k else [], top_vals[i][:k] if k else [])
             if req.finished:
-                self.policy.remove(req)
-                del self.reqs[req.rid]
-                self.num_finished_reqs += 1
-                self.observer.on_finish(req)
+                self._release(req)
         num_decode = len(plan.reqs) - plan.num_extend
         if num_decode:
             self.num_decode_steps += 1
@@ -236,6 +240,25 @@ class Engine:
         for req, message, status in failed:
             del self.reqs[req.rid]
             self._emit_abort(req, message, status)
+
+    def _finish_scored(self, reqs: list[Req], logits: torch.Tensor) -> tuple[list[Req], torch.Tensor]:
+        """Requests with max_new_tokens 0 (score the prompt only) end here, their prefill
+        done, with their prompt logprobs and no token; the rest go on to sampling."""
+        keep = [i for i, r in enumerate(reqs) if r.sampling.max_new_tokens > 0]
+        for req in reqs:
+            if req.sampling.max_new_tokens == 0:
+                req.finish_reason = FinishReason(FinishType.LENGTH)
+                self._out.add_row(req, [])
+                self._out.add_prompt_logprobs(req)
+                self._release(req)
+        rows = torch.tensor(keep, dtype=torch.int64, device=logits.device)
+        return [reqs[i] for i in keep], logits.index_select(0, rows)
+
+    def _release(self, req: Req) -> None:
+        self.policy.remove(req)
+        del self.reqs[req.rid]
+        self.num_finished_reqs += 1
+        self.observer.on_finish(req)
 
     def _emit_abort(self, req: Req, message: str, status: str) -> None:
         req.finish_reason = FinishReason(FinishType.ABORT, message=message, status=status)

@@ -46,6 +46,8 @@ class ModelRunner:
                 last_idx = torch.cat((last_idx, meta.num_extend_tokens + torch.arange(len(plan.reqs) - ne)))
         input_ids, positions = (ids[0], pos[0]) if len(ids) == 1 else (torch.cat(ids), torch.cat(pos))
         hidden = self.model(input_ids, positions, meta, self.kv_pool)
+        if plan.logprob_rows is not None:  # prompt logprobs: at most a chunk of rows
+            plan.logprob_hidden = hidden.index_select(0, plan.logprob_rows.to(hidden.device))
         if last_idx is not None:
             hidden = hidden[last_idx]
         return self.model.compute_logits(hidden)

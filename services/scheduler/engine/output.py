@@ -24,6 +24,18 @@ class RowInit:
     top_logprobs_num: int
 
 
+@dataclass(frozen=True)
+class PromptLogprobsRow:
+    """A rid's prompt logprobs (the wire's PromptLogprobs), sent once with its first token."""
+
+    row: int
+    start: int
+    logprobs: list[float]
+    top_n: int
+    top_ids: list[int]
+    top_vals: list[float]
+
+
 @dataclass
 class StepOutput:
     """Every row that produced tokens or finished in one step.
@@ -47,6 +59,7 @@ class StepOutput:
     output_token_logprobs: list[float] = field(default_factory=list)
     top_logprob_ids: list[int] = field(default_factory=list)
     top_logprob_vals: list[float] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprobsRow] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.rids)
@@ -77,3 +90,10 @@ class StepOutput:
         self.output_token_logprobs.append(logprob)
         self.top_logprob_ids.extend(top_ids)
         self.top_logprob_vals.extend(top_vals)
+
+    def add_prompt_logprobs(self, req: Req) -> None:
+        """Attach req's prompt logprobs (all computed: its prefill is done) to the row added last."""
+        start = max(1, req.logprob_start_len or 0)
+        self.prompt_logprobs.append(PromptLogprobsRow(
+            len(self.rids) - 1, start, req.prompt_logprobs, req.prompt_top_logprobs_num,
+            req.prompt_top_ids, req.prompt_top_vals))

@@ -69,6 +69,8 @@ class ReqInput:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     stream: bool = True
+    logprob_start_len: int | None = None  # prompt logprobs from this position; None = none
+    prompt_top_logprobs_num: int = 0
     grammar: GrammarSpec | None = None  # constrained decoding (structured outputs)
 
 
@@ -106,6 +108,11 @@ class Req:
             until admitted); reported to clients as usage.
         last_node / tree_len: the prefix-cache node this request locks and how many of its
             leading KV rows belong to the cache (0 and None without a lock).
+        prompt_logprob_pos: the next prompt position whose logprob is still to be computed
+            (``prompt_len`` when none is, or none was asked); the prefix cache may supply
+            only the positions before ``prompt_logprob_pos - 1``.
+        prompt_logprobs / prompt_top_ids / prompt_top_vals: those computed so far, from
+            position ``max(1, logprob_start_len)`` on, sent with the first sampled token.
         grammar: the constraint's matcher once compiled (None when unconstrained); it
             advances with every output token and survives retraction with them.
     """
@@ -129,6 +136,13 @@ class Req:
         self.grammar: Matcher | None = None
         if spec.sampling.seed is not None:
             self.generator = torch.Generator().manual_seed(spec.sampling.seed)
+        self.logprob_start_len = spec.logprob_start_len
+        self.prompt_top_logprobs_num = spec.prompt_top_logprobs_num
+        start = spec.logprob_start_len
+        self.prompt_logprob_pos = self.prompt_len if start is None else max(1, start)
+        self.prompt_logprobs: list[float] = []
+        self.prompt_top_ids: list[int] = []
+        self.prompt_top_vals: list[float] = []
 
     @property
     def origin_input_ids(self) -> TokenView:

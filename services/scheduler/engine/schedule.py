@@ -50,6 +50,9 @@ class Plan:
         extend_lens: per request, tokens computed this step (1 for each decode request).
         out_cache_loc: int64 [sum(extend_lens)], KV pool rows for the new tokens.
         num_extend: how many of ``reqs`` extend; the rest decode.
+        logprob_rows: int64 [R], packed extend token indices whose hidden states the model
+            runner keeps in ``logprob_hidden`` ([R, hidden]) for prompt logprobs
+            (engine/prompt_logprobs.py); None when no request asks.
     """
 
     reqs: list[Req]
@@ -57,6 +60,8 @@ class Plan:
     extend_lens: list[int]
     out_cache_loc: torch.Tensor
     num_extend: int
+    logprob_rows: torch.Tensor | None = None
+    logprob_hidden: torch.Tensor | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -203,11 +208,18 @@ class SchedulePolicy:
             self.running.append(req)
 
     def _match(self, req: Req) -> tuple[torch.Tensor, TreeNode | None]:
-        """Cached prefix of prompt + output except the last token -> (KV rows, tree node)."""
+        """Cached prefix of prompt + output except the last token -> (KV rows, tree node).
+
+        A request that still needs prompt logprobs takes from the cache only the positions
+        before the first one it scores (engine/prompt_logprobs.py): those are recomputed.
+        """
         if self.tree is None:
             return torch.empty(0, dtype=torch.int64), None
         ids = req.fill_ids()
-        return self.tree.match_prefix(ids[: len(ids) - 1])
+        end = len(ids) - 1
+        if req.prompt_logprob_pos < req.prompt_len:
+            end = min(end, req.prompt_logprob_pos - 1)
+        return self.tree.match_prefix(ids[:end])
 
     # ---- releasing memory ----------------------------------------------------------------
     def _retract(self, req: Req) -> None:

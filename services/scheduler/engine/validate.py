@@ -20,8 +20,8 @@ def validate(spec: ReqInput, vocab_size: int, context_length: int, max_total_tok
         return "input_ids is empty"
     if min(ids) < 0 or max(ids) >= vocab_size:
         return f"input_ids hold ids outside [0, {vocab_size})"
-    if p.max_new_tokens <= 0:
-        return f"max_new_tokens must be positive, got {p.max_new_tokens}"
+    if p.max_new_tokens < 0 or (p.max_new_tokens == 0 and spec.logprob_start_len is None):
+        return f"max_new_tokens must be positive (0 only to score the prompt), got {p.max_new_tokens}"
     total = len(ids) + p.max_new_tokens
     if total > context_length:
         return (
@@ -46,4 +46,8 @@ def validate(spec: ReqInput, vocab_size: int, context_length: int, max_total_tok
         return f"logit_bias names ids outside [0, {vocab_size})"
     if spec.top_logprobs_num < 0 or spec.top_logprobs_num > vocab_size:
         return f"top_logprobs_num must be in [0, {vocab_size}], got {spec.top_logprobs_num}"
+    if spec.logprob_start_len is not None and not 0 <= spec.logprob_start_len < len(ids):
+        return f"logprob_start_len must be in [0, {len(ids)}) (the prompt), got {spec.logprob_start_len}"
+    if not 0 <= spec.prompt_top_logprobs_num <= vocab_size:
+        return f"prompt_top_logprobs_num must be in [0, {vocab_size}], got {spec.prompt_top_logprobs_num}"
     return None

@@ -1,0 +1,91 @@
+"""Prompt logprobs, computed during prefill (issue 14): what scoring harnesses such as
+lm-eval's loglikelihood need, ``echo`` + ``logprobs`` in OpenAI's completions, vLLM's
+``prompt_logprobs`` and SGLang's ``logprob_start_len``.
+
+The logits at prompt position ``q`` score the prompt token at ``q + 1``: a request asking
+from position ``s`` needs the hidden states of positions ``max(1, s) - 1 .. prompt_len - 2``
+of its extend. The engine names those packed token rows on the plan
+(``Plan.logprob_rows``); the model runner keeps their hidden states
+(``Plan.logprob_hidden``, at most one chunk of rows: ``chunked_prefill_size`` bounds the
+memory, not the prompt length); here they go through the LM head ``LOGITS_SLICE`` rows at
+a time (a slice of ``[256, vocab]`` float32 logits, 50 MB for a 49k vocabulary), and
+each request keeps its log-softmax of the target tokens (and top-k) until its first
+sampled token carries them out.
+
+Prefix cache: a cached position has no hidden state, so the scheduler matches the cache
+only up to ``prompt_logprob_pos - 1`` (``SchedulePolicy._match``): the range asked for is
+recomputed, the part before it still comes from the cache. After a retraction the same
+rule resumes from the first position not computed yet, so no logprob is sent twice.
+
+The values are the log-softmax of the model's raw logits (no temperature, penalties or
+bias: the model's own distribution, as vLLM and SGLang report prompt logprobs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.scheduler.engine.req import Req
+from services.scheduler.engine.schedule import Plan
+
+LOGITS_SLICE = 256
+
+
+@dataclass(frozen=True)
+class Span:
+    """``count`` consecutive prompt logprobs of ``req``, from its ``prompt_logprob_pos``."""
+
+    req: Req
+    count: int
+
+
+def plan_logprob_rows(plan: Plan) -> list[Span]:
+    """Set ``plan.logprob_rows`` (int64 [R], packed token indices) to the extend rows whose
+    logits score a prompt token asked for; return which request each run of rows is for."""
+    rows: list[int] = []
+    spans: list[Span] = []
+    offset = 0
+    for req, prefix, n in zip(plan.reqs[: plan.num_extend], plan.prefix_lens, plan.extend_lens):
+        if req.prompt_logprob_pos < req.prompt_len:
+            lo = req.prompt_logprob_pos - 1  # >= prefix: the cache stopped before it
+            hi = min(prefix + n, req.prompt_len - 1)
+            if hi > lo >= prefix:
+                rows.extend(range(offset + lo - prefix, offset + hi - prefix))
+                spans.append(Span(req, hi - lo))
+        offset += n
+    plan.logprob_rows = torch.tensor(rows, dtype=torch.int64) if rows else None
+    return spans
+
+
+def score_prompts(model: torch.nn.Module, plan: Plan, spans: list[Span]) -> None:
+    """Log-softmax of each span's target prompt tokens from ``plan.logprob_hidden``
+    ([R, hidden], set by the model runner), appended to each request's prompt logprobs."""
+    if not spans:
+        return
+    hidden = plan.logprob_hidden
+    ids = [t for s in spans for t in s.req.origin_input_ids[s.req.prompt_logprob_pos :][: s.count]]
+    targets = torch.tensor(ids, dtype=torch.int64, device=hidden.device)  # [R]
+    k = max(s.req.prompt_top_logprobs_num for s in spans)
+    vals: list[torch.Tensor] = []
+    tops: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for a in range(0, hidden.shape[0], LOGITS_SLICE):
+        logp = torch.log_softmax(model.compute_logits(hidden[a : a + LOGITS_SLICE]), dim=-1)  # [S, V] fp32
+        vals.append(logp.gather(1, targets[a : a + LOGITS_SLICE, None]).squeeze(1))
+        if k:
+            tops.append(logp.topk(k, dim=-1))
+    chosen = torch.cat(vals).tolist()
+    top_vals = torch.cat([v for v, _ in tops]).tolist() if k else None
+    top_ids = torch.cat([i for _, i in tops]).tolist() if k else None
+    at = 0
+    for s in spans:
+        req, kk = s.req, s.req.prompt_top_logprobs_num
+        req.prompt_logprobs.extend(chosen[at : at + s.count])
+        if kk:
+            for j in range(at, at + s.count):
+                req.prompt_top_ids.extend(top_ids[j][:kk])
+                req.prompt_top_vals.extend(top_vals[j][:kk])
+        req.prompt_logprob_pos += s.count
+        at += s.count
+    plan.logprob_hidden = None
