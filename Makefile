@@ -19,7 +19,7 @@ PYTEST_ARGS ?=
 PROTOS := $(wildcard protos/ringserve/v1/*.proto)
 PHASES := $(STAMPS)/phases
 
-.PHONY: setup setup-serve proto model model-all ports-free run test test-deploy images push-images bench bench-detok soak gpu-check clean
+.PHONY: setup setup-serve proto model model-all ports-free run test test-deploy images push-images bench bench-detok bench-structured soak gpu-check clean
 
 # $(call timed,PHASE,COMMAND): run COMMAND and append "PHASE milliseconds" to $(PHASES).
 timed = @mkdir -p $(STAMPS) && t0=$$(date +%s%N) && $(2) && echo "$(1) $$(( ($$(date +%s%N) - t0) / 1000000 ))" >> $(PHASES)
@@ -139,6 +139,11 @@ gpu-check:
 
 bench-detok: setup
 	$(PY) -m services.detokenizer.bench --cache-dir $(CACHE_DIR)
+
+# Constrained decoding against the same workload unconstrained (bench/RESULTS.md).
+bench-structured: setup
+	$(PY) bench/structured.py --model $(CACHE_DIR)/models/SmolLM2-135M-Instruct
+	$(PY) bench/grammar_backends.py --model $(CACHE_DIR)/models/SmolLM2-135M-Instruct
 
 clean:
 	rm -rf $(VENV) $(STAMPS) ringserve/v1/*_pb2*.py ringserve/v1/*_pb2*.pyi

@@ -56,6 +56,9 @@ from ringserve.apikeys import API_KEY_ENV, ApiKeys, add_api_key_args, api_keys_f
 from ringserve.cli import LAUNCHER_PID_ENV
 # free_port is imported from here by tests and benchmarks.
 from ringserve.ports import DEFAULT_GRPC_PORT, DEFAULT_PORT, PortInUse, check_ports, free_port, free_ports  # noqa: F401
+from services.gateway.reasoning import REASONING_PARSERS
+from services.gateway.tool_parsers import TOOL_CALL_PARSERS
+from services.scheduler.config import GRAMMAR_BACKENDS
 
 STARTUP_TIMEOUT_S = 600.0
 RESTART_DELAY_S = 0.5  # before restarting a service that exited (a crash loop stays slow)
@@ -100,6 +103,11 @@ class LaunchConfig:
     request_timeout_s: float | None = None  # None: the gateway's default
     max_request_body_bytes: int | None = None  # None: the gateway's default
     log_requests: bool = False
+    chat_template: Path | None = None  # tokenizer: a template file replacing the model's
+    grammar_backend: str | None = None  # scheduler: None = its default (llguidance)
+    grammar_compile_timeout_s: float | None = None
+    tool_call_parser: str | None = None  # gateway: None = its default (hermes)
+    reasoning_parser: str | None = None  # gateway: None = no reasoning parsing
     transport: grpcutil.Transport = grpcutil.Transport()  # every service's gRPC servers and channels
     extra_scheduler_args: tuple[str, ...] = field(default_factory=tuple)
 
@@ -289,6 +297,10 @@ class Launcher:
             gw_args += ["--max-request-body-bytes", str(c.max_request_body_bytes)]
         if c.log_requests:
             gw_args.append("--log-requests")
+        if c.tool_call_parser is not None:
+            gw_args += ["--tool-call-parser", c.tool_call_parser]
+        if c.reasoning_parser is not None:
+            gw_args += ["--reasoning-parser", c.reasoning_parser]
         self._spawn("gateway", gw_args + transport)
         self._wait("gateway", lambda: _http_ok(f"http://{health_host}:{c.port}/health"))
 
@@ -318,6 +330,8 @@ class Launcher:
         args += ["--grace-period", str(c.grace_period_s)]
         if c.allow_special_tokens_in_messages:
             args.append("--allow-special-tokens-in-messages")
+        if c.chat_template is not None:
+            args += ["--chat-template", str(c.chat_template)]
         return args + c.transport.args()
 
     def _device(self, index: int) -> str:
@@ -352,6 +366,10 @@ class Launcher:
             sched_args += ["--watchdog-timeout", str(c.watchdog_timeout_s)]
         if c.max_queued_tokens is not None:
             sched_args += ["--max-queued-tokens", str(c.max_queued_tokens)]
+        if c.grammar_backend is not None:
+            sched_args += ["--grammar-backend", c.grammar_backend]
+        if c.grammar_compile_timeout_s is not None:
+            sched_args += ["--grammar-compile-timeout", str(c.grammar_compile_timeout_s)]
         sched_args += ["--grace-period", str(c.grace_period_s), *c.transport.args()]
         return sched_args + list(c.extra_scheduler_args)
 
@@ -459,6 +477,17 @@ def parse_args(argv: list[str] | None) -> LaunchConfig:
                         help="gateway: larger request bodies get HTTP 413 (default: the gateway's, 16 MiB)")
     parser.add_argument("--log-requests", action="store_true",
                         help="gateway: log prompts and outputs (never logged by default)")
+    parser.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
+                        help="tokenizer: Jinja chat template replacing the model's "
+                             "(ringserve/templates/chatml_tools.jinja: tool calling on ChatML models)")
+    parser.add_argument("--grammar-backend", default=None, choices=GRAMMAR_BACKENDS,
+                        help="scheduler: constrained decoding engine (default llguidance)")
+    parser.add_argument("--grammar-compile-timeout", type=float, default=None,
+                        help="scheduler: seconds a constrained request waits for its grammar (default 5)")
+    parser.add_argument("--tool-call-parser", default=None, choices=[*TOOL_CALL_PARSERS, "none"],
+                        help="gateway: format of the model's own tool calls under tool_choice auto (default hermes)")
+    parser.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
+                        help="gateway: split <think>...</think> into reasoning_content (deepseek_r1, qwen3)")
     grpcutil.add_transport_args(parser)
     args = parser.parse_args(argv)
     if not 0 < args.kv_cache_mem_fraction < 1:
@@ -483,6 +512,9 @@ def parse_args(argv: list[str] | None) -> LaunchConfig:
         allow_special_tokens_in_messages=args.allow_special_tokens_in_messages,
         max_queued_tokens=args.max_queued_tokens, request_timeout_s=args.request_timeout,
         max_request_body_bytes=args.max_request_body_bytes, log_requests=args.log_requests,
+        chat_template=args.chat_template, grammar_backend=args.grammar_backend,
+        grammar_compile_timeout_s=args.grammar_compile_timeout, tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         transport=grpcutil.transport_from_args(parser, args),
     )
 

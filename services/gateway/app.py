@@ -248,7 +248,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions", responses=schemas.ok(schemas.ChatCompletionResponse, stream=True))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await serving_chat.create_chat_completion(client_of(request), request, body)
+        return await serving_chat.create_chat_completion(client_of(request), request, body, config)
 
     @app.post("/v1/completions", responses=schemas.ok(schemas.CompletionResponse, stream=True))
     async def completions(body: CompletionRequest, request: Request) -> Response:

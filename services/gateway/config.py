@@ -25,4 +25,6 @@ class GatewayConfig:
     request_timeout_s: float | None = 600.0
     max_request_body_bytes: int = 16 * 1024 * 1024  # larger bodies: 413, before any parsing
     log_requests: bool = False  # log prompts and outputs (INFO); off: they never reach a log
+    tool_call_parser: str = "hermes"  # the model's own tool-call format under tool_choice auto; "none": off
+    reasoning_parser: str | None = None  # <think> format (deepseek_r1, qwen3); None: no reasoning parsing
     transport: Transport = Transport()  # gRPC message size and TLS of the channel to the tokenizer

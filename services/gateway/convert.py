@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from ringserve.v1 import common_pb2, tokenizer_pb2
 
+from .constraints import forced_tool_constraint, forced_tools, native_constraint, request_constraint
 from .errors import invalid
 from .protocol import (
     ChatCompletionRequest,
@@ -94,6 +95,9 @@ def sampling_params(req: SamplingFields) -> common_pb2.SamplingParams:
     if req.no_stop_trim is not None or req.include_stop_str_in_output is not None:
         out.no_stop_trim = bool(req.no_stop_trim or req.include_stop_str_in_output)
     _logit_bias(req.logit_bias, out)
+    constraint = request_constraint(req)
+    if constraint is not None:
+        out.constraint.CopyFrom(constraint)
     return out
 
 
@@ -108,7 +112,8 @@ def native_sampling_params(params: NativeSamplingParams) -> common_pb2.SamplingP
             f"min_new_tokens ({params.min_new_tokens}) must not exceed max_new_tokens ({params.max_new_tokens})",
             "sampling_params.min_new_tokens",
         )
-    fields = params.model_dump(exclude_none=True, exclude={"stop", "stop_token_ids", "logit_bias"})
+    fields = params.model_dump(exclude_none=True,
+                               exclude={"stop", "stop_token_ids", "logit_bias", "json_schema", "regex", "ebnf"})
     out = common_pb2.SamplingParams(stop=_stops(params.stop), stop_token_ids=params.stop_token_ids or (), **fields)
     _logit_bias(params.logit_bias, out)
     return out
@@ -210,13 +215,17 @@ def chat_request(req: ChatCompletionRequest, rid: str) -> tokenizer_pb2.Generate
         raise invalid("top_logprobs needs logprobs to be true", "top_logprobs")
     # tool_choice "none" means the model must not see the tools (as vLLM and OpenAI do).
     tools = None if req.tool_choice == "none" else req.tools
+    forced = forced_tools(req)
     chat = chat_input(
         req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs, tools
     )
+    params = sampling_params(req)
+    if forced is not None:
+        params.constraint.CopyFrom(forced_tool_constraint(req, forced))
     pb = tokenizer_pb2.GenerateReqInput(
         rid=rid,
         chat=chat,
-        sampling_params=sampling_params(req),
+        sampling_params=params,
         stream=req.stream,
         return_logprob=req.logprobs,
         top_logprobs_num=req.top_logprobs or 0,
@@ -289,9 +298,13 @@ def completion_requests(req: CompletionRequest, rid: str) -> list[tokenizer_pb2.
 def native_request(req: GenerateRequest, rid: str) -> tokenizer_pb2.GenerateReqInput:
     if (req.text is None) == (req.input_ids is None):
         raise invalid("give exactly one of text and input_ids", "text")
+    params = native_sampling_params(req.sampling_params)
+    constraint = native_constraint(req)
+    if constraint is not None:
+        params.constraint.CopyFrom(constraint)
     pb = tokenizer_pb2.GenerateReqInput(
         rid=rid,
-        sampling_params=native_sampling_params(req.sampling_params),
+        sampling_params=params,
         stream=req.stream,
         return_logprob=req.return_logprob,
         top_logprobs_num=req.top_logprobs_num,

@@ -12,6 +12,8 @@ from ringserve.apikeys import add_api_key_args, api_keys_from_args
 
 from .app import create_app
 from .config import GatewayConfig
+from .reasoning import REASONING_PARSERS
+from .tool_parsers import TOOL_CALL_PARSERS
 
 
 def parse_args(argv: list[str] | None) -> GatewayConfig:
@@ -40,6 +42,15 @@ def parse_args(argv: list[str] | None) -> GatewayConfig:
                         help="larger request bodies get HTTP 413 before parsing (default %(default)s)")
     parser.add_argument("--log-requests", action="store_true",
                         help="log prompts and outputs; by default they are never written to the log")
+    parser.add_argument("--tool-call-parser", default=defaults.tool_call_parser,
+                        choices=[*TOOL_CALL_PARSERS, "none"],
+                        help="format of the model's own tool calls under tool_choice auto: hermes "
+                             "(<tool_call> JSON: Hermes, Qwen2.5/3, chatml_tools.jinja), llama3_json "
+                             "(Llama 3.x), mistral ([TOOL_CALLS]), pythonic ([f(a=1)]); none = leave them "
+                             "in content (default %(default)s)")
+    parser.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
+                        help="split <think>...</think> into reasoning_content: deepseek_r1 (the opening tag "
+                             "may be in the prompt) or qwen3 (default: off)")
     grpcutil.add_transport_args(parser)
     args = parser.parse_args(argv)
     if args.max_request_body_bytes <= 0:
@@ -53,6 +64,8 @@ def parse_args(argv: list[str] | None) -> GatewayConfig:
         request_timeout_s=args.request_timeout if args.request_timeout and args.request_timeout > 0 else None,
         max_request_body_bytes=args.max_request_body_bytes,
         log_requests=args.log_requests,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         transport=grpcutil.transport_from_args(parser, args),
     )
 

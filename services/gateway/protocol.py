@@ -140,6 +140,33 @@ class NamedToolChoice(Strict):
     function: NamedToolChoiceFunction
 
 
+class JsonSchemaFormat(Strict):
+    """``response_format.json_schema``: ``schema`` is required here (a format without one would
+    enforce nothing). ``strict`` is accepted either way: the schema is always enforced."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(Strict):
+    """vLLM's ``structured_outputs``: exactly one of json (a schema), json_object, regex, choice, grammar."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    json_: dict[str, Any] | bool | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
 class SamplingFields(Body):
     """Fields shared by chat and completions requests (OpenAI plus the SGLang/vLLM extensions)."""
 
@@ -168,6 +195,8 @@ class SamplingFields(Body):
     user: str | None = None
     rid: str | None = Field(None, min_length=1)
     request_id: str | None = Field(None, min_length=1)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -215,6 +244,10 @@ class NativeSamplingParams(Strict):
     repetition_penalty: float | None = Field(None, gt=0, le=2)
     logit_bias: dict[str, float] | None = None
     n: JsonInt | None = Field(None, ge=1, le=128)
+    # SGLang's constraints (at most one, here or at the top level of the request).
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class GenerateRequest(Body):
@@ -229,6 +262,9 @@ class GenerateRequest(Body):
     top_logprobs_num: JsonInt = Field(0, ge=0, le=20)
     # With return_logprob: prompt logprobs from this position (SGLang); -1 = none.
     logprob_start_len: JsonInt = Field(-1, ge=-1, le=INT32_MAX)
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class TokenizeRequest(Body):

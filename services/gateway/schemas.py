@@ -38,10 +38,22 @@ class UsageInfo(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # JSON text of the arguments, as the model wrote it
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: str  # "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(BaseModel):
     role: str
-    content: str | None
-    tool_calls: list[dict[str, Any]] | None = None
+    content: str | None  # null when the choice only made tool calls
+    tool_calls: list[ToolCallOut] | None = None  # non-empty exactly when finish_reason is "tool_calls"
+    reasoning_content: str | None = None  # with --reasoning-parser
 
 
 class ChatChoice(BaseModel):

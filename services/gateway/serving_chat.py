@@ -16,6 +16,8 @@ from starlette.responses import Response
 
 from . import convert
 from .backend import TokenizerClient
+from .chat_output import ChoiceParser, delta_calls, final_message, finish_reason, parser_factory
+from .config import GatewayConfig
 from .logprobs import chat_logprobs, vllm_prompt_logprobs
 from .outputs import ChoiceUpdate, FinalChoice
 from .protocol import ChatCompletionRequest
@@ -23,23 +25,36 @@ from .serving import respond, response_head
 
 
 def _delta_choice(
-    client: TokenizerClient, echo: str, want_logprobs: bool
+    client: TokenizerClient, echo: str, want_logprobs: bool, make_parser: Callable[[], ChoiceParser] | None
 ) -> Callable[[ChoiceUpdate], Awaitable[dict | None]]:
-    """Chunk choices: the first delta of a choice carries the role (and the echo)."""
+    """Chunk choices: the first delta of a choice carries the role (and the echo); with
+    parsers, reasoning_content and tool_calls deltas beside the content."""
+    parsers: dict[int, ChoiceParser] = {}
 
     async def choice_of(u: ChoiceUpdate) -> dict | None:
+        parser = None
+        if make_parser is None:
+            text, extra = u.text, {}
+        else:
+            parser = parsers.setdefault(u.index, make_parser())
+            d = parser.feed(u.text, final=u.finish_reason is not None)
+            text, extra = d.content, {}
+            if d.reasoning:
+                extra["reasoning_content"] = d.reasoning
+            if d.calls:
+                extra["tool_calls"] = delta_calls(d.calls)
         delta: dict = {}
         if u.first:
-            delta = {"role": "assistant", "content": echo + u.text}
-        elif u.text:
-            delta = {"content": u.text}
+            delta = {"role": "assistant", "content": echo + text, **extra}
+        elif text or extra:
+            delta = {"content": text, **extra} if text else extra
         elif u.finish_reason is None and not (want_logprobs and u.out.output_ids):
             return None
         return {
             "index": u.index,
             "delta": delta,
             "logprobs": await chat_logprobs(client, u.out) if want_logprobs else None,
-            "finish_reason": u.finish_reason,
+            "finish_reason": finish_reason(parser, u.finish_reason),
             "matched_stop": u.matched_stop,
         }
 
@@ -57,7 +72,7 @@ def _echo_text(req: ChatCompletionRequest) -> str:
 
 
 async def create_chat_completion(
-    client: TokenizerClient, request: Request, req: ChatCompletionRequest
+    client: TokenizerClient, request: Request, req: ChatCompletionRequest, config: GatewayConfig
 ) -> Response:
     """Serve one chat request; every error before the first output is a JSON error.
 
@@ -67,6 +82,7 @@ async def create_chat_completion(
     """
     rid = convert.new_rid(req)
     pb = convert.chat_request(req, rid)
+    make_parser = parser_factory(req, config)
     model = await client.check_model(req.model)
     echo = _echo_text(req)
 
@@ -75,11 +91,15 @@ async def create_chat_completion(
         return {"prompt_logprobs": await vllm_prompt_logprobs(client, finals[0].out) if finals else None}
 
     async def final_choice(c: FinalChoice) -> dict:
+        parser = make_parser() if make_parser is not None else None
+        fields = final_message(parser, c.text) if parser is not None else {"content": c.text, "tool_calls": None}
+        if fields["content"] is not None or echo:
+            fields["content"] = echo + (fields["content"] or "")
         return {
             "index": c.index,
-            "message": {"role": "assistant", "content": echo + c.text, "tool_calls": None},
+            "message": {"role": "assistant", **fields},
             "logprobs": await chat_logprobs(client, c.out) if req.logprobs else None,
-            "finish_reason": c.finish_reason,
+            "finish_reason": finish_reason(parser, c.finish_reason),
             "matched_stop": c.matched_stop,
         }
 
@@ -91,7 +111,7 @@ async def create_chat_completion(
         response_head("chatcmpl", rid, model),
         ("chat.completion", "chat.completion.chunk"),
         req.stream_options,
-        _delta_choice(client, echo, req.logprobs),
+        _delta_choice(client, echo, req.logprobs, make_parser),
         final_choice,
         prompt_logprobs if req.prompt_logprobs is not None else None,
     )

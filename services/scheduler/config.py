@@ -12,6 +12,8 @@ SCHEDULE_POLICIES = ("fcfs", "lpm")
 LOAD_FORMATS = ("auto", "dummy")
 # "auto" and the names of layers.attention_backend.ATTENTION_BACKENDS (kept torch-free here).
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+# Keys of engine.grammar_backends.GRAMMAR_BACKENDS (kept import-free here).
+GRAMMAR_BACKENDS = ("llguidance", "xgrammar")
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,9 @@ class EngineConfig:
         disable_cuda_graph: CUDA: run every decode step eagerly.
         overlap_schedule: plan step N+1 while the device runs step N; None = on for CUDA,
             off on the CPU (whose forward holds the planning thread).
+        grammar_backend: constrained decoding engine, "llguidance" or "xgrammar".
+        grammar_compile_timeout_s: a constrained request waits at most this long for its
+            grammar, then ends with INVALID_ARGUMENT.
     """
 
     model: Path
@@ -68,6 +73,8 @@ class EngineConfig:
     cuda_graph_max_bs: int = 160
     disable_cuda_graph: bool = False
     overlap_schedule: bool | None = None
+    grammar_backend: str = "llguidance"
+    grammar_compile_timeout_s: float = 5.0
 
 
 @dataclass(frozen=True)

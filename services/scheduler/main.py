@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import importlib.util
 import logging
 import os
 import re
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from ringserve import grpcutil
 from ringserve.metrics import add_metrics_port_flag
-from services.scheduler.config import (ATTENTION_BACKENDS, DTYPES, LOAD_FORMATS, SCHEDULE_POLICIES, EngineConfig,
+from services.scheduler.config import (ATTENTION_BACKENDS, DTYPES, GRAMMAR_BACKENDS, LOAD_FORMATS, SCHEDULE_POLICIES, EngineConfig,
                                       SchedulerConfig)
 
 log = logging.getLogger("ringserve.scheduler")
@@ -70,6 +71,10 @@ def parse_args(argv: list[str] | None) -> SchedulerConfig:
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=e.attention_backend,
                    help="auto = triton on CUDA devices, cpu (C kernels, built once with cc) on CPU; "
                         "torch = the reference; triton on CPU needs TRITON_INTERPRET=1 (tests)")
+    p.add_argument("--grammar-backend", choices=GRAMMAR_BACKENDS, default=e.grammar_backend,
+                   help="constrained decoding engine (structured outputs, forced tool calls)")
+    p.add_argument("--grammar-compile-timeout", type=float, default=e.grammar_compile_timeout_s,
+                   help="seconds a constrained request waits for its grammar to compile, else INVALID_ARGUMENT")
     p.add_argument("--torch-threads", type=int, default=None,
                    help="default: the usable cores (CPU affinity, capped by a cgroup CPU limit)")
     p.add_argument("--max-queued-requests", type=int, default=s.max_queued_requests,
@@ -102,6 +107,11 @@ def parse_args(argv: list[str] | None) -> SchedulerConfig:
         p.error("--cuda-graph-max-bs must be >= 1")
     if a.device != "auto" and not re.fullmatch(r"cpu|cuda(:\d+)?", a.device):
         p.error(f"--device {a.device!r}: use auto, cpu, cuda or cuda:N")
+    if a.grammar_compile_timeout <= 0:
+        p.error("--grammar-compile-timeout must be > 0")
+    if importlib.util.find_spec(a.grammar_backend) is None:
+        p.error(f"--grammar-backend {a.grammar_backend} needs the {a.grammar_backend} package: "
+                f"pip install 'ringserve[{a.grammar_backend}]'")
     engine = EngineConfig(
         model=a.model, dtype=a.dtype, max_running_requests=a.max_running_requests, max_total_tokens=a.max_total_tokens,
         kv_cache_gib=a.kv_cache_gib, kv_cache_mem_fraction=a.kv_cache_mem_fraction,
@@ -110,6 +120,7 @@ def parse_args(argv: list[str] | None) -> SchedulerConfig:
         schedule_policy=a.schedule_policy, load_format=a.load_format, attention_backend=a.attention_backend,
         device=a.device, mem_fraction_static=a.mem_fraction_static, cuda_graph_max_bs=a.cuda_graph_max_bs,
         disable_cuda_graph=a.disable_cuda_graph, overlap_schedule=False if a.disable_overlap_schedule else None,
+        grammar_backend=a.grammar_backend, grammar_compile_timeout_s=a.grammar_compile_timeout,
     )
     return SchedulerConfig(engine=engine, host=a.host, port=a.port, detokenizer=a.detokenizer,
                            instance_id=a.instance_id, torch_threads=a.torch_threads,

@@ -56,6 +56,9 @@ class SchedulerMetrics(EngineObserver):
                                         "Seconds from the first step that schedules a request to the forward pass that completes its prompt.")
         self.decode_time = m.histogram("request_decode_time_seconds",
                                        "Seconds from a request's first token to its end.")
+        compile_time = m.histogram("grammar_compile_time_seconds",
+                                   "Seconds one output constraint took to compile (worker thread; cache hits not counted).")
+        engine.grammars.observe_compile = compile_time.observe
         finished = Counter(PREFIX + "scheduler_requests_finished", "Requests that left the scheduler, by finish reason.",
                            ["model_name", "finished_reason"], registry=m.registry)
         self._finished = {t: finished.labels(m.model_name, name) for t, name in _REASONS.items()}
@@ -96,6 +99,8 @@ class SchedulerMetrics(EngineObserver):
                  lambda: engine.memory.reserve),
             Read("memory_total_bytes", "The device's memory (CPU: what was available before the KV pool).",
                  "gauge", lambda: engine.memory.total),
+            Read("num_requests_compiling", "Requests waiting for their output constraint to compile (also counted "
+                 "in num_requests_waiting).", "gauge", lambda: engine.grammars.num_pending),
         ])
         engine.observer = self
 

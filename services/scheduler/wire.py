@@ -6,6 +6,7 @@ from dataclasses import asdict, fields
 
 from ringserve.v1 import common_pb2, detokenizer_pb2, scheduler_pb2
 from services.scheduler.engine.engine import LoadStats
+from services.scheduler.engine.grammar_backends import GrammarSpec
 from services.scheduler.engine.output import StepOutput
 from services.scheduler.engine.req import FinishReason, ReqInput, SamplingParams
 
@@ -14,6 +15,15 @@ from services.scheduler.engine.req import FinishReason, ReqInput, SamplingParams
 _SCALAR_PARAMS = tuple(
     f.name for f in fields(SamplingParams) if f.name not in ("stop", "stop_token_ids", "seed", "logit_bias")
 )
+
+
+def grammar_from_proto(params: common_pb2.ResolvedSamplingParams) -> GrammarSpec | None:
+    """The constraint of resolved parameters (json_schema, regex or ebnf), or None."""
+    if not params.HasField("constraint"):
+        return None
+    c = params.constraint
+    kind = c.WhichOneof("kind")
+    return GrammarSpec(kind, getattr(c, kind), c.param or "response_format") if kind else None
 
 
 def req_input_from_proto(msg: scheduler_pb2.TokenizedGenerateReqInput, tokenizer_id: str) -> ReqInput:
@@ -36,6 +46,7 @@ def req_input_from_proto(msg: scheduler_pb2.TokenizedGenerateReqInput, tokenizer
         stream=msg.stream,
         logprob_start_len=msg.logprob_start_len if msg.HasField("logprob_start_len") else None,
         prompt_top_logprobs_num=msg.prompt_top_logprobs_num,
+        grammar=grammar_from_proto(p),
     )
 
 

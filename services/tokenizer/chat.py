@@ -171,14 +171,26 @@ def render_chat(tokenizer: Any, chat: tokenizer_pb2.ChatInput) -> str:
             )
     tools = _json_field(chat.tools_json, list, "tools") if chat.tools_json else None
     try:
-        return tokenizer.apply_chat_template(
-            messages,
-            tools=tools,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=chat.continue_final_message,
-            tokenize=False,
-            **kwargs,
-        )
+        def render(tools: list | None) -> str:
+            return tokenizer.apply_chat_template(
+                messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=chat.continue_final_message,
+                tokenize=False,
+                **kwargs,
+            )
+
+        prompt = render(tools)
+        if tools and prompt == render(None):
+            raise invalid(
+                "this model's chat template does not render tools, so the model would never see them; "
+                "start the tokenizer with --chat-template FILE (ringserve/templates/chatml_tools.jinja "
+                "fits ChatML models such as SmolLM2)",
+                "tools",
+                INVALID_REQUEST,
+            )
+        return prompt
     except (jinja2.TemplateError, ValueError, TypeError) as exc:
         raise RequestError(
             f"the chat template could not render these messages: {exc}",

@@ -66,6 +66,7 @@ class TokenizerConfig:
     context_length: int | None = None  # default: config.json max_position_embeddings
     grace_period_s: float = 5.0  # on SIGTERM, how long in-flight calls may run on
     allow_special_tokens_in_messages: bool = False  # control tokens spelled in messages stay text
+    chat_template: Path | None = None  # a Jinja chat template file replacing the model's
     metrics_port: int | None = None  # Prometheus /metrics on host:port; None = off, 0 = a free port
     transport: grpcutil.Transport = grpcutil.Transport()  # message size and TLS, server and both links
     api_keys: ApiKeys = ApiKeys()  # keys the Tokenizer service requires; empty: none
@@ -88,6 +89,8 @@ class TokenizerService:
     def __init__(self, config: TokenizerConfig):
         self.config = config
         tokenizer = load_tokenizer(config.model)
+        if config.chat_template is not None:
+            tokenizer.chat_template = config.chat_template.read_text()
         facts = model_facts(config.model, tokenizer, config.served_model_name, config.context_length)
         self.manager = TokenizerManager(
             tokenizer, facts, config.instance_id,
@@ -187,10 +190,15 @@ def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
     p.add_argument("--allow-special-tokens-in-messages", action="store_true",
                    help="parse control tokens spelled in chat message text (e.g. <|im_end|>) as those "
                         "tokens; by default they are tokenized as plain text")
+    p.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
+                   help="Jinja chat template replacing the model's (e.g. ringserve/templates/chatml_tools.jinja "
+                        "to call tools with a ChatML model whose template cannot render them)")
     add_metrics_port_flag(p)
     grpcutil.add_transport_args(p)
     add_api_key_args(p, "every RPC of the Tokenizer service (health and reflection stay open)")
     a = p.parse_args(argv)
+    if a.chat_template is not None and not a.chat_template.is_file():
+        p.error(f"--chat-template {a.chat_template}: no such file")
     for spec in a.replica:
         try:
             ReplicaAddress.parse(spec)
@@ -208,6 +216,7 @@ def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
         context_length=a.context_length,
         grace_period_s=a.grace_period,
         allow_special_tokens_in_messages=a.allow_special_tokens_in_messages,
+        chat_template=a.chat_template,
         metrics_port=a.metrics_port,
         transport=grpcutil.transport_from_args(p, a),
         api_keys=api_keys_from_args(p, a),

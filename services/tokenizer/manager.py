@@ -306,7 +306,8 @@ class TokenizerManager:
             )
         event = asyncio.Event()
         states = [
-            ReqState(sub.rid, prepared.rid, i, prepared.prompt_len, event, scored_ids=_scored_ids(sub))
+            ReqState(sub.rid, prepared.rid, i, prepared.prompt_len, event, scored_ids=_scored_ids(sub),
+                     constraint_param=sub.sampling_params.constraint.param or None)
             for i, sub in enumerate(prepared.subs)
         ]
         for st in states:
@@ -426,7 +427,9 @@ class TokenizerManager:
         fr = last.finish_reason
         if fr.type == common_pb2.FINISH_ABORT and fr.status in _ERROR_STATUS_CODES:
             status = grpc.StatusCode[fr.status]
-            raise RequestError(fr.message or fr.status.lower(), status, _ERROR_STATUS_CODES[fr.status])
+            # INVALID_ARGUMENT after dispatch is the scheduler refusing the constraint.
+            param = st.constraint_param if fr.status == "INVALID_ARGUMENT" else None
+            raise RequestError(fr.message or fr.status.lower(), status, _ERROR_STATUS_CODES[fr.status], param)
         prompt = next((r.prompt_logprobs for r in rows if r.prompt_logprobs is not None), None)
         if prompt is not None and st.scored_ids is not None:
             prompt.token_ids.extend(st.scored_ids)  # from the requested start; logprobs are their tail

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 
 from ringserve.v1 import common_pb2
+from services.tokenizer.constraints import resolve_constraint
 from services.tokenizer.errors import CONTEXT_LENGTH_EXCEEDED, invalid
 
 MAX_N = 128
@@ -153,6 +154,12 @@ def resolve_sampling_params(
     )
     if sp.HasField("seed"):
         params.seed = sp.seed
+    if sp.HasField("constraint"):
+        if min_new:
+            # The grammar may allow only a stop token before min_new_tokens: nothing could be sampled.
+            raise invalid(f"min_tokens cannot be combined with {sp.constraint.param or 'a constraint'}",
+                          "min_tokens")
+        params.constraint.CopyFrom(resolve_constraint(sp.constraint))
     return Resolved(params, n)
 
 

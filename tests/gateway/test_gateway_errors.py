@@ -47,6 +47,20 @@ CHAT_INVALID = [
     ({"logit_bias": {"abc": 1}}, "logit_bias", "invalid_value"),
     ({"stop": ["", "x"]}, "stop", "invalid_value"),
     ({"top_logprobs": 2}, "top_logprobs", "invalid_value"),
+    # Output constraints and tools (issue 13).
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "invalid_value"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "invalid_value"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+     "structured_outputs.regex", "invalid_value"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "invalid_value"),
+    ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern", "unknown_parameter"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools", "invalid_value"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "f"}}]},
+     "tools", "invalid_value"),
+    ({"tools": [], "tool_choice": "required"}, "tool_choice", "invalid_value"),
+    ({"tool_choice": "auto"}, "tool_choice", "invalid_value"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, "tool_choice", "invalid_value"),
 ]
 
 

@@ -21,6 +21,8 @@ class CountingEngine:
 
     def __init__(self) -> None:
         self.has_work = True
+        self.only_compiling = False
+        self.grammars = SimpleNamespace(wake=None)  # the loop installs its wake-up callback here
         self.cfg = SimpleNamespace(max_running_requests=1)
         self.seen: list[tuple[int, str]] = []
         self.done = threading.Event()

@@ -102,3 +102,21 @@ def test_prefix_cache_hits_equal_cached_tokens_and_gauges_follow_occupancy(make_
     assert m["ringserve:kv_used_tokens"] == len(ids)  # the prompt; its first output token gets a row next step
     assert m["ringserve:kv_cache_usage_perc"] == len(ids) / engine.kv_pool.size
     run_all(engine)
+
+
+def test_grammar_compiles_are_counted_and_the_compiling_gauge_returns_to_zero(make_engine, chat_ids, run_all):
+    from services.scheduler.engine.grammar_backends import GrammarSpec
+    from services.scheduler.engine.req import ReqInput, SamplingParams
+
+    engine, metrics = observed(make_engine)
+    params = SamplingParams(temperature=0.0, max_new_tokens=8)
+    for rid, regex in (("a", "(yes|no)"), ("b", "(yes|no)"), ("c", "[0-9]{2}")):
+        engine.add_request(ReqInput(rid=rid, input_ids=chat_ids("Yes?"), sampling=params,
+                                    grammar=GrammarSpec("regex", regex, "regex")))
+    assert scrape(metrics)["ringserve:num_requests_compiling"] == 3
+    assert scrape(metrics)["ringserve:num_requests_waiting"] == 3
+    run_all(engine)
+    m = scrape(metrics)
+    assert m["ringserve:grammar_compile_time_seconds_count"] == 2  # "a" and "b" share one compile
+    assert m["ringserve:num_requests_compiling"] == 0
+    assert m["ringserve:scheduler_requests_finished_total{stop}"] == 3

@@ -18,6 +18,8 @@ from tokenizers import Tokenizer
 from services.scheduler.config import EngineConfig
 from services.scheduler.engine.cuda_graph import DecodeGraphRunner
 from services.scheduler.engine.device import DeviceRuntime, create_runtime, resolve_device
+from services.scheduler.engine.grammar import GrammarManager, accept_grammar_tokens, apply_grammar_masks
+from services.scheduler.engine.grammar_backends import GrammarBackend, load_backend
 from services.scheduler.engine.kv_pool import GIB, ReqToTokenPool, TokenToKVPool, kv_bytes_per_token
 from services.scheduler.engine.model_runner import FutureIds, ModelRunner
 from services.scheduler.engine.observer import EngineObserver
@@ -58,6 +60,8 @@ class Engine:
 
     def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer, eos_ids: frozenset[int], cfg: EngineConfig,
                  runtime: DeviceRuntime | None = None):
+        """The grammar backend (``cfg.grammar_backend``) reads ``cfg.model``/tokenizer.json when
+        the first constrained request arrives, in the compile thread."""
         mc = model.config
         self.cfg = cfg
         self.runtime = runtime or create_runtime(next(model.parameters()).device)
@@ -88,7 +92,8 @@ class Engine:
         self.runner = ModelRunner(model, self.req_pool, self.kv_pool, self.runtime, graphs)
         self.sampler = Sampler(self.runtime, cfg.seed, eos_ids)
         self.stops = StopChecker(tokenizer, eos_ids, self.context_length)
-        self.reqs: dict[str, Req] = {}  # rid -> in-flight request (waiting or running)
+        self.grammars = GrammarManager(lambda: self._grammar_backend(eos_ids), cfg.grammar_compile_timeout_s)
+        self.reqs: dict[str, Req] = {}  # rid -> in-flight request (compiling, waiting or running)
         self._out = StepOutput()
         self.num_decode_steps = 0
         self.peak_decode_batch_size = 0
@@ -115,7 +120,12 @@ class Engine:
         model = load_model(model_dir, runtime.resolve_dtype(cfg.dtype), cfg.load_format, cfg.attention_backend,
                            runtime.device)
         tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-        return cls(model, tokenizer, load_eos_ids(model_dir, tokenizer), cfg, runtime)
+        engine = cls(model, tokenizer, load_eos_ids(model_dir, tokenizer), cfg, runtime)
+        engine.grammars.warm()
+        return engine
+
+    def _grammar_backend(self, eos_ids: frozenset[int]) -> GrammarBackend:
+        return load_backend(self.cfg.grammar_backend, Path(self.cfg.model), self.vocab_size, eos_ids)
 
     # ---- inputs -------------------------------------------------------------------
     def add_request(self, spec: ReqInput) -> None:
@@ -133,8 +143,11 @@ class Engine:
         if spec.sampling.seed is not None:
             req.generator = self.sampler.generator_for(spec.sampling.seed)
         self.reqs[req.rid] = req
-        self.policy.waiting.append(req)
         self.observer.on_queued(req)
+        if spec.grammar is not None:
+            self.grammars.submit(req, spec.grammar)  # joins the queue once compiled
+        else:
+            self.policy.waiting.append(req)
 
     def refuse(self, spec: ReqInput, message: str, status: str) -> None:
         """Answer a request that is not admitted (overload, shutdown) with its final FINISH_ABORT row."""
@@ -157,7 +170,8 @@ class Engine:
             victims = list(self.reqs.values())
         for req in victims:
             req.init_sent = req.init_sent and not resend_init
-            self.policy.remove(req)
+            if not self.grammars.remove(req):
+                self.policy.remove(req)
             del self.reqs[req.rid]
             self._emit_abort(req, message, status)
         return len(victims)
@@ -172,12 +186,18 @@ class Engine:
             self._emit_abort(req, message, "INTERNAL")
         self.reqs.clear()
         self._inflight = None
+        self.grammars.clear()
         self.policy.reset()
 
     # ---- the loop -----------------------------------------------------------------
     @property
     def has_work(self) -> bool:
         return bool(self.reqs) or len(self._out) > 0 or self._inflight is not None
+
+    @property
+    def only_compiling(self) -> bool:
+        """Every request held waits for its grammar: a step has nothing to run."""
+        return len(self.reqs) == self.grammars.num_pending and not len(self._out) and self._inflight is None
 
     def step(self) -> StepOutput | None:
         """Run one scheduling step; returns its rows, or None when no row was produced.
@@ -189,10 +209,12 @@ class Engine:
         min tokens), first takes the previous step's results, so every plan is the one the
         engine makes without overlap.
         """
+        started = time.monotonic()
+        if self.grammars.num_pending:
+            self._admit_compiled()
         if self._inflight is not None and not self._can_overlap():
             self._finish(self._inflight)
             self._inflight = None
-        started = time.monotonic()
         inflight, self._inflight = self._inflight, None
         plan = self.policy.schedule(self._ending_by_length(inflight))
         launched = None
@@ -247,19 +269,20 @@ class Engine:
             reqs, logits = self._finish_scored(reqs, logits)
             if not reqs:
                 return None
-        result = self.sampler.sample(logits, reqs)
+        result = self.sampler.sample(apply_grammar_masks(logits, reqs, self.runtime.to_device), reqs)
         # The step's one device-to-host copy: the sampled ids (and logprobs where asked).
         return _InFlight(reqs, result.next_ids, {r: i for i, r in enumerate(reqs)}, result.start_copy(self.runtime))
 
     def _finish(self, step: _InFlight) -> None:
-        """Wait for a launched step's sampled ids; append, check stops, free finished
-        requests and record their rows. Rows of requests that ended meanwhile (a stop found
-        in the step before, an abort) are dropped."""
+        """Wait for a launched step's sampled ids; append, check stops, advance grammars,
+        free finished requests and record their rows. Rows of requests that ended meanwhile
+        (a stop found in the step before, an abort) are dropped."""
         result = step.wait()
         live = [(i, r) for i, r in enumerate(step.reqs) if not r.finished and self.reqs.get(r.rid) is r]
         for i, req in live:
             req.append_output(result.next_ids[i])
         self.stops.check([r for _, r in live])
+        accept_grammar_tokens([r for _, r in live])
         for i, req in live:
             self._out.add_row(req, [result.next_ids[i]])
             if req.logprob_start_len is not None and len(req.output_ids) == 1:  # its first token
@@ -284,6 +307,14 @@ class Engine:
             return frozenset()
         return frozenset(r for r in inflight.reqs if len(r.output_ids) + 1 >= r.sampling.max_new_tokens
                          or r.seq_len + 1 >= self.context_length)
+
+    def _admit_compiled(self) -> None:
+        """Queue the requests whose grammar is ready; end those whose grammar failed."""
+        ready, failed = self.grammars.take_ready()
+        self.policy.waiting.extend(ready)
+        for req, message, status in failed:
+            del self.reqs[req.rid]
+            self._emit_abort(req, message, status)
 
     def _finish_scored(self, reqs: list[Req], logits: torch.Tensor) -> tuple[list[Req], torch.Tensor]:
         """Requests with max_new_tokens 0 (score the prompt only) end here, their prefill
@@ -319,7 +350,7 @@ class Engine:
         cached = self.policy.kv_cached
         return LoadStats(
             num_running_reqs=len(self.policy.running) + (self.policy.chunked is not None),
-            num_waiting_reqs=len(self.policy.waiting),
+            num_waiting_reqs=len(self.policy.waiting) + self.grammars.num_pending,
             req_slots_used=self.req_pool.used,
             kv_used_tokens=self.kv_pool.used - cached,
             kv_cached_tokens=cached,
@@ -343,10 +374,11 @@ class _InFlight:
 
 
 def _reads_output_history(req: Req) -> bool:
-    """Sampling this request's next token reads its output so far on the host."""
+    """Sampling this request's next token reads its output so far on the host (penalties,
+    min tokens, a grammar's matcher)."""
     p = req.sampling
     return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
-                or len(req.output_ids) < p.min_new_tokens)
+                or len(req.output_ids) < p.min_new_tokens or req.grammar is not None)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

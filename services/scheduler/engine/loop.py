@@ -62,6 +62,7 @@ class EngineLoop:
         self._busy = False  # has work: a step is due or running
         self._beat = time.monotonic()  # last time the thread came round its loop
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        engine.grammars.wake = self._wake.set
 
     def start(self) -> None:
         self._thread.start()
@@ -162,3 +163,8 @@ class EngineLoop:
                 out = self.engine.step()
             if out is not None:
                 self._on_output(out)
+            elif self.engine.only_compiling:
+                # Nothing to run until a grammar compiles (its callback wakes us) or a compile
+                # budget runs out (the timeout): sleep rather than spin.
+                self._wake.wait(0.05)
+                self._wake.clear()

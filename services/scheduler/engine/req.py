@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.scheduler.engine.grammar_backends import GrammarSpec, Matcher
+
 
 class FinishType(enum.IntEnum):
     """Values equal ``common_pb2.FinishReasonType`` so the wire mapping is the identity."""
@@ -69,6 +71,7 @@ class ReqInput:
     stream: bool = True
     logprob_start_len: int | None = None  # prompt logprobs from this position; None = none
     prompt_top_logprobs_num: int = 0
+    grammar: GrammarSpec | None = None  # constrained decoding (structured outputs)
 
 
 class TokenView(Sequence[int]):
@@ -111,6 +114,8 @@ class Req:
             only the positions before ``prompt_logprob_pos - 1``.
         prompt_logprobs / prompt_top_ids / prompt_top_vals: those computed so far, from
             position ``max(1, logprob_start_len)`` on, sent with the first sampled token.
+        grammar: the constraint's matcher once compiled (None when unconstrained); it
+            advances with every output token and survives retraction with them.
     """
 
     def __init__(self, spec: ReqInput):
@@ -129,6 +134,7 @@ class Req:
         self.cached_tokens: int | None = None
         self.last_node: object | None = None
         self.tree_len = 0
+        self.grammar: Matcher | None = None
         self.logprob_start_len = spec.logprob_start_len
         self.prompt_top_logprobs_num = spec.prompt_top_logprobs_num
         start = spec.logprob_start_len

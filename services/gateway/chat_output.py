@@ -1,0 +1,121 @@
+"""One chat choice's text -> reasoning_content, content and tool_calls, streamed or whole.
+
+Which parsers apply is decided per request: reasoning (``--reasoning-parser``, unless
+the request turns thinking off), then tool calls: the forced array format when
+``tool_choice`` is "required" or a named function, the model's own format
+(``--tool-call-parser``) when tools are offered under "auto", none otherwise. The
+non-streamed message goes through the same incremental parsers in one feed, so the
+streamed deltas joined equal it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .config import GatewayConfig
+from .constraints import forced_tools
+from .errors import invalid
+from .protocol import ChatCompletionRequest
+from .reasoning import ReasoningParser, make_reasoning_parser
+from .tool_parsers import TOOL_CALL_PARSERS, ToolCallDelta, ToolParser, forced_parser, join_deltas
+
+
+@dataclass
+class ChoiceDelta:
+    reasoning: str = ""
+    content: str = ""
+    calls: list[ToolCallDelta] = field(default_factory=list)
+
+
+class ChoiceParser:
+    """reasoning -> tool calls -> content, for one choice."""
+
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None, parallel: bool = True):
+        self.reasoning = reasoning
+        self.tools = tools
+        self.parallel = parallel  # false: calls after the first are dropped (parallel_tool_calls)
+
+    @property
+    def made_calls(self) -> bool:
+        return self.tools is not None and self.tools.calls > 0
+
+    def _split(self, reasoning: str, content: str, final: bool) -> ChoiceDelta:
+        if self.tools is None:
+            return ChoiceDelta(reasoning, content)
+        text, calls = self.tools.feed(content)
+        if final:
+            more, tail = self.tools.finish()
+            text, calls = text + more, calls + tail
+        if not self.parallel:
+            calls = [d for d in calls if d.index == 0]
+        return ChoiceDelta(reasoning, text, calls)
+
+    def feed(self, text: str, final: bool = False) -> ChoiceDelta:
+        reasoning, content = ("", text) if self.reasoning is None else self.reasoning.feed(text)
+        if final and self.reasoning is not None:
+            r2, c2 = self.reasoning.finish()
+            reasoning, content = reasoning + r2, content + c2
+        return self._split(reasoning, content, final)
+
+
+def parser_factory(req: ChatCompletionRequest, config: GatewayConfig) -> Callable[[], ChoiceParser] | None:
+    """A maker of per-choice parsers for ``req``, or None when its text is plain content.
+
+    Raises:
+        GatewayError(400): an output constraint on a thinking request (the grammar would
+            apply from the first token, inside the reasoning).
+    """
+    reasoning = config.reasoning_parser
+    if reasoning is not None and (req.chat_template_kwargs or {}).get("enable_thinking", True) is not False:
+        constrained = (req.response_format is not None and req.response_format.type != "text"
+                       or req.structured_outputs is not None or forced_tools(req) is not None)
+        if constrained:
+            raise invalid("an output constraint (response_format, structured_outputs or a forced tool_choice) "
+                          "with reasoning is not supported; set chat_template_kwargs.enable_thinking to false",
+                          "response_format")
+    if forced_tools(req) is not None:
+        tools: Callable[[], ToolParser] | None = forced_parser
+    elif req.tools and req.tool_choice != "none" and config.tool_call_parser != "none":
+        tools = TOOL_CALL_PARSERS[config.tool_call_parser]
+    else:
+        tools = None
+    if reasoning is None and tools is None:
+        return None
+    kwargs = req.chat_template_kwargs
+    parallel = req.parallel_tool_calls is not False  # the forced format enforces it in the grammar too
+
+    def make() -> ChoiceParser:
+        return ChoiceParser(make_reasoning_parser(reasoning, kwargs) if reasoning else None,
+                            tools() if tools else None, parallel)
+
+    return make
+
+
+def delta_calls(calls: list[ToolCallDelta]) -> list[dict]:
+    """Tool-call deltas as chunk entries: the first of a call has id, type and name."""
+    out = []
+    for d in calls:
+        if d.id is not None:
+            out.append({"index": d.index, "id": d.id, "type": "function",
+                        "function": {"name": d.name, "arguments": d.arguments}})
+        else:
+            out.append({"index": d.index, "function": {"arguments": d.arguments}})
+    return out
+
+
+def final_message(parser: ChoiceParser, text: str) -> dict:
+    """The non-streamed message fields of a choice's whole text."""
+    d = parser.feed(text, final=True)
+    calls = join_deltas(d.calls)
+    message = {"content": d.content or None if calls else d.content, "tool_calls": calls or None}
+    if parser.reasoning is not None:
+        message["reasoning_content"] = d.reasoning or None
+    return message
+
+
+def finish_reason(parser: ChoiceParser | None, reason: str | None) -> str | None:
+    """"tool_calls" when the choice made calls (OpenAI), else the engine's reason."""
+    if reason in ("stop", "length") and parser is not None and parser.made_calls:
+        return "tool_calls"
+    return reason

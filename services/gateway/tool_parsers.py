@@ -1,0 +1,405 @@
+"""Model output text -> OpenAI tool calls, incrementally (one parser per choice).
+
+A parser is fed the choice's text as it arrives and returns the content the client may
+see now and the tool-call deltas; ``finish`` flushes what it held back (a partial tag at
+the end). The non-streamed response feeds the whole text once through the same code, so
+the streamed deltas joined always equal the non-streamed fields. A call's ``arguments``
+is the JSON text of its arguments exactly as the model wrote it (a forced call's is valid
+JSON by construction); the first delta of each call carries its index, id, type and
+name, later ones only argument fragments.
+
+Formats (``--tool-call-parser``):
+
+- ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks anywhere
+  in the text, the rest is content (NousResearch Hermes 2/3, Qwen2.5, Qwen3, and
+  ringserve/templates/chatml_tools.jinja for ChatML models such as SmolLM2).
+- ``llama3_json``: the whole output is ``{"name": ..., "parameters": {...}}`` (optionally
+  after ``<|python_tag|>``), several separated by ``;`` (Llama 3.1/3.2/3.3).
+- ``mistral``: ``[TOOL_CALLS]`` then a JSON array of ``{"name", "arguments"}`` objects
+  (Mistral 7B v0.3, Mixtral 8x22B, Mistral Small/Nemo); text before the marker is content.
+- ``pythonic``: the whole output is a Python list of calls, ``[get_weather(city="Paris",
+  days=3), get_time()]``, keyword arguments as Python literals (Llama 3.2 and Llama 4 with
+  their pythonic templates, ToolACE); each call is sent once its closing parenthesis has
+  arrived, its arguments as JSON.
+- the forced format (tool_choice "required" or a named function, enforced by a grammar,
+  whatever the model): a JSON array ``[{"name": ..., "arguments": {...}}, ...]``.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+
+
+@dataclass
+class ToolCallDelta:
+    index: int
+    arguments: str = ""
+    id: str | None = None  # set on the first delta of a call, with name
+    name: str | None = None
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+class _CallScanner:
+    """One JSON object ``{"name": "...", "arguments": <value>}`` arriving piece by piece.
+
+    Tracks strings, escapes and depth over the text seen so far, and notes where the top
+    level keys' values start and end. ``parameters`` is taken as ``arguments`` (Llama 3).
+    """
+
+    def __init__(self, index: int):
+        self.index = index
+        self.text = ""
+        self.name: str | None = None
+        self.args_start: int | None = None
+        self.args_end: int | None = None
+        self.end: int | None = None  # one past the closing brace, once the object is complete
+        self.header_sent = False
+        self.args_sent = 0
+        self._pos = 0
+        self._depth = 0
+        self._in_string = False
+        self._escape = False
+        self._key: str | None = None
+        self._key_start = 0
+        self._value_key: str | None = None  # the key whose value is being read at depth 1
+        self._value_start: int | None = None
+        self._expect_key = True
+
+    def feed(self, text: str) -> list[ToolCallDelta]:
+        self.text += text
+        self._scan()
+        return self._deltas()
+
+    def _scan(self) -> None:
+        t = self.text
+        while self._pos < len(t) and self.end is None:
+            i, ch = self._pos, t[self._pos]
+            self._pos += 1
+            if self._in_string:
+                if self._escape:
+                    self._escape = False
+                elif ch == "\\":
+                    self._escape = True
+                elif ch == '"':
+                    self._in_string = False
+                    if self._depth == 1 and self._expect_key:
+                        self._key = json.loads(t[self._key_start : i + 1])
+                    elif self._depth == 1 and self._value_start is not None:
+                        self._end_value(i + 1)
+                continue
+            if ch == '"':
+                self._in_string = True
+                if self._depth == 1 and self._expect_key:
+                    self._key_start = i
+                elif self._depth == 1 and self._value_start is None:
+                    self._value_start = i
+            elif ch in "{[":
+                if self._depth == 1 and self._value_start is None and not self._expect_key:
+                    self._value_start = i
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+                if self._depth == 1 and self._value_start is not None:
+                    self._end_value(i + 1)
+                elif self._depth == 0:
+                    if self._value_start is not None:
+                        self._end_value(i)
+                    self.end = i + 1
+            elif self._depth == 1:
+                if ch == ":":
+                    self._expect_key = False
+                    self._value_key = self._key
+                    self._value_start = None
+                elif ch == ",":
+                    if self._value_start is not None:
+                        self._end_value(i)
+                    self._expect_key = True
+                elif not ch.isspace() and self._value_start is None and not self._expect_key:
+                    self._value_start = i  # a number, true, false or null
+
+    def _end_value(self, end: int) -> None:
+        start, key = self._value_start, self._value_key
+        self._value_start = self._value_key = None
+        if start is None:
+            return
+        raw = self.text[start:end].strip()
+        if key == "name" and self.name is None:
+            try:
+                name = json.loads(raw)
+            except json.JSONDecodeError:
+                return
+            self.name = name if isinstance(name, str) else None
+        elif key in ("arguments", "parameters") and self.args_end is None:
+            self.args_start, self.args_end = start, start + len(raw)
+
+    def _args_available(self) -> str:
+        if self.args_start is None:
+            if self._value_key in ("arguments", "parameters") and self._value_start is not None:
+                return self.text[self._value_start :]
+            return ""
+        return self.text[self.args_start : self.args_end]
+
+    def _deltas(self) -> list[ToolCallDelta]:
+        if self.name is None:
+            return []
+        out = []
+        if not self.header_sent:
+            self.header_sent = True
+            out.append(ToolCallDelta(self.index, id=new_call_id(), name=self.name))
+        args = self._args_available()
+        if self.args_start is None and self._value_start is not None:
+            args = args.rstrip()  # trailing blanks of a value still arriving may not be its own
+        if len(args) > self.args_sent:
+            fragment = args[self.args_sent :]
+            self.args_sent = len(args)
+            if out:
+                out[0].arguments = fragment
+            else:
+                out.append(ToolCallDelta(self.index, arguments=fragment))
+        return out
+
+    def finish(self) -> list[ToolCallDelta]:
+        """At the end of the output: a call without arguments gets ``{}``."""
+        out = self._deltas()
+        if self.name is not None and self.args_sent == 0 and self.end is not None:
+            out.append(ToolCallDelta(self.index, arguments="{}"))
+            self.args_sent = 2
+        return out
+
+
+class ToolParser:
+    """Base: feed text, get (content, call deltas); ``calls`` counts the calls started."""
+
+    calls = 0
+
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        raise NotImplementedError
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        raise NotImplementedError
+
+
+def partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of ``text`` that begins ``tag``."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class HermesToolParser(ToolParser):
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    def __init__(self) -> None:
+        self._buf = ""
+        self._call: _CallScanner | None = None
+
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        self._buf += text
+        content, deltas = [], []
+        while self._buf:
+            if self._call is None:
+                at = self._buf.find(self.OPEN)
+                if at < 0:
+                    keep = partial_suffix(self._buf, self.OPEN)
+                    content.append(self._buf[: len(self._buf) - keep])
+                    self._buf = self._buf[len(self._buf) - keep :]
+                    break
+                content.append(self._buf[:at])
+                self._buf = self._buf[at + len(self.OPEN) :]
+                self._call = _CallScanner(self.calls)
+                self.calls += 1
+                continue
+            call = self._call
+            if call.end is None:
+                start = len(call.text)
+                deltas += call.feed(self._buf)
+                used = (call.end - start) if call.end is not None else len(self._buf)
+                self._buf = self._buf[used:]
+                if call.end is None:
+                    break
+            at = self._buf.find(self.CLOSE)
+            if at < 0:
+                break  # the object is complete: wait for its closing tag (what lies between is dropped)
+            deltas += call.finish()
+            self._buf = self._buf[at + len(self.CLOSE) :]
+            self._call = None
+        return "".join(content), deltas
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        call, rest = self._call, self._buf
+        self._buf, self._call = "", None
+        if call is None:
+            return rest, []
+        if call.name is None:  # never became a call (no name): the client sees the text as written
+            self.calls -= 1
+            return self.OPEN + call.text, []
+        return "", call.finish()
+
+
+class JsonCallsParser(ToolParser):
+    """Calls as JSON objects at the top level: the forced array format (``[{...}, {...}]``)
+    and Llama 3's ``{...}; {...}``. Anything outside the objects is punctuation, not content."""
+
+    def __init__(self, prefix: str = "") -> None:
+        self._prefix = prefix  # skipped once at the start (Llama 3's <|python_tag|>)
+        self._buf = ""
+        self._call: _CallScanner | None = None
+
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        self._buf += text
+        if self._prefix:
+            if len(self._buf.lstrip()) < len(self._prefix) and self._prefix.startswith(self._buf.lstrip()):
+                return "", []
+            if self._buf.lstrip().startswith(self._prefix):
+                self._buf = self._buf.lstrip()[len(self._prefix) :]
+            self._prefix = ""
+        deltas = []
+        while self._buf:
+            if self._call is None:
+                at = self._buf.find("{")
+                if at < 0:
+                    self._buf = ""
+                    break
+                self._buf = self._buf[at:]
+                self._call = _CallScanner(self.calls)
+                self.calls += 1
+            call = self._call
+            start = len(call.text)
+            deltas += call.feed(self._buf)
+            if call.end is None:
+                self._buf = ""
+                break
+            self._buf = self._buf[call.end - start :]
+            deltas += call.finish()
+            self._call = None
+        return "", deltas
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        return "", self._call.finish() if self._call is not None else []
+
+
+class MistralToolParser(ToolParser):
+    """Content until ``[TOOL_CALLS]``, then the calls as a JSON array."""
+
+    MARKER = "[TOOL_CALLS]"
+
+    def __init__(self) -> None:
+        self._buf = ""
+        self._calls: JsonCallsParser | None = None
+
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        if self._calls is not None:
+            out = self._calls.feed(text)
+            self.calls = self._calls.calls
+            return out
+        self._buf += text
+        at = self._buf.find(self.MARKER)
+        if at < 0:
+            keep = partial_suffix(self._buf, self.MARKER)
+            content, self._buf = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep :]
+            return content, []
+        content, rest = self._buf[:at], self._buf[at + len(self.MARKER) :]
+        self._buf = ""
+        self._calls = JsonCallsParser()
+        _, deltas = self._calls.feed(rest)
+        self.calls = self._calls.calls
+        return content, deltas
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        if self._calls is None:
+            rest, self._buf = self._buf, ""
+            return rest, []
+        return self._calls.finish()
+
+
+class PythonicToolParser(ToolParser):
+    """``[f(a=1), g()]``: each call is parsed with ``ast`` once it is complete. Output that
+    does not open with ``[`` is content."""
+
+    def __init__(self) -> None:
+        self._buf = ""
+        self._sent = 0  # calls already sent
+        self._content: bool | None = None  # decided by the first non-blank character
+
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        if self._content:
+            return text, []
+        self._buf += text
+        if self._content is None:
+            head = self._buf.lstrip()
+            if not head:
+                return "", []
+            self._content = not head.startswith("[")
+            if self._content:
+                out, self._buf = self._buf, ""
+                return out, []
+        return "", self._complete_calls()
+
+    def _complete_calls(self) -> list[ToolCallDelta]:
+        import ast
+
+        body = self._buf.strip()
+        # The longest prefix that closes into a valid list holds the calls complete so far.
+        for end in range(len(body), 0, -1):
+            if body[end - 1] not in ")]":
+                continue
+            candidate = body[:end].rstrip("]") + "]"
+            try:
+                tree = ast.parse(candidate, mode="eval").body
+            except SyntaxError:
+                continue
+            if not isinstance(tree, ast.List) or not all(isinstance(c, ast.Call) for c in tree.elts):
+                return []
+            deltas = []
+            for call in tree.elts[self._sent :]:
+                try:
+                    args = {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}
+                except ValueError:
+                    return deltas
+                name = ast.unparse(call.func)
+                deltas.append(ToolCallDelta(self._sent, json.dumps(args, ensure_ascii=False), new_call_id(), name))
+                self._sent += 1
+                self.calls = self._sent
+            return deltas
+        return []
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        if self._content is None:
+            rest, self._buf = self._buf, ""
+            return rest, []
+        return "", []
+
+
+TOOL_CALL_PARSERS = {
+    "hermes": HermesToolParser,
+    "llama3_json": lambda: JsonCallsParser("<|python_tag|>"),
+    "mistral": MistralToolParser,
+    "pythonic": PythonicToolParser,
+}
+
+
+def forced_parser() -> ToolParser:
+    """The parser of the forced (grammar-enforced) array format."""
+    return JsonCallsParser()
+
+
+def parse_all(parser: ToolParser, text: str) -> tuple[str, list[dict]]:
+    """The whole text through ``parser``: (content, OpenAI ``tool_calls`` list)."""
+    content, deltas = parser.feed(text)
+    more, tail = parser.finish()
+    return content + more, join_deltas(deltas + tail)
+
+
+def join_deltas(deltas: list[ToolCallDelta]) -> list[dict]:
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        if d.id is not None:
+            calls[d.index] = {"id": d.id, "type": "function", "function": {"name": d.name, "arguments": ""}}
+        calls[d.index]["function"]["arguments"] += d.arguments
+    return [calls[i] for i in sorted(calls)]

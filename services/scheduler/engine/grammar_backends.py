@@ -1,0 +1,227 @@
+"""Grammar engines behind one small interface: compile a constraint, then per request a matcher
+that fills a token bitmask, accepts tokens and says when the grammar has ended.
+
+Two well-kept engines, chosen with ``--grammar-backend`` (figures in bench/RESULTS.md,
+measured with bench/grammar_backends.py on SmolLM2's 49,152-token vocabulary):
+
+- ``llguidance`` (default; Microsoft's guidance, an Earley parser over a token trie that
+  computes each mask lazily): a JSON-schema grammar is ready in about a millisecond
+  whatever its nesting (a nested-``anyOf`` schema of depth 12 in 0.6 s), masks in 17-33 us
+  per token; refuses the schema keywords it cannot enforce by name (``oneOf``,
+  ``uniqueItems``, ``not``, ``if``/``then``, ``contains``, ``propertyNames``, ...).
+- ``xgrammar`` (MLC's pushdown automaton with an adaptive token-mask cache): masks in
+  3-21 us per token, but compiles ahead of time, which grew to 10 s for a nested
+  ``oneOf`` schema of depth 8 and 223 s at depth 12 (its compile cannot be interrupted:
+  the compile budget only stops the request from waiting for it). Approximates a
+  non-disjoint ``oneOf`` by ``anyOf``, which we refuse rather than weaken.
+
+Both cap the whitespace a JSON grammar allows between tokens, so a JSON mode never loops
+on blanks. Errors: ``GrammarError`` with a message for the client.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+# Whitespace allowed between JSON tokens: enough for indented output, never an endless run.
+JSON_WHITESPACE_MAX = 16
+# JSON Schema keywords a backend would approximate rather than enforce: refused by name.
+XGRAMMAR_REFUSED_KEYWORDS = ("oneOf", "not", "if", "then", "else", "uniqueItems", "contains", "propertyNames",
+                             "dependentRequired", "dependentSchemas", "unevaluatedProperties", "unevaluatedItems")
+
+
+class GrammarError(ValueError):
+    """A constraint the backend cannot compile; the message says why."""
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What to compile: ``kind`` is "json_schema", "regex" or "ebnf"; ``param`` the request field."""
+
+    kind: str
+    text: str
+    param: str = "response_format"
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.kind, self.text
+
+
+class Matcher(Protocol):
+    """One request's grammar state."""
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into ``bitmask[row]`` (int32 [B, ceil(V/32)], bit set = allowed)."""
+        ...
+
+    def accept_token(self, token: int) -> bool:
+        """Advance by ``token``; False when the grammar does not allow it."""
+        ...
+
+    @property
+    def ended(self) -> bool:
+        """The grammar is complete and nothing can follow (or a stop token was accepted)."""
+        ...
+
+
+class GrammarBackend(Protocol):
+    name: str
+
+    def compile(self, spec: GrammarSpec) -> Any:
+        """Compile ``spec`` (called off the engine thread). Raises GrammarError."""
+        ...
+
+    def matcher(self, compiled: Any) -> Matcher:
+        """A fresh matcher over a compiled grammar (engine thread; cheap)."""
+        ...
+
+
+def _hf_tokenizer(model_dir: Path) -> Any:
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_file=str(model_dir / "tokenizer.json"))
+
+
+class LLGuidanceMatcher:
+    def __init__(self, matcher: Any):
+        self._m = matcher
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        v = bitmask[row]
+        self._m.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
+
+    def accept_token(self, token: int) -> bool:
+        return bool(self._m.consume_token(token))
+
+    @property
+    def ended(self) -> bool:
+        return bool(self._m.is_stopped())
+
+
+class LLGuidanceBackend:
+    """llguidance: JSON schema, regex and GBNF (converted to its Lark dialect)."""
+
+    name = "llguidance"
+
+    def __init__(self, model_dir: Path, vocab_size: int, eos_ids: frozenset[int]):
+        import llguidance
+        import llguidance.hf
+
+        self._llg = llguidance
+        self.tokenizer = llguidance.hf.from_tokenizer(_hf_tokenizer(model_dir), n_vocab=vocab_size,
+                                                      eos_token=sorted(eos_ids))
+
+    def compile(self, spec: GrammarSpec) -> Any:
+        llg = self._llg
+        try:
+            if spec.kind == "json_schema":
+                options = {"whitespace_flexible": True, "whitespace_pattern": f"[ \\n\\t]{{0,{JSON_WHITESPACE_MAX}}}"}
+                grammar = llg.LLMatcher.grammar_from_json_schema(spec.text, options)
+            elif spec.kind == "regex":
+                grammar = llg.LLMatcher.grammar_from_regex(spec.text)
+            elif spec.kind == "ebnf":
+                grammar = llg.grammar_from("gbnf", spec.text)
+            else:
+                raise GrammarError(f"unknown constraint kind {spec.kind!r}")
+        except GrammarError:
+            raise
+        except Exception as exc:  # the engine's verdict on the client's grammar, whatever its type
+            raise GrammarError(str(exc) or type(exc).__name__) from None
+        failed, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
+        if failed:
+            raise GrammarError("; ".join(messages))
+        matcher = llg.LLMatcher(self.tokenizer, grammar)
+        if matcher.is_error():
+            raise GrammarError(matcher.get_error())
+        return matcher  # a template: each request gets a deep copy
+
+    def matcher(self, compiled: Any) -> Matcher:
+        return LLGuidanceMatcher(compiled.deep_copy())
+
+
+class XGrammarMatcher:
+    def __init__(self, matcher: Any):
+        self._m = matcher
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self._m.fill_next_token_bitmask(bitmask, row)
+
+    def accept_token(self, token: int) -> bool:
+        return bool(self._m.accept_token(token))
+
+    @property
+    def ended(self) -> bool:
+        return bool(self._m.is_terminated())
+
+
+class XGrammarBackend:
+    """xgrammar: JSON schema, regex and its EBNF (GBNF-compatible)."""
+
+    name = "xgrammar"
+
+    def __init__(self, model_dir: Path, vocab_size: int, eos_ids: frozenset[int]):
+        import xgrammar
+
+        self._xgr = xgrammar
+        info = xgrammar.TokenizerInfo.from_huggingface(_hf_tokenizer(model_dir), vocab_size=vocab_size,
+                                                       stop_token_ids=sorted(eos_ids))
+        # Our own LRU caches compiled grammars (services/scheduler/engine/grammar.py).
+        self.compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+    def compile(self, spec: GrammarSpec) -> Any:
+        try:
+            if spec.kind == "json_schema":
+                _refuse_keywords(json.loads(spec.text))
+                return self.compiler.compile_json_schema(spec.text, strict_mode=False, any_whitespace=True,
+                                                         max_whitespace_cnt=JSON_WHITESPACE_MAX)
+            if spec.kind == "regex":
+                return self.compiler.compile_regex(spec.text)
+            if spec.kind == "ebnf":
+                return self.compiler.compile_grammar(spec.text)
+        except GrammarError:
+            raise
+        except Exception as exc:  # the engine's verdict on the client's grammar, whatever its type
+            raise GrammarError(str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__) from None
+        raise GrammarError(f"unknown constraint kind {spec.kind!r}")
+
+    def matcher(self, compiled: Any) -> Matcher:
+        # Stop tokens are allowed wherever the grammar may end, and accepting one ends it (its
+        # terminate_without_stop_token would forbid ending "ab" under "ab(c)?", forcing the "c").
+        return XGrammarMatcher(self._xgr.GrammarMatcher(compiled))
+
+
+def _refuse_keywords(schema: Any) -> None:
+    """Raise GrammarError naming the first keyword xgrammar would only approximate."""
+    if isinstance(schema, dict):
+        for key, value in schema.items():
+            if key in XGRAMMAR_REFUSED_KEYWORDS:
+                raise GrammarError(f"the JSON Schema keyword {key!r} is not supported by the xgrammar backend")
+            if key in ("properties", "$defs", "definitions", "patternProperties") and isinstance(value, dict):
+                _refuse_keywords(list(value.values()))  # keys here are names, not keywords
+            elif key not in ("const", "enum", "default", "examples"):
+                _refuse_keywords(value)
+    elif isinstance(schema, list):
+        for item in schema:
+            _refuse_keywords(item)
+
+
+GRAMMAR_BACKENDS = {"llguidance": LLGuidanceBackend, "xgrammar": XGrammarBackend}
+
+
+def load_backend(name: str, model_dir: Path, vocab_size: int, eos_ids: frozenset[int]) -> GrammarBackend:
+    """The backend ``name`` for a model directory (reads its tokenizer.json).
+
+    Raises:
+        ValueError: a name outside GRAMMAR_BACKENDS, or its package is not installed.
+    """
+    if name not in GRAMMAR_BACKENDS:
+        raise ValueError(f"unknown grammar backend {name!r}; choose one of {', '.join(GRAMMAR_BACKENDS)}")
+    if importlib.util.find_spec(name) is None:
+        raise ValueError(f"--grammar-backend {name} needs the {name} package: pip install 'ringserve[{name}]'")
+    return GRAMMAR_BACKENDS[name](model_dir, vocab_size, eos_ids)

@@ -1,0 +1,80 @@
+"""Reasoning cases R01, R02 and R04 of ../shared/cases/CASES-structured.md through the ring,
+with a second gateway started with ``--reasoning-parser deepseek_r1`` on the shared ring's
+tokenizer (the parser is gateway work; R03, tags split across chunks, is checked over every
+boundary in tests/gateway/test_output_parsers.py).
+
+SmolLM2 does not think, and under deepseek_r1 everything before ``</think>`` is reasoning
+(the opening tag may be in the prompt), so with thinking on its whole answer is reasoning:
+enough to check where the text lands and that streamed and whole responses agree.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from ringserve.launch import free_port
+
+from .structured_helpers import chat, chat_body, error_of
+
+
+@pytest.fixture(scope="module")
+def gateway(tools_ring):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "ringserve.cli", "gateway", "--port", str(port),
+                             "--tokenizer", tools_ring.tokenizer, "--reasoning-parser", "deepseek_r1"])
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the reasoning gateway did not come up"
+            time.sleep(0.2)
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.fixture
+async def client(gateway):
+    async with httpx.AsyncClient(base_url=gateway, timeout=120) as c:
+        yield c
+
+
+async def test_r01_enable_thinking_false_answers_in_content(tools_ring, client):
+    body = chat_body(tools_ring.model_name, "What is the capital of France?", max_tokens=16,
+                     chat_template_kwargs={"enable_thinking": False})
+    (plain,) = await chat(client, body, stream=False)
+    (streamed,) = await chat(client, body, stream=True)
+    assert plain.content and plain.reasoning is None
+    assert (streamed.content, streamed.reasoning) == (plain.content, plain.reasoning)
+
+
+async def test_r02_max_tokens_inside_the_reasoning_stays_reasoning(tools_ring, client):
+    body = chat_body(tools_ring.model_name, "What is the capital of France?", max_tokens=5)
+    (plain,) = await chat(client, body, stream=False)
+    (streamed,) = await chat(client, body, stream=True)
+    for msg in (plain, streamed):
+        assert msg.finish_reason == "length" and not msg.content and msg.reasoning
+    assert streamed.reasoning == plain.reasoning
+
+
+async def test_r04_a_grammar_with_thinking_on_is_a_400_saying_so(tools_ring, client):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    body = chat_body(tools_ring.model_name, "Hi", response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": schema}})
+    for stream in (False, True):
+        error = await error_of(client, body, stream)
+        assert error["param"] == "response_format"
+        assert "with reasoning is not supported" in error["message"]
+    (msg,) = await chat(client, {**body, "chat_template_kwargs": {"enable_thinking": False}}, stream=False)
+    assert msg.reasoning is None and isinstance(msg.content, str)

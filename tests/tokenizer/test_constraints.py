@@ -1,0 +1,96 @@
+"""Constraints checked and resolved in the tokenizer; tools refused on a template that drops them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import grpc
+import pytest
+
+from ringserve.v1 import common_pb2, tokenizer_pb2
+from services.tokenizer.chat import render_chat
+from services.tokenizer.constraints import choice_grammar, resolve_constraint
+from services.tokenizer.errors import RequestError
+from services.tokenizer.sampling import resolve_sampling_params
+
+TEMPLATE = Path(__file__).resolve().parents[2] / "ringserve" / "templates" / "chatml_tools.jinja"
+TOOLS = json.dumps([{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}])
+
+
+def nested(depth: int) -> list:
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def refused(c: common_pb2.Constraint) -> RequestError:
+    with pytest.raises(RequestError) as info:
+        resolve_constraint(c)
+    assert info.value.status == grpc.StatusCode.INVALID_ARGUMENT
+    return info.value
+
+
+def test_json_object_and_choice_become_what_the_scheduler_compiles():
+    out = resolve_constraint(common_pb2.Constraint(json_object=True, param="response_format"))
+    assert (out.WhichOneof("kind"), out.json_schema, out.param) == ("json_schema", '{"type": "object"}',
+                                                                     "response_format")
+    c = common_pb2.Constraint(param="structured_outputs.choice")
+    c.choice.choices.extend(['say "hi"', "a\\b", "line\nbreak"])
+    out = resolve_constraint(c)
+    assert out.ebnf == 'root ::= "say \\"hi\\"" | "a\\\\b" | "line\\x0Abreak"'
+    assert out.ebnf == choice_grammar(['say "hi"', "a\\b", "line\nbreak"])
+    assert resolve_constraint(common_pb2.Constraint(json_schema="true")).json_schema == "{}"
+
+
+@pytest.mark.parametrize("constraint,message", [
+    (common_pb2.Constraint(json_schema='{"type": "object", "properties": 5}', param="response_format"),
+     "response_format: not a valid JSON Schema at properties: 5 is not of type 'object'"),
+    (common_pb2.Constraint(json_schema="{", param="response_format"), "response_format: the JSON schema is not valid JSON"),
+    (common_pb2.Constraint(json_schema="[1]", param="structured_outputs.json"),
+     "structured_outputs.json: a JSON schema must be an object (or true), got list"),
+    (common_pb2.Constraint(regex="", param="regex"), "regex: the regex is empty"),
+    (common_pb2.Constraint(choice=common_pb2.ChoiceList(), param="structured_outputs.choice"),
+     "structured_outputs.choice: the choice list is empty"),
+    (common_pb2.Constraint(choice=common_pb2.ChoiceList(choices=["a", ""]), param="structured_outputs.choice"),
+     "structured_outputs.choice: a choice is an empty string"),
+    (common_pb2.Constraint(json_schema=json.dumps({"type": "object", "default": nested(40)}), param="response_format"),
+     "response_format: the JSON schema nests deeper than 32 levels"),
+])
+def test_bad_constraints_are_refused_naming_the_field(constraint, message):
+    error = refused(constraint)
+    assert error.message.startswith(message), error.message
+    assert error.param == constraint.param
+
+
+def test_min_tokens_cannot_be_combined_with_a_constraint():
+    sp = common_pb2.SamplingParams(min_new_tokens=3, constraint=common_pb2.Constraint(regex="a+", param="regex"))
+    with pytest.raises(RequestError) as info:
+        resolve_sampling_params(sp, 5, 2048, 49152)
+    assert (info.value.param, info.value.message) == ("min_tokens", "min_tokens cannot be combined with regex")
+
+
+def test_tools_on_a_template_that_drops_them_are_refused(smollm2_tokenizer):
+    chat = tokenizer_pb2.ChatInput(messages=[tokenizer_pb2.ChatMessage(role="user", content="Time?")],
+                                   tools_json=TOOLS)
+    with pytest.raises(RequestError) as info:
+        render_chat(smollm2_tokenizer, chat)
+    assert info.value.param == "tools"
+    assert "this model's chat template does not render tools" in info.value.message
+    assert "--chat-template" in info.value.message
+
+
+def test_the_shipped_template_renders_tools_and_plain_chat_like_smollm2s(smollm2_tokenizer):
+    import copy
+
+    tok = copy.copy(smollm2_tokenizer)
+    plain = tokenizer_pb2.ChatInput(messages=[tokenizer_pb2.ChatMessage(role="user", content="Time?")])
+    before = render_chat(smollm2_tokenizer, plain)
+    tok.chat_template = TEMPLATE.read_text()
+    assert render_chat(tok, plain) == before
+    with_tools = tokenizer_pb2.ChatInput(messages=plain.messages, tools_json=TOOLS)
+    prompt = render_chat(tok, with_tools)
+    assert '<tools>\n{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}\n</tools>' \
+        in prompt
+    assert prompt.endswith("<|im_start|>user\nTime?<|im_end|>\n<|im_start|>assistant\n")
