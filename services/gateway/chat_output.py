@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 from .config import GatewayConfig
 from .constraints import forced_tools
-from .errors import invalid
 from .protocol import ChatCompletionRequest
+from .reasoning import CLOSE as REASONING_END
 from .reasoning import ReasoningParser, make_reasoning_parser
 from .tool_parsers import TOOL_CALL_PARSERS, ToolCallDelta, ToolParser, forced_parser, join_deltas
 
@@ -59,21 +59,24 @@ class ChoiceParser:
         return self._split(reasoning, content, final)
 
 
+def grammar_starts_after(req: ChatCompletionRequest, config: GatewayConfig) -> str | None:
+    """The text after which an output constraint applies: the reasoning parser's end tag
+    when one is on and the request thinks (the grammar must not shape the reasoning), else
+    None (from the first token)."""
+    if config.reasoning_parser is None:
+        return None
+    if (req.chat_template_kwargs or {}).get("enable_thinking", True) is False:
+        return None
+    return REASONING_END
+
+
 def parser_factory(req: ChatCompletionRequest, config: GatewayConfig) -> Callable[[], ChoiceParser] | None:
     """A maker of per-choice parsers for ``req``, or None when its text is plain content.
 
-    Raises:
-        GatewayError(400): an output constraint on a thinking request (the grammar would
-            apply from the first token, inside the reasoning).
+    An output constraint on a thinking request applies after the reasoning ends
+    (``grammar_starts_after``).
     """
     reasoning = config.reasoning_parser
-    if reasoning is not None and (req.chat_template_kwargs or {}).get("enable_thinking", True) is not False:
-        constrained = (req.response_format is not None and req.response_format.type != "text"
-                       or req.structured_outputs is not None or forced_tools(req) is not None)
-        if constrained:
-            raise invalid("an output constraint (response_format, structured_outputs or a forced tool_choice) "
-                          "with reasoning is not supported; set chat_template_kwargs.enable_thinking to false",
-                          "response_format")
     if forced_tools(req) is not None:
         tools: Callable[[], ToolParser] | None = forced_parser
     elif req.tools and req.tool_choice != "none" and config.tool_call_parser != "none":

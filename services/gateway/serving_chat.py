@@ -16,7 +16,7 @@ from starlette.responses import Response
 
 from . import convert
 from .backend import TokenizerClient
-from .chat_output import ChoiceParser, delta_calls, final_message, finish_reason, parser_factory
+from .chat_output import ChoiceParser, delta_calls, final_message, finish_reason, grammar_starts_after, parser_factory
 from .config import GatewayConfig
 from .logprobs import chat_logprobs, vllm_prompt_logprobs
 from .outputs import ChoiceUpdate, FinalChoice
@@ -82,6 +82,9 @@ async def create_chat_completion(
     """
     rid = convert.new_rid(req)
     pb = convert.chat_request(req, rid)
+    starts_after = grammar_starts_after(req, config)
+    if starts_after is not None and pb.sampling_params.HasField("constraint"):
+        pb.sampling_params.constraint.starts_after = starts_after
     make_parser = parser_factory(req, config)
     model = await client.check_model(req.model)
     echo = _echo_text(req)

@@ -23,7 +23,9 @@ def grammar_from_proto(params: common_pb2.ResolvedSamplingParams) -> GrammarSpec
         return None
     c = params.constraint
     kind = c.WhichOneof("kind")
-    return GrammarSpec(kind, getattr(c, kind), c.param or "response_format") if kind else None
+    if not kind:
+        return None
+    return GrammarSpec(kind, getattr(c, kind), c.param or "response_format", tuple(c.starts_after_ids))
 
 
 def req_input_from_proto(msg: scheduler_pb2.TokenizedGenerateReqInput, tokenizer_id: str) -> ReqInput:

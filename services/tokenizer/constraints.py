@@ -82,7 +82,7 @@ def resolve_constraint(c: common_pb2.Constraint) -> common_pb2.Constraint:
     param = c.param or DEFAULT_PARAM[kind]
     if c.ByteSize() > MAX_CONSTRAINT_BYTES:
         raise invalid(f"{param}: the constraint is larger than {MAX_CONSTRAINT_BYTES} bytes", param)
-    out = common_pb2.Constraint(param=param)
+    out = common_pb2.Constraint(param=param, starts_after=c.starts_after)
     if kind == "json_object":
         out.json_schema = '{"type": "object"}'
     elif kind == "json_schema":

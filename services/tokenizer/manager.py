@@ -263,6 +263,10 @@ class TokenizerManager:
             req.sampling_params, len(ids), self.facts.context_length, self.facts.vocab_size, param,
             score_only_ok=req.HasField("logprob_start_len"),
         )
+        constraint = resolved.params.constraint
+        if resolved.params.HasField("constraint") and constraint.starts_after:
+            # The grammar starts after the reasoning's end tag: the scheduler matches its ids.
+            constraint.starts_after_ids[:] = self.encode(constraint.starts_after, add_special_tokens=False)
         rid = req.rid or uuid.uuid4().hex
         subs = []
         for i in range(resolved.n):

@@ -222,3 +222,25 @@ def test_eos_stays_masked_until_the_grammar_may_end(engine, tokenizer):
     assert masked[0, eos] == 0.0  # "ab" may end here, or go on with "c"
     assert masked[0, tokenizer.token_to_id("c")] == 0.0
     assert not req.grammar.ended
+
+
+def test_grammar_that_starts_after_a_tag_leaves_the_output_free_until_it(engine, run_all, chat_ids, greedy_req,
+                                                                        tokenizer):
+    # The "reasoning" is what the model says unconstrained; its first two tokens stand for the
+    # end tag (a reasoning model's "</think>"): the regex applies from the third token on.
+    prompt = chat_ids("What is the IP address of the local host?")
+    engine.add_request(greedy_req("free", prompt, 8, ignore_eos=True))
+    free = run_all(engine)["free"].output_ids
+    tag = tuple(free[:2])
+    spec = GrammarSpec("regex", IPV4, "response_format", starts_after=tag)
+    engine.add_request(constrained("after", prompt, spec, max_new_tokens=40))
+    out = run_all(engine)["after"]
+    assert tuple(out.output_ids[:2]) == tag  # unconstrained up to and with the tag
+    text = tokenizer.decode(out.output_ids[2:])
+    assert re.fullmatch(IPV4, text), text
+    assert out.finish.type == FinishType.STOP
+    # A tag the output never produces: the grammar never applies and the output is the free one.
+    never = GrammarSpec("regex", IPV4, "response_format", starts_after=(49151, 49150))
+    engine.add_request(constrained("never", prompt, never, max_new_tokens=8, ignore_eos=True))
+    assert run_all(engine)["never"].output_ids == free
+    assert engine.req_pool.used == 0 and engine.reqs == {}

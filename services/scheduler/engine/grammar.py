@@ -159,7 +159,7 @@ def apply_grammar_masks(logits: torch.Tensor, reqs: list[Req],
         word w = token 32w + j, as xgrammar and llguidance both lay it out); it is the only
         host-to-device copy here.
     """
-    rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+    rows = [i for i, r in enumerate(reqs) if r.grammar is not None and r.grammar_active]
     if not rows:
         return logits
     vocab = logits.shape[-1]
@@ -176,7 +176,8 @@ def apply_grammar_masks(logits: torch.Tensor, reqs: list[Req],
 
 
 def accept_grammar_tokens(reqs: list[Req]) -> None:
-    """Advance each grammar by its request's newest token (after stop checks).
+    """Advance each grammar by its request's newest token (after stop checks); a grammar
+    that starts after a tag (``Req.grammar_after``) turns active once the output ends with it.
 
     A request whose grammar has ended finishes with STOP (also when the same token reached
     max_new_tokens: the output is complete). A token the grammar rejects (it was masked, so
@@ -185,6 +186,11 @@ def accept_grammar_tokens(reqs: list[Req]) -> None:
     for req in reqs:
         g = req.grammar
         if g is None or (req.finished and req.finish_reason.type == FinishType.ABORT):
+            continue
+        if not req.grammar_active:
+            # Free output (reasoning) until it ends with the start tag; the tag is not grammar input.
+            n = len(req.grammar_after)
+            req.grammar_active = tuple(req.output_ids[-n:]) == req.grammar_after
             continue
         if not g.accept_token(req.output_ids[-1]):
             req.finish_reason = FinishReason(FinishType.ABORT, message="the grammar rejected a sampled token",

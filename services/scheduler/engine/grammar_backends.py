@@ -42,11 +42,14 @@ class GrammarError(ValueError):
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    """What to compile: ``kind`` is "json_schema", "regex" or "ebnf"; ``param`` the request field."""
+    """What to compile: ``kind`` is "json_schema", "regex" or "ebnf"; ``param`` the request
+    field; ``starts_after`` the token ids after which the grammar applies (a reasoning end
+    tag; empty = from the first token; not part of what is compiled)."""
 
     kind: str
     text: str
     param: str = "response_format"
+    starts_after: tuple[int, ...] = ()
 
     @property
     def key(self) -> tuple[str, str]:

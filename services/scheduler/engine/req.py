@@ -135,6 +135,9 @@ class Req:
         self.last_node: object | None = None
         self.tree_len = 0
         self.grammar: Matcher | None = None
+        # A grammar that starts after a reasoning end tag: inactive until the output ends with it.
+        self.grammar_after: tuple[int, ...] = spec.grammar.starts_after if spec.grammar is not None else ()
+        self.grammar_active = not self.grammar_after
         self.logprob_start_len = spec.logprob_start_len
         self.prompt_top_logprobs_num = spec.prompt_top_logprobs_num
         start = spec.logprob_start_len
