@@ -174,6 +174,14 @@ async def keyed(tokenizer_server) -> AsyncIterator[httpx.AsyncClient]:
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def thinking(tokenizer_server) -> AsyncIterator[Stack]:
+    """A gateway started with --reasoning-parser deepseek_r1, in front of the fake."""
+    fake, server = tokenizer_server
+    async for client in _gateway(GatewayConfig(tokenizer=f"127.0.0.1:{server.port}", reasoning_parser="deepseek_r1")):
+        yield Stack(fake, server, client)
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def quick_probe(tokenizer_server) -> AsyncIterator[httpx.AsyncClient]:
     """A gateway whose /health_generate gives up after 0.3 s."""
     _, server = tokenizer_server

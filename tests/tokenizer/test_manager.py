@@ -92,6 +92,19 @@ def test_chat_is_tokenized_from_the_rendered_prompt(manager):
     assert len(p.rid) == 32 and int(p.rid, 16) >= 0  # uuid4 hex made for an empty rid
 
 
+def test_a_constraint_after_reasoning_gets_its_start_tag_as_token_ids(manager):
+    req = text_req()
+    req.sampling_params.constraint.CopyFrom(common_pb2.Constraint(regex="[0-9]+", starts_after="</think>"))
+    sub = manager.prepare(req).subs[0]
+    c = sub.sampling_params.constraint
+    assert (c.regex, c.starts_after) == ("[0-9]+", "</think>")
+    assert list(c.starts_after_ids) == manager.tokenizer.encode("</think>", add_special_tokens=False)
+    assert len(c.starts_after_ids) > 1  # SmolLM2 spells the tag in several tokens
+    plain = text_req()
+    plain.sampling_params.constraint.CopyFrom(common_pb2.Constraint(regex="[0-9]+"))
+    assert list(manager.prepare(plain).subs[0].sampling_params.constraint.starts_after_ids) == []
+
+
 def test_input_ids_are_taken_as_they_are_and_checked(manager):
     p = manager.prepare(tokenizer_pb2.GenerateReqInput(input_ids=tokenizer_pb2.TokenIds(ids=[1, 49151, 0])))
     assert list(p.subs[0].input_ids) == [1, 49151, 0]
