@@ -135,7 +135,14 @@ class HealthGenerateResponse(BaseModel):
     latency_s: float
 
 
-_SSE = {"text/event-stream": {"schema": {"type": "string", "description": "data: <chunk JSON> events, then data: [DONE]"}}}
+# One server-sent event (the media type's schema describes each event, as OpenAPI 3.2's
+# itemSchema does): a data line holding a chunk's JSON, the last one "[DONE]".
+_SSE = {"text/event-stream": {"schema": {
+    "type": "object",
+    "description": "data: <chunk JSON> events, then data: [DONE]",
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"}},
+    "required": ["data"],
+}}}
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": what}

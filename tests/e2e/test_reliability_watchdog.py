@@ -24,6 +24,8 @@ class HangingEngine:
         self.release = threading.Event()
         self.steps = 0
         self.has_work = True
+        self.only_compiling = False
+        self.grammars = SimpleNamespace(wake=None)  # the loop installs its wake-up callback here
         self.cfg = SimpleNamespace(max_running_requests=1)
 
     def step(self) -> None:
