@@ -28,7 +28,7 @@ def decode_step_ms(engine: Engine, batch: int, prompt_len: int, steps: int) -> t
         engine.add_request(ReqInput(rid=f"b{batch}-{i}", input_ids=ids, sampling=params))
     while len(engine.policy.running) < batch or engine.policy.waiting:
         out = engine.step()
-        if out is not None and any(f.type == FinishType.ABORT for f in out.finish_reasons):
+        if out is not None and any(f is not None and f.type == FinishType.ABORT for f in out.finish_reasons):
             raise ValueError(f"a benchmark request was refused: {out.finish_reasons}")
     times, cpu = [], []
     for _ in range(steps):
