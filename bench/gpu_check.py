@@ -46,9 +46,8 @@ from ringserve.models import SMOLLM2_DIR  # noqa: E402
 from services.scheduler.bench import main as engine_bench  # noqa: E402
 from services.scheduler.config import EngineConfig  # noqa: E402
 from services.scheduler.engine.engine import Engine  # noqa: E402
-from services.scheduler.engine.model_runner import StepInputs  # noqa: E402
-from services.scheduler.engine.req import ReqInput, SamplingParams  # noqa: E402
-from services.scheduler.layers.attention import AttnMetadata, ExtendLayout  # noqa: E402
+from services.scheduler.engine.req import Req, ReqInput, SamplingParams  # noqa: E402
+from services.scheduler.engine.schedule import Plan  # noqa: E402
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "The three laws of thermodynamics are", "List five prime numbers:"]
@@ -161,22 +160,17 @@ def check_against_transformers(model_dir: Path, device: str, steps: int, positio
 
 
 def _all_position_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
-    """The engine's model on one fresh prompt -> float32 logits at every position [L, V]."""
-    req_pool, kv_pool = engine.req_pool, engine.kv_pool
-    slot = req_pool.alloc()
-    rows = kv_pool.alloc(len(ids))
-    req_pool.write(slot, 0, rows)
-    req = type("R", (), {"req_slot": slot, "fill_ids": lambda self: ids})()
-    plan = type("P", (), {"reqs": [req], "prefix_lens": [0], "extend_lens": [len(ids)], "num_extend": 1})()
-    inputs = StepInputs(req_pool)
-    host = inputs.add_extend(plan)
-    dev = inputs.to_device(engine.runtime, rows)
-    meta = AttnMetadata(dev["out_cache_loc"], req_pool.device_table, len(ids),
-                        ExtendLayout(dev["ext_slots"], dev["prefix_lens"], dev["extend_lens"], dev["q_valid"], **host))
-    model = engine.runner.model
-    logits = model.compute_logits(model(dev["input_ids"], dev["positions"], meta, kv_pool))
-    kv_pool.free(rows)
-    req_pool.free(slot)
+    """The engine's model on one fresh prompt -> float32 logits at every position [L, V]
+    (through the runner's prompt-logprob rows: every packed token's hidden state kept)."""
+    req = Req(ReqInput(rid="teacher-forced", input_ids=ids))
+    req.req_slot = engine.req_pool.alloc()
+    rows = engine.kv_pool.alloc(len(ids))
+    engine.req_pool.write(req.req_slot, 0, rows)
+    plan = Plan([req], [0], [len(ids)], rows, 1, logprob_rows=torch.arange(len(ids)))
+    engine.runner.forward(plan)
+    logits = engine.runner.model.compute_logits(plan.logprob_hidden)
+    engine.kv_pool.free(rows)
+    engine.req_pool.free(req.req_slot)
     return logits
 
 

@@ -16,7 +16,6 @@ CUDA: decode input ids taken on the device from the step in flight) and without.
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch

@@ -39,9 +39,6 @@ from services.scheduler.engine.kv_pool import GIB, available_memory_bytes, kv_po
 
 log = logging.getLogger(__name__)
 
-DEVICE_CHOICES = ("auto", "cpu", "cuda", "cuda:N")
-
-
 def resolve_device(name: str) -> torch.device:
     """``--device`` -> torch.device: "auto" is the first CUDA device when torch sees one, else the CPU.
 

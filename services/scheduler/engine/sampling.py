@@ -10,7 +10,7 @@ Everything runs in float32.
 
 Every per-row parameter and index is built on the host from the requests and copied to
 the device (``DeviceRuntime.to_device``); nothing here reads the device. The step's one
-device-to-host copy is ``SampleResult.to_host``: the chosen ids, with their logprobs and
+device-to-host copy is ``SampleResult.start_copy``: the chosen ids, with their logprobs and
 top logprobs packed beside them when a row asked for them.
 """
 
@@ -41,10 +41,6 @@ class SampleResult:
     logprobs: torch.Tensor | None = None
     top_ids: torch.Tensor | None = None
     top_vals: torch.Tensor | None = None
-
-    def to_host(self, runtime: DeviceRuntime) -> "HostSample":
-        """One device-to-host copy of everything -> Python lists."""
-        return self.start_copy(runtime)()
 
     def start_copy(self, runtime: DeviceRuntime) -> Callable[[], "HostSample"]:
         """Start the one device-to-host copy of everything; the returned function waits
