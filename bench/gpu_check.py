@@ -9,6 +9,8 @@ table appended to ``bench/RESULTS.md``:
    prompts, and in bf16 the top-1 agreement under teacher forcing over 5 x 64 positions
    (target >= 99 %); the placement test's step sequence (batched prefill, chunked prefill
    beside decodes, a prefix-cache hit, retraction, an abort) on real CUDA tensors;
+   deterministic inference (the Triton GEMM, RMSNorm and decode-kernel extend): 16 prompts
+   alone, cached and together give identical ids and logprobs, and its cost in wall time;
 2. the engine alone: decode step time at batch 1, 8, 64, 256 with and without CUDA graphs,
    for SmolLM2 and for a dummy-weights model shaped like Llama-3-8B (``--load-format dummy``);
    the HBM floor of the 8B shape at batch 1 (weight bytes / measured copy bandwidth);
@@ -203,6 +205,47 @@ def check_step_sequence(model_dir: Path, device: str) -> dict:
             "idle_gauges_zero": (load.req_slots_used, load.kv_used_tokens, load.num_running_reqs) == (0, 0, 0)}
 
 
+def check_determinism(model_dir: Path, device: str, prompts: int) -> dict:
+    """Deterministic inference on the device (``--enable-deterministic-inference``: the Triton
+    GEMM, RMSNorm and decode-kernel extend): ``prompts`` greedy prompts alone on a cold engine,
+    again once cached, and all at once must give the same ids and logprobs; the all-at-once
+    run's wall time against the same run with it off."""
+    ids = [[100 + (7 * i + j) % 5000 for j in range(20 + 3 * i)] for i in range(prompts)]
+
+    def run(engine: Engine, which: list[int]) -> tuple[dict, float]:
+        for i in which:
+            engine.add_request(ReqInput(rid=f"p{i}", input_ids=ids[i], return_logprob=True, sampling=SamplingParams(
+                temperature=0.0, max_new_tokens=32, ignore_eos=True)))
+        got: dict[str, tuple[list, list]] = {}
+        t = time.perf_counter()
+        while engine.has_work:
+            out = engine.step()
+            if out is None:
+                continue
+            pos = lp = 0
+            for row, rid in enumerate(out.rids):
+                n, k = out.new_token_counts[row], out.logprob_counts[row]
+                ids_, lps = got.setdefault(rid, ([], []))
+                ids_.extend(out.output_ids[pos : pos + n])
+                lps.extend(out.output_token_logprobs[lp : lp + k])
+                pos, lp = pos + n, lp + k
+        return got, time.perf_counter() - t
+
+    result: dict = {}
+    for det in (True, False):
+        cold, cached = {}, {}
+        for i in range(prompts):
+            engine = _engine(model_dir, device, "bfloat16", deterministic_inference=det)
+            cold.update(run(engine, [i])[0])
+            cached.update(run(engine, [i])[0])
+        together, wall = run(_engine(model_dir, device, "bfloat16", deterministic_inference=det), list(range(prompts)))
+        key = "deterministic" if det else "default"
+        result[key] = {"cached_differ": sum(cached[r] != cold[r] for r in cold),
+                       "concurrent_differ": sum(together[r] != cold[r] for r in cold), "concurrent_wall_s": wall}
+    result["concurrent_wall_ratio"] = result["deterministic"]["concurrent_wall_s"] / result["default"]["concurrent_wall_s"]
+    return result
+
+
 def hbm_floor_ms(model_dir: Path, device: str) -> dict:
     """Weight bytes / measured device copy bandwidth: the floor of a batch-1 decode step."""
     engine = _engine(model_dir, device, "bfloat16", load_format="dummy", max_total_tokens=4096,
@@ -250,6 +293,7 @@ def main(argv: list[str] | None = None) -> None:
     report["vs_transformers"] = check_against_transformers(smollm2, a.device, 8 if a.quick else 32,
                                                            16 if a.quick else 64)
     report["step_sequence"] = check_step_sequence(smollm2, a.device)
+    report["determinism"] = check_determinism(smollm2, a.device, 4 if a.quick else 16)
     print(json.dumps(report, indent=1), flush=True)
     steps = ["--steps", "3" if a.quick else "30", "--prompt-len", "32" if a.quick else "128"]
     graphs = "both" if a.device.startswith("cuda") else "off"
@@ -279,6 +323,8 @@ def _markdown(r: dict) -> str:
              f"- Triton kernels, max abs error vs torch: {json.dumps(r['kernels_max_abs_err'])}",
              f"- vs transformers: {json.dumps(r['vs_transformers'])}",
              f"- step sequence on the device: {json.dumps(r['step_sequence'])}",
+             f"- deterministic inference (bf16; differing = of the prompts, against each alone on a cold engine): "
+             f"{json.dumps(r['determinism'])}",
              f"- Llama-3-8B shape, batch-1 HBM floor: {r['llama3_8b_hbm_floor']['floor_ms']:.2f} ms "
              f"({r['llama3_8b_hbm_floor']['copy_bandwidth_gb_s']:.0f} GB/s copy)", "",
              "| model | batch | CUDA graph | decode step (ms) | tok/s |", "|---|---|---|---|---|"]

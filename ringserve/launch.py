@@ -83,6 +83,7 @@ class LaunchConfig:
     device: str = "auto"  # the scheduler's --device; "cuda" with several replicas: replica i on cuda:i
     disable_cuda_graph: bool = False
     disable_overlap_schedule: bool = False
+    deterministic_inference: bool | None = None  # None: the scheduler's default (on for bf16 on the CPU)
     served_model_name: str | None = None
     api_keys: ApiKeys = ApiKeys()  # required by the gateway's HTTP API and the tokenizers' gRPC API
     context_length: int | None = None
@@ -350,6 +351,8 @@ class Launcher:
             sched_args.append("--disable-cuda-graph")
         if c.disable_overlap_schedule:
             sched_args.append("--disable-overlap-schedule")
+        if c.deterministic_inference is not None:
+            sched_args.append(f"--{'enable' if c.deterministic_inference else 'disable'}-deterministic-inference")
         if c.max_running_requests:
             sched_args += ["--max-running-requests", str(c.max_running_requests)]
         if c.max_total_tokens:
@@ -438,6 +441,13 @@ def parse_args(argv: list[str] | None) -> LaunchConfig:
                         help="the schedulers' device; auto = the first CUDA device torch sees, else cpu; cuda with "
                              "--replicas N puts replica i on cuda:i")
     parser.add_argument("--disable-cuda-graph", action="store_true", help="CUDA: run every decode step eagerly")
+    det = parser.add_mutually_exclusive_group()
+    det.add_argument("--enable-deterministic-inference", dest="deterministic_inference", action="store_const",
+                     const=True, default=None,
+                     help="schedulers: a request's tokens and logprobs do not depend on its batch, chunking or "
+                          "prefix-cache hits (default: on for bf16 on the CPU, off elsewhere)")
+    det.add_argument("--disable-deterministic-inference", dest="deterministic_inference", action="store_const",
+                     const=False, help="schedulers: turn the default deterministic inference off")
     parser.add_argument("--disable-overlap-schedule", action="store_true",
                         help="CUDA: plan each step only after the previous one's results reach the host")
     parser.add_argument("--attention-backend", default=LaunchConfig.attention_backend,
@@ -501,7 +511,7 @@ def parse_args(argv: list[str] | None) -> LaunchConfig:
         tokenizer_metrics_port=args.tokenizer_metrics_port, scheduler_metrics_port=args.scheduler_metrics_port,
         detokenizer_metrics_port=args.detokenizer_metrics_port, attention_backend=args.attention_backend,
         device=args.device, disable_cuda_graph=args.disable_cuda_graph,
-        disable_overlap_schedule=args.disable_overlap_schedule,
+        disable_overlap_schedule=args.disable_overlap_schedule, deterministic_inference=args.deterministic_inference,
         served_model_name=args.served_model_name, api_keys=api_keys_from_args(parser, args),
         context_length=args.context_length, max_running_requests=args.max_running_requests,
         max_total_tokens=args.max_total_tokens, kv_cache_gib=args.kv_cache_gib,

@@ -5,7 +5,8 @@ Servers run one after another on the same machine, each fed the same random-ids 
 ``--concurrency``: the transformers one-request-at-a-time server
 (``bench/baselines/hf_server.py``), ringserve (``ringserve launch``), and llama.cpp's
 ``llama-server`` when ``--llama-server-bin`` and ``--llama-gguf`` are given. Prints medians
-per server and level, ringserve's ratios, each process's peak RSS (VmHWM) and the
+per server and level, ringserve's ratios (also against ringserve variants, e.g. with
+deterministic inference off: ``--ringserve-variant NAME:FLAGS``), each process's peak RSS (VmHWM) and the
 memory-bandwidth floor of a decode step; ``--json`` keeps every figure.
 
 A level runs ``max(--min-prompts, concurrency * --waves)`` prompts; the transformers server
@@ -78,7 +79,7 @@ class Server:
         import psutil
 
         procs = {self.name: psutil.Process(self.proc.pid)}
-        if self.name == "ringserve":
+        if self.name.startswith("ringserve"):
             procs = {}
             for child in psutil.Process(self.proc.pid).children():
                 args = child.cmdline()
@@ -122,12 +123,18 @@ def build_servers(args: argparse.Namespace) -> list[Server]:
             args.llama_server_bin, "-m", args.llama_gguf, "--host", "127.0.0.1", "--port", str(port),
             "-np", str(args.llama_parallel), "-c", str(ctx), "-t", str(args.threads), "--no-repack",
         ], port))
-    port = free_port()
-    servers.append(Server("ringserve", [
-        py, "-m", "ringserve.cli", "launch", "--model", model, "--port", str(port), "--tokenizer-port", "0",
-        "--dtype", args.dtype, "--device", args.device,
-        *args.ringserve_arg,
-    ], port))
+    def ringserve(name: str, extra: list[str]) -> Server:
+        port = free_port()
+        return Server(name, [py, "-m", "ringserve.cli", "launch", "--model", model, "--port", str(port),
+                             "--tokenizer-port", "0", "--dtype", args.dtype, "--device", args.device,
+                             *args.ringserve_arg, *extra], port)
+
+    for variant in args.ringserve_variant:
+        name, _, flags = variant.partition(":")
+        if not name or not flags:
+            raise SystemExit(f"bench compare: --ringserve-variant {variant!r}: expected NAME:FLAGS")
+        servers.append(ringserve(f"ringserve-{name}", flags.split()))
+    servers.append(ringserve("ringserve", []))
     return servers
 
 
@@ -202,6 +209,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--llama-parallel", type=int, default=32, help="llama-server -np slots")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--ringserve-arg", action="append", default=[], help="extra flag for ringserve launch (repeat)")
+    p.add_argument("--ringserve-variant", action="append", default=[], metavar="NAME:FLAGS",
+                   help="also run ringserve launched with FLAGS (space-separated) as server ringserve-NAME; the "
+                        "table's rs/ringserve-NAME column is the default's throughput over the variant's (repeat)")
     p.add_argument("--json", default=None)
     p.add_argument("--disable-progress", action="store_true")
     args = p.parse_args(argv)

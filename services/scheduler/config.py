@@ -52,6 +52,11 @@ class EngineConfig:
         grammar_backend: constrained decoding engine, "llguidance" or "xgrammar".
         grammar_compile_timeout_s: a constrained request waits at most this long for its
             grammar, then ends with INVALID_ARGUMENT.
+        deterministic_inference: a request's tokens and logprobs do not depend on the rest of
+            its batch, on chunk boundaries or on prefix-cache hits (batch-invariant
+            attention and linears: ``layers.batch_invariant``); True needs the cpu or
+            triton attention backend. None = on for a bf16 model on the CPU with the cpu
+            backend (measured within 10 % of off), off elsewhere (``Engine``).
     """
 
     model: Path
@@ -75,6 +80,7 @@ class EngineConfig:
     overlap_schedule: bool | None = None
     grammar_backend: str = "llguidance"
     grammar_compile_timeout_s: float = 5.0
+    deterministic_inference: bool | None = None
 
 
 @dataclass(frozen=True)

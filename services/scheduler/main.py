@@ -55,6 +55,14 @@ def parse_args(argv: list[str] | None) -> SchedulerConfig:
     p.add_argument("--cuda-graph-max-bs", type=int, default=e.cuda_graph_max_bs,
                    help="CUDA: decode batches up to this size replay CUDA graphs captured at start-up")
     p.add_argument("--disable-cuda-graph", action="store_true", help="CUDA: run every decode step eagerly")
+    det = p.add_mutually_exclusive_group()
+    det.add_argument("--enable-deterministic-inference", dest="deterministic_inference", action="store_const",
+                     const=True, default=None,
+                     help="a request's tokens and logprobs do not depend on its batch, chunking or prefix-cache hits "
+                          "(batch-invariant attention and linears; cpu or triton attention backend). Default: on for "
+                          "bf16 on the CPU, off elsewhere")
+    det.add_argument("--disable-deterministic-inference", dest="deterministic_inference", action="store_const",
+                     const=False, help="turn the default deterministic inference off")
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="CUDA: plan each step only after the previous one's sampled ids reach the host "
                         "(overlap is off on the CPU, where the forward holds the planning thread)")
@@ -121,6 +129,7 @@ def parse_args(argv: list[str] | None) -> SchedulerConfig:
         device=a.device, mem_fraction_static=a.mem_fraction_static, cuda_graph_max_bs=a.cuda_graph_max_bs,
         disable_cuda_graph=a.disable_cuda_graph, overlap_schedule=False if a.disable_overlap_schedule else None,
         grammar_backend=a.grammar_backend, grammar_compile_timeout_s=a.grammar_compile_timeout,
+        deterministic_inference=a.deterministic_inference,
     )
     return SchedulerConfig(engine=engine, host=a.host, port=a.port, detokenizer=a.detokenizer,
                            instance_id=a.instance_id, torch_threads=a.torch_threads,

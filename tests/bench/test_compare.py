@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 
-from ringserve.bench.compare import format_table, prompts_for, vm_hwm_mib
+import pytest
+
+from ringserve.bench.compare import build_servers, format_table, prompts_for, vm_hwm_mib
 
 
 def _summary(tok_s: float, itl_ms: float) -> dict:
@@ -34,3 +36,18 @@ def test_prompts_per_level_and_baseline_cap():
 
 def test_peak_rss_of_this_process():
     assert 10 < vm_hwm_mib(os.getpid()) < 64 * 1024
+
+
+def test_ringserve_variants_run_beside_the_default():
+    args = argparse.Namespace(model="/m", dtype="bfloat16", device="cpu", skip_hf=True, llama_server_bin=None,
+                              ringserve_arg=["--max-running-requests", "64"],
+                              ringserve_variant=["nondeterministic:--disable-deterministic-inference"])
+    servers = build_servers(args)
+    assert [s.name for s in servers] == ["ringserve-nondeterministic", "ringserve"]
+    variant, default = (s.cmd for s in servers)
+    assert variant[-3:] == ["--max-running-requests", "64", "--disable-deterministic-inference"]
+    without_port = lambda s, cmd: [a for a in cmd if a != str(s.port)]  # noqa: E731
+    assert without_port(servers[0], variant[:-1]) == without_port(servers[1], default)
+    args.ringserve_variant = ["no-flags"]
+    with pytest.raises(SystemExit, match="expected NAME:FLAGS"):
+        build_servers(args)

@@ -438,3 +438,18 @@ def test_grpc_api_requires_an_api_key(helm: Path) -> None:
         [str(helm), "template", RELEASE, str(CHART), "--set", "grpcApi.enabled=true"],
         capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "grpcApi.enabled needs apiKey.enabled" in out.stderr
+
+
+def test_scheduler_deterministic_inference_flag(helm: Path, rendered) -> None:
+    def sched_args(docs: list[dict]) -> list[str]:
+        pod = by(docs, "StatefulSet", f"{FULL}-replica")["spec"]["template"]["spec"]
+        return [a for a in container(pod, "scheduler")["args"] if "deterministic" in a]
+
+    assert sched_args(rendered["cpu-single"]) == []  # auto: the scheduler's default
+    assert sched_args(render(helm, "cpu-single", "--set", "config.scheduler.deterministicInference=true")) == [
+        "--enable-deterministic-inference"]
+    assert sched_args(render(helm, "cpu-single", "--set", "config.scheduler.deterministicInference=false")) == [
+        "--disable-deterministic-inference"]
+    out = subprocess.run([str(helm), "template", RELEASE, str(CHART), "--set",
+                          "config.scheduler.deterministicInference=sometimes"], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "deterministicInference" in out.stderr

@@ -140,3 +140,17 @@ def chat_ids(tokenizer):
         return tokenizer.encode(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n").ids
 
     return ids
+
+
+def run_interpreted(script: str, timeout_s: float = 300) -> dict:
+    """Run ``script`` in a subprocess with Triton's interpreter on (TRITON_INTERPRET must be set
+    before triton is imported) from the repository root; returns the JSON of its last line."""
+    import json
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[2], env=env,
+                          capture_output=True, text=True, timeout=timeout_s)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -40,7 +40,10 @@ torch.set_num_threads(2)
 model_dir = Path(sys.argv[1])
 tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
 eos = load_eos_ids(model_dir, tok)
-cfg = EngineConfig(model=model_dir, max_running_requests=4, max_total_tokens=512, seed=0, chunked_prefill_size=16)
+# Deterministic inference off: the backends' own extend kernels are compared (with it, the cpu
+# backend would attend extend tokens with its decode kernel, in other bf16 arithmetic than SDPA).
+cfg = EngineConfig(model=model_dir, max_running_requests=4, max_total_tokens=512, seed=0, chunked_prefill_size=16,
+                   deterministic_inference=False)
 
 def chat(text):
     return tok.encode(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n").ids

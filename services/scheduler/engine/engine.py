@@ -31,6 +31,8 @@ from services.scheduler.engine.sampling import HostSample, Sampler
 from services.scheduler.engine.schedule import Plan, SchedulePolicy
 from services.scheduler.engine.stops import StopChecker, load_eos_ids
 from services.scheduler.engine.validate import validate
+from services.scheduler.layers.batch_invariant import NotBatchInvariantError, make_batch_invariant
+from services.scheduler.layers.linear import pack_linears
 from services.scheduler.models import load_model
 
 log = logging.getLogger(__name__)
@@ -85,11 +87,13 @@ class Engine:
         self.tree = None if cfg.disable_radix_cache else RadixCache(self.kv_pool)
         self.policy = SchedulePolicy(self.req_pool, self.kv_pool, cfg.max_running_requests, cfg.max_prefill_tokens,
                                      cfg.chunked_prefill_size, self.tree, cfg.schedule_policy)
+        self.deterministic = _make_deterministic(model, cfg, device)
         graphs = None
         if self.runtime.supports_cuda_graph and not cfg.disable_cuda_graph:
             graphs = DecodeGraphRunner(model, self.runtime, self.req_pool, self.kv_pool,
                                        min(cfg.cuda_graph_max_bs, cfg.max_running_requests), capture=True)
-        self.runner = ModelRunner(model, self.req_pool, self.kv_pool, self.runtime, graphs)
+        self.runner = ModelRunner(model, self.req_pool, self.kv_pool, self.runtime, graphs,
+                                  batch_invariant=self.deterministic)
         self.sampler = Sampler(self.runtime, cfg.seed, eos_ids)
         self.stops = StopChecker(tokenizer, eos_ids, self.context_length)
         self.grammars = GrammarManager(lambda: self._grammar_backend(eos_ids), cfg.grammar_compile_timeout_s)
@@ -379,6 +383,49 @@ def _reads_output_history(req: Req) -> bool:
     p = req.sampling
     return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
                 or len(req.output_ids) < p.min_new_tokens or req.grammar is not None)
+
+
+def _make_deterministic(model: torch.nn.Module, cfg: EngineConfig, device: torch.device) -> bool:
+    """Resolve ``cfg.deterministic_inference`` and, when on, make the forward batch-invariant:
+    the attention backend must be, and the linears are probed (packed first, as
+    ``ModelRunner`` packs them, so the probe measures the call the forward makes) and padded
+    where a row count below a floor changes a GEMM's order (``layers.batch_invariant``).
+
+    None (the default) turns it on for a bf16 model on the CPU with the cpu attention
+    backend, where it was measured within 10 % of the default throughput (bench/RESULTS.md),
+    unless the probe finds the CPU's GEMM not batch-invariant (then off, with a warning);
+    off elsewhere (fp32 pads small batches to 15 rows; on CUDA cuBLAS is not batch-invariant).
+
+    Returns:
+        Whether deterministic inference is on.
+
+    Raises:
+        ValueError: asked for (True) with an attention backend that is not batch-invariant (torch).
+        NotBatchInvariantError: asked for, and a linear's GEMM has no batch-invariant row floor here.
+    """
+    backend = model.attn_backend
+    asked = cfg.deterministic_inference
+    if asked is None:
+        dtype = next(model.parameters()).dtype
+        if not (device.type == "cpu" and dtype == torch.bfloat16 and backend.batch_invariant):
+            return False
+    elif not asked:
+        return False
+    elif not backend.batch_invariant:
+        raise ValueError(f"--enable-deterministic-inference needs a batch-invariant attention backend (cpu or "
+                         f"triton), not {backend.name!r}: its SDPA and batched matmuls reduce in a batch-dependent order")
+    pack_linears(model)
+    steps = [n for n in (cfg.chunked_prefill_size, cfg.max_prefill_tokens) if n > 0]
+    try:
+        wrapped = make_batch_invariant(model, max_rows=min(1024, *steps))
+    except NotBatchInvariantError as exc:
+        if asked:
+            raise
+        log.warning("deterministic inference off: %s", exc)
+        return False
+    log.info("deterministic inference on: extend attention through the %s decode kernel, %d linears padded to a "
+             "row floor", backend.name, len(wrapped))
+    return True
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

@@ -33,16 +33,20 @@ class ModelRunner:
         runtime: the device runtime (default: the plain one for the model's device).
         graph_runner: runs decode-only steps from static buffers (``engine.cuda_graph``),
             or None to run every step as it comes.
+        batch_invariant: deterministic inference: every extend token attends as a decode
+            query (``ExtendLayout.token_seq_lens``); the model's backend must be
+            ``batch_invariant`` and its linears made so (``layers.batch_invariant``).
     """
 
     def __init__(self, model: torch.nn.Module, req_pool: ReqToTokenPool, kv_pool: TokenToKVPool,
-                 runtime: DeviceRuntime | None = None, graph_runner=None):
+                 runtime: DeviceRuntime | None = None, graph_runner=None, batch_invariant: bool = False):
         pack_linears(model)
         self.model = model
         self.req_pool = req_pool
         self.kv_pool = kv_pool
         self.runtime = runtime or DeviceRuntime(next(model.parameters()).device)
         self.graph_runner = graph_runner
+        self.batch_invariant = batch_invariant
 
     @torch.inference_mode()
     def forward(self, plan: Plan, future: FutureIds | None = None) -> torch.Tensor:
@@ -58,12 +62,14 @@ class ModelRunner:
             return self.graph_runner.forward(plan, future)
         inputs = StepInputs(self.req_pool, future)
         ne, nd = plan.num_extend, len(plan.reqs) - plan.num_extend
-        ext = inputs.add_extend(plan) if ne else None
+        ext = inputs.add_extend(plan, self.batch_invariant) if ne else None
         dec = inputs.add_decode(plan.reqs[ne:], plan.prefix_lens[ne:]) if nd else None
         dev = inputs.to_device(self.runtime, plan.out_cache_loc)
         meta = AttnMetadata(dev["out_cache_loc"], self.req_pool.device_table, inputs.num_extend_tokens)
         if ext is not None:
-            meta.extend = ExtendLayout(dev["ext_slots"], dev["prefix_lens"], dev["extend_lens"], dev["q_valid"], **ext)
+            meta.extend = ExtendLayout(dev["ext_slots"], dev["prefix_lens"], dev["extend_lens"], dev["q_valid"], **ext,
+                                       token_rows=dev.get("token_rows"), token_slots=dev.get("token_slots"),
+                                       token_seq_lens=dev.get("token_seq_lens"))
         if dec is not None:
             meta.decode = DecodeLayout(dev["dec_slots"], dev["seq_lens"], **dec)
         hidden = self.model(dev["input_ids"], dev["positions"], meta, self.kv_pool)
@@ -103,21 +109,34 @@ class StepInputs:
     def add(self, name: str, values) -> None:
         self.segments[name] = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int64)
 
-    def add_extend(self, plan: Plan) -> dict:
-        """The extend part's ids, positions and layout inputs; returns the layout's host fields."""
+    def add_extend(self, plan: Plan, per_token: bool = False) -> dict:
+        """The extend part's ids, positions and layout inputs; returns the layout's host fields.
+
+        ``per_token`` adds each token's request index, req slot and key count (its
+        position + 1) for the batch-invariant extend (``ExtendLayout.token_seq_lens``).
+        """
         end = plan.num_extend
         reqs, prefix, ext = plan.reqs[:end], plan.prefix_lens[:end], plan.extend_lens[:end]
         lq = max(ext)
         q_valid: list[int] = []
+        token_rows: list[int] = []
+        token_slots: list[int] = []
         for b, (req, p, n) in enumerate(zip(reqs, prefix, ext)):
             self.ids.extend(req.fill_ids()[p : p + n])
             self.positions.extend(range(p, p + n))
             q_valid.extend(range(b * lq, b * lq + n))
+            if per_token:
+                token_rows.extend([b] * n)
+                token_slots.extend([req.req_slot] * n)
         self.num_extend_tokens = len(self.ids)
         self.add("ext_slots", [r.req_slot for r in reqs])
         self.add("prefix_lens", prefix)
         self.add("extend_lens", ext)
         self.add("q_valid", q_valid)
+        if per_token:
+            self.add("token_rows", token_rows)
+            self.add("token_slots", token_slots)
+            self.add("token_seq_lens", [pos + 1 for pos in self.positions])
         last, total = [], 0
         for n in ext:
             total += n

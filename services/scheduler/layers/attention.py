@@ -56,6 +56,10 @@ class ExtendLayout:
             repeats its request's last token, so every row has a valid key); derived.
         mask: bool [B, 1, Lq, L], True where a query may attend a key; None when
             ``plain_causal``; derived.
+        token_rows, token_slots, token_seq_lens: int64 [T] each, set only for deterministic
+            inference: per packed token, its request's index b, its request's req slot and
+            its position + 1. The cpu and triton backends then attend each extend token as
+            a decode query with the decode kernel (``AttnMetadata.batch_invariant``).
     """
 
     req_slots: torch.Tensor
@@ -68,6 +72,9 @@ class ExtendLayout:
     kv_indices: torch.Tensor | None = None
     q_index: torch.Tensor | None = None
     mask: torch.Tensor | None = None
+    token_rows: torch.Tensor | None = None
+    token_slots: torch.Tensor | None = None
+    token_seq_lens: torch.Tensor | None = None
 
 
 @dataclass
@@ -102,6 +109,11 @@ class AttnMetadata:
         out_cache_loc: int64 [T], KV pool rows for the step's new tokens (packed order).
         req_to_token: int32 [max_reqs + 1, max_context], the req-to-token table on the
             attention's device (``ReqToTokenPool.device_table``).
+
+    A step is batch-invariant (deterministic inference) when its extend layout carries the
+    per-token fields (``ExtendLayout.token_seq_lens``): every token's attention is then one
+    decode query's, computed alone in a fixed order, so it does not depend on the batch,
+    on chunk boundaries or on which keys came from the prefix cache.
     """
 
     out_cache_loc: torch.Tensor
@@ -122,6 +134,7 @@ def gather_layouts(meta: AttnMetadata) -> None:
     ext = meta.extend
     if ext is not None:
         ext.kv_indices = table.index_select(0, ext.req_slots).narrow(1, 0, ext.max_seq_len).long()  # [B, L]
+    if ext is not None and ext.token_seq_lens is None:
         dev = ext.extend_lens.device
         i = torch.arange(ext.max_extend_len, device=dev).unsqueeze(0)  # [1, Lq]
         offset = torch.minimum(i, ext.extend_lens.unsqueeze(1) - 1)  # [B, Lq]

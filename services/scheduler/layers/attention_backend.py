@@ -39,6 +39,10 @@ log = logging.getLogger(__name__)
 class AttentionBackend(ABC):
     """One attention implementation over the paged KV cache.
 
+    ``batch_invariant`` backends can run deterministic inference: given the per-token
+    extend fields (``ExtendLayout.token_seq_lens``) they attend every token with their
+    decode kernel, whose result for a query depends on nothing else in the step.
+
     Args:
         device: where the model's weights and KV pool live.
     """
@@ -47,6 +51,7 @@ class AttentionBackend(ABC):
     # Kernel launches depend only on the batch size (no host ints that vary per step):
     # the decode forward can be captured once per bucket (``engine.cuda_graph``).
     supports_cuda_graph: ClassVar[bool] = False
+    batch_invariant: ClassVar[bool] = False
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
@@ -100,6 +105,9 @@ class TorchAttnBackend(AttentionBackend):
     name = "torch"
 
     def init_forward_metadata(self, meta: AttnMetadata) -> None:
+        if meta.extend is not None and meta.extend.token_seq_lens is not None:
+            raise ValueError("the torch attention backend is not batch-invariant (SDPA and batched matmuls reduce "
+                             "in a batch-dependent order): deterministic inference needs --attention-backend cpu or triton")
         gather_layouts(meta)
 
     def forward(self, q, k, v, layer_id, meta, kv, scale):
@@ -117,6 +125,7 @@ class TritonAttnBackend(AttentionBackend):
 
     name = "triton"
     supports_cuda_graph = True
+    batch_invariant = True
 
     def __init__(self, device: torch.device):
         super().__init__(device)
@@ -141,7 +150,10 @@ class TritonAttnBackend(AttentionBackend):
         n = meta.num_extend_tokens
         out = torch.empty(t, hq, d, dtype=q.dtype, device=q.device)
         ext, dec = meta.extend, meta.decode
-        if ext is not None:
+        if ext is not None and ext.token_seq_lens is not None:  # deterministic: each token as a decode query
+            self.kernels.decode_attention(q.narrow(0, 0, n), k_buf, v_buf, meta.req_to_token, ext.token_seq_lens, scale,
+                                          out=out.narrow(0, 0, n), req_slots=ext.token_slots)
+        elif ext is not None:
             self.kernels.extend_attention(
                 q.narrow(0, 0, n), k_buf, v_buf, meta.req_to_token, ext.prefix_lens, ext.extend_lens, scale,
                 max_extend_len=ext.max_extend_len, out=out.narrow(0, 0, n), req_slots=ext.req_slots)
@@ -164,6 +176,7 @@ class CpuAttnBackend(AttentionBackend):
     """
 
     name = "cpu"
+    batch_invariant = True
 
     def __init__(self, device: torch.device):
         super().__init__(device)
@@ -196,7 +209,11 @@ class CpuAttnBackend(AttentionBackend):
         n = meta.num_extend_tokens
         q = q.to(k_buf.dtype)
         out = torch.empty(t, hq, d, dtype=k_buf.dtype)
-        if meta.extend is not None:
+        ext = meta.extend
+        if ext is not None and ext.token_seq_lens is not None:  # deterministic: each token as a decode query
+            self.cpu_ops.decode_attention(q.narrow(0, 0, n), k_buf, v_buf, ext.kv_indices, ext.token_seq_lens, scale,
+                                          out=out.narrow(0, 0, n), rows=ext.token_rows)
+        elif ext is not None:
             keys, values = gather_kv(k_buf, v_buf, meta.extend.kv_indices)
             out[:n] = extend_attention(q.narrow(0, 0, n), keys.transpose(1, 2), values.transpose(1, 2), meta.extend,
                                        scale).view(n, hq, d)

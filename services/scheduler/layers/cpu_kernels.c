@@ -75,6 +75,19 @@ static inline float exp_f32(float x) {
     return p * s;
 }
 
+/* Reductions in a fixed order: LANES partial sums (element i into lane i % LANES), then the
+ * lanes in order. The compiler may vectorize the lanes (that keeps each lane's order) but
+ * may not reassociate, so a row's sum does not depend on which thread computes it or on
+ * its scratch buffer's alignment -- an `omp simd reduction` may peel a different number of
+ * leading elements for a differently aligned buffer, and did: RMSNorm gave a token other
+ * bits in a batch of 64 (threaded) than alone. Deterministic inference relies on this. */
+#define LANES 16
+static inline float sum_lanes(const float *part) {
+    float s = 0.0f;
+    for (int l = 0; l < LANES; l++) s += part[l];
+    return s;
+}
+
 /* Attention of one (request, KV head): G query heads against L keys at rows idx[0..L-1].
  * qf: [G, D] fp32, pre-scaled; scores: [G, L] scratch; acc: [G, D] scratch; out rows of
  * the G heads at out_row (stride D elements). */
@@ -87,10 +100,12 @@ static inline float exp_f32(float x) {
             if (j + 4 < L) __builtin_prefetch(k + idx[j + 4] * row_stride);                        \
             for (int64_t g = 0; g < G; g++) {                                                      \
                 const float *qg = qf + g * D;                                                      \
-                float s = 0.0f;                                                                    \
-                _Pragma("omp simd reduction(+:s)") for (int64_t d = 0; d < D; d++)                 \
-                    s = fmaf(qg[d], LD(kr[d]), s);                                                 \
-                scores[g * L + j] = s;                                                             \
+                float part[LANES] = {0};                                                           \
+                int64_t d = 0;                                                                     \
+                for (; d + LANES <= D; d += LANES)                                                 \
+                    for (int l = 0; l < LANES; l++) part[l] = fmaf(qg[d + l], LD(kr[d + l]), part[l]); \
+                for (int l = 0; d < D; d++, l++) part[l] = fmaf(qg[d], LD(kr[d]), part[l]);        \
+                scores[g * L + j] = sum_lanes(part);                                               \
             }                                                                                      \
         }                                                                                          \
         float sums[G];                                                                             \
@@ -98,12 +113,12 @@ static inline float exp_f32(float x) {
             float *sg = scores + g * L;                                                            \
             float m = -INFINITY;                                                                   \
             for (int64_t j = 0; j < L; j++) m = sg[j] > m ? sg[j] : m;                             \
-            float sum = 0.0f;                                                                      \
-            _Pragma("omp simd reduction(+:sum)") for (int64_t j = 0; j < L; j++) {                 \
+            float part[LANES] = {0};                                                               \
+            for (int64_t j = 0; j < L; j++) {                                                      \
                 sg[j] = exp_f32(sg[j] - m);                                                        \
-                sum += sg[j];                                                                      \
+                part[j % LANES] += sg[j];                                                          \
             }                                                                                      \
-            sums[g] = sum;                                                                         \
+            sums[g] = sum_lanes(part);                                                             \
         }                                                                                          \
         memset(acc, 0, sizeof(float) * G * D);                                                     \
         for (int64_t j = 0; j < L; j++) {                                                          \
@@ -237,13 +252,17 @@ static inline __attribute__((always_inline)) void decode_one_avx512(
 #define HAVE_AVX512_DECODE 0
 #endif
 
-/* q: [B, Hq, D]; k_buf, v_buf: [N, Hkv, D]; kv_indices: int64 [B, idx_stride] (the first
- * seq_lens[b] entries of row b are used, clamped to idx_stride); seq_lens: int64 [B]; a
- * request with no keys gets zeros; out: [B, Hq, D]. Query head h*G+g uses KV head h
- * (G = Hq / Hkv). */
+/* q: [B, Hq, D]; k_buf, v_buf: [N, Hkv, D]; kv_indices: int64 [R, idx_stride]; rows: int64
+ * [B], the row of kv_indices that query b reads, or NULL for row b (R = B); the first
+ * seq_lens[b] entries of that row are used, clamped to idx_stride; seq_lens: int64 [B]; a
+ * query with no keys gets zeros; out: [B, Hq, D]. Query head h*G+g uses KV head h
+ * (G = Hq / Hkv). Each query's result depends only on its own q, keys and values (one
+ * thread computes it, in a fixed order): with ``rows`` the extend part of a step runs
+ * through this kernel too, so a token's attention is the same whether it is decoded,
+ * prefilled, prefilled in another chunk or batched with other requests. */
 void rs_decode_attention(const void *q, const void *k_buf, const void *v_buf, const int64_t *kv_indices,
-                         int64_t idx_stride, const int64_t *seq_lens, void *out, int64_t B, int64_t Hq,
-                         int64_t Hkv, int64_t D, float scale, int is_bf16) {
+                         int64_t idx_stride, const int64_t *rows, const int64_t *seq_lens, void *out, int64_t B,
+                         int64_t Hq, int64_t Hkv, int64_t D, float scale, int is_bf16) {
     const int64_t max_len = idx_stride;
     const int64_t G = Hq / Hkv;
     const int64_t es = is_bf16 ? 2 : 4;
@@ -262,7 +281,7 @@ void rs_decode_attention(const void *q, const void *k_buf, const void *v_buf, co
                     continue;
                 }
                 for (int64_t e = 0; e < G * D; e++) qf[e] = load(q, head0 * D + e, is_bf16) * scale;
-                const int64_t *idx = kv_indices + b * idx_stride;
+                const int64_t *idx = kv_indices + (rows ? rows[b] : b) * idx_stride;
                 char *out_row = (char *)out + head0 * D * es;
 #if HAVE_AVX512_DECODE
                 const char *kh = (const char *)k_buf + h * D * es, *vh = (const char *)v_buf + h * D * es;
@@ -348,9 +367,12 @@ void rs_add_rms_norm(const void *x, void *residual, const void *weight, void *ou
             } else {
                 for (int64_t i = 0; i < H; i++) v[i] = load(x, o + i, is_bf16);
             }
-            float ss = 0.0f;
-#pragma omp simd reduction(+:ss)
-            for (int64_t i = 0; i < H; i++) ss += v[i] * v[i];
+            float part[LANES] = {0};
+            int64_t i = 0;
+            for (; i + LANES <= H; i += LANES)
+                for (int l = 0; l < LANES; l++) part[l] += v[i + l] * v[i + l];
+            for (int l = 0; i < H; i++, l++) part[l] += v[i] * v[i];
+            const float ss = sum_lanes(part);
             const float inv = 1.0f / sqrtf(ss / (float)H + eps);
             for (int64_t i = 0; i < H; i++)
                 store(out, o + i, load(weight, i, is_bf16) * round_to(v[i] * inv, is_bf16), is_bf16);

@@ -47,7 +47,9 @@ def cache_dir() -> Path:
     return Path(base) / "kernels"
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """The ``flags`` line of /proc/cpuinfo ("" where there is none): part of every cache key of
+    code or measurements that depend on the CPU's instruction sets."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -69,7 +71,7 @@ def library_path() -> Path:
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise KernelBuildError(f"C compiler {_compiler()!r} not usable ({exc}); install gcc or set CC, "
                                "or run with --attention-backend torch") from exc
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(CFLAGS), _cpu_flags()]).encode())
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(CFLAGS), cpu_flags()]).encode())
     return cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
 
 
@@ -100,7 +102,7 @@ _I64, _F, _I, _P = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 def library() -> ctypes.CDLL:
     """The loaded kernel library (built first if needed). Raises KernelBuildError."""
     lib = ctypes.CDLL(str(build()))
-    lib.rs_decode_attention.argtypes = [_P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _F, _I]
+    lib.rs_decode_attention.argtypes = [_P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _F, _I]
     lib.rs_rotary_store.argtypes = [_P, _I64, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I]
     lib.rs_add_rms_norm.argtypes = [_P, _P, _P, _P, _I64, _I64, _F, _I]
     lib.rs_silu_and_mul.argtypes = [_P, _P, _I64, _I64, _I]
@@ -121,17 +123,22 @@ def _kind(t: torch.Tensor) -> int:
 
 
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indices: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                     seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+                     rows: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query per request over its keys, read in place in the paged pool.
 
     Args:
         q: [B, Hq, D]; k_buf, v_buf: [N, Hkv, D], all one dtype (bf16 or fp32), contiguous.
-        kv_indices: int64 [B, L], pool rows of each request's keys in position order
+        kv_indices: int64 [R, L], pool rows of each request's keys in position order
             (entries past a request's length are not read).
-        seq_lens: int64 [B], keys of each request (values past L read only L keys; a
-            request with none gets zeros).
+        seq_lens: int64 [B], keys of each query (values past L read only L keys; a
+            query with none gets zeros).
         scale: softmax scale.
-        out: optional [B, Hq, D] destination.
+        out: optional [B, Hq, D] destination (may be a row range of a larger tensor).
+        rows: optional int64 [B], the row of ``kv_indices`` each query reads (default: row
+            b, R = B). Several queries of one request -- its extend tokens, each with
+            ``seq_lens`` = its position + 1 -- then share the request's row: the
+            batch-invariant extend of deterministic inference.
 
     Returns:
         [B, Hq, D] in q's dtype. Query head h*G+g attends KV head h (G = Hq / Hkv).
@@ -144,14 +151,15 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     kind = _kind(q)
     if _kind(k_buf) != kind or _kind(v_buf) != kind:
         raise ValueError(f"q {q.dtype} and the KV pool {k_buf.dtype} must share a dtype")
-    if kv_indices.dtype != torch.int64 or seq_lens.dtype != torch.int64:
-        raise ValueError("kv_indices and seq_lens must be int64")
+    if kv_indices.dtype != torch.int64 or seq_lens.dtype != torch.int64 or (rows is not None and rows.dtype != torch.int64):
+        raise ValueError("kv_indices, seq_lens and rows must be int64")
     kv_indices, seq_lens = kv_indices.contiguous(), seq_lens.contiguous()
+    rows = None if rows is None else rows.contiguous()
     if out is None:
         out = torch.empty_like(q)
     library().rs_decode_attention(q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), kv_indices.data_ptr(),
-                                  kv_indices.shape[1], seq_lens.data_ptr(), out.data_ptr(), b, hq, hkv, d,
-                                  scale, kind)
+                                  kv_indices.shape[1], None if rows is None else rows.data_ptr(), seq_lens.data_ptr(),
+                                  out.data_ptr(), b, hq, hkv, d, scale, kind)
     return out
 
 

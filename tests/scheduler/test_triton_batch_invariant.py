@@ -1,0 +1,46 @@
+"""The Triton GEMM and RMSNorm of deterministic inference on CUDA, under Triton's interpreter on
+CPU tensors: the results of ``torch.nn.functional.linear`` and ``RMSNorm`` (to rounding), and
+each row's bits the same at any row count and offset. TRITON_INTERPRET must be set before
+triton is imported, hence the subprocess."""
+
+from __future__ import annotations
+
+from tests.scheduler.conftest import run_interpreted
+
+CHECK = r"""
+import json, torch
+from services.scheduler.layers.batch_invariant import _use_triton
+from services.scheduler.layers.norm import RMSNorm
+from services.scheduler.layers.triton_batch_invariant import (TritonLinear, TritonRMSNorm, batch_invariant_linear,
+                                                               batch_invariant_rms_norm)
+
+torch.manual_seed(0)
+out = {}
+for dtype in (torch.float32, torch.bfloat16):
+    x, w, b = torch.randn(70, 96).to(dtype), torch.randn(130, 96).to(dtype), torch.randn(130).to(dtype)
+    full = batch_invariant_linear(x, w, b)
+    ref = torch.nn.functional.linear(x.float(), w.float(), b.float())
+    rows = all(torch.equal(batch_invariant_linear(x[i:i + m], w, b), full[i:i + m]) for i, m in [(0, 1), (5, 3), (33, 37)])
+    norm = RMSNorm(96, 1e-5)
+    norm.weight = torch.nn.Parameter(torch.rand(96).to(dtype), requires_grad=False)
+    got = batch_invariant_rms_norm(x, norm.weight, 1e-5)
+    out[str(dtype)] = [list(full.shape), str(full.dtype), (full.float() - ref).abs().max().item() / ref.abs().max().item(),
+                       rows, (got.float() - norm(x).float()).abs().max().item(),
+                       all(torch.equal(batch_invariant_rms_norm(x[i:i + 1], norm.weight, 1e-5), got[i:i + 1]) for i in (0, 3, 69))]
+model = torch.nn.Sequential(torch.nn.Linear(96, 64), RMSNorm(64, 1e-6))
+swapped = _use_triton(model)
+out["swapped"] = [sorted(swapped), type(model[0]).__name__, type(model[1]).__name__, model[0].weight is not None]
+print(json.dumps(out))
+"""
+
+
+def test_triton_gemm_and_rms_norm_are_batch_invariant():
+    got = run_interpreted(CHECK)
+    shape, dtype, rel_err, rows_equal, norm_err, norm_rows_equal = got["torch.float32"]
+    assert shape == [70, 130] and dtype == "torch.float32" and rel_err < 1e-6 and norm_err < 1e-6
+    assert rows_equal and norm_rows_equal
+    shape, dtype, rel_err, rows_equal, norm_err, norm_rows_equal = got["torch.bfloat16"]
+    # One bf16 rounding of the output (the interpreter's conversion may round either way: 1 ulp).
+    assert shape == [70, 130] and dtype == "torch.bfloat16" and rel_err < 2**-7 and norm_err <= 2**-5
+    assert rows_equal and norm_rows_equal
+    assert got["swapped"] == [["0", "1"], "TritonLinear", "TritonRMSNorm", True]
