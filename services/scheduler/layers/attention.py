@@ -16,11 +16,23 @@ attention ~75 % of a batch-64 decode step. Extend (prefill, with or without a ca
 prefix) uses SDPA. A mixed step (chunked prefill beside running decodes) packs the extend
 tokens first and attends each part with its own kernel, so decode rows are never padded
 to a chunk's length.
+
+Sliding-window attention (Mistral, Gemma 2/3): a layer with ``window`` W > 0 lets the query
+at position p attend only keys at positions p - W < j <= p (transformers'
+``sliding_window_overlay``). The window is the layer's (passed per call), so one step's
+layers mix windowed and global attention over the same req-to-token rows; the masks of
+each window are derived once per step (``window_mask``) and shared by its layers. KV rows
+that left every window are kept, not freed: a model's global layers still read them, and a
+request's rows stay a contiguous prefix that the prefix cache can share as it is.
+
+Attention soft-capping (Gemma 2): scores become ``cap * tanh(scores / cap)`` before the
+mask and softmax, as transformers' eager attention does; SDPA cannot, so a capped extend
+runs the matmul / softmax / matmul form.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -60,6 +72,9 @@ class ExtendLayout:
             inference: per packed token, its request's index b, its request's req slot and
             its position + 1. The cpu and triton backends then attend each extend token as
             a decode query with the decode kernel (``AttnMetadata.batch_invariant``).
+        q_pos: int64 [B, Lq], position of each padded query; derived.
+        window_masks: sliding window W -> bool [B, 1, Lq, L] mask of that window; filled
+            on first use in a step (``window_mask``).
     """
 
     req_slots: torch.Tensor
@@ -75,6 +90,8 @@ class ExtendLayout:
     token_rows: torch.Tensor | None = None
     token_slots: torch.Tensor | None = None
     token_seq_lens: torch.Tensor | None = None
+    q_pos: torch.Tensor | None = None
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -88,6 +105,8 @@ class DecodeLayout:
         uniform: every request has L keys: no mask (host).
         kv_indices: int64 [B, L], as in ``ExtendLayout``; derived.
         mask: float32 [B, 1, 1, L] additive mask (0 / -inf), None when ``uniform``; derived.
+        window_masks: sliding window W -> float32 [B, 1, 1, L] additive mask of that window
+            (keys at positions >= seq_len - W); filled on first use in a step (``window_mask``).
     """
 
     req_slots: torch.Tensor
@@ -96,6 +115,7 @@ class DecodeLayout:
     uniform: bool = False
     kv_indices: torch.Tensor | None = None
     mask: torch.Tensor | None = None
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -140,18 +160,45 @@ def gather_layouts(meta: AttnMetadata) -> None:
         offset = torch.minimum(i, ext.extend_lens.unsqueeze(1) - 1)  # [B, Lq]
         starts = torch.cumsum(ext.extend_lens, 0) - ext.extend_lens
         ext.q_index = starts.unsqueeze(1) + offset
+        ext.q_pos = ext.prefix_lens.unsqueeze(1) + offset  # [B, Lq]
+        ext.window_masks = {}
         if not ext.plain_causal:
-            q_pos = ext.prefix_lens.unsqueeze(1) + offset  # [B, Lq]
             keys = torch.arange(ext.max_seq_len, device=dev)
-            ext.mask = (keys.view(1, 1, -1) <= q_pos.unsqueeze(2)).unsqueeze(1)  # [B, 1, Lq, L]
+            ext.mask = (keys.view(1, 1, -1) <= ext.q_pos.unsqueeze(2)).unsqueeze(1)  # [B, 1, Lq, L]
     dec = meta.decode
     if dec is not None:
         dec.kv_indices = table.index_select(0, dec.req_slots).narrow(1, 0, dec.max_seq_len).long()  # [B, L]
+        dec.window_masks = {}
         if not dec.uniform:
             keys = torch.arange(dec.max_seq_len, device=dec.seq_lens.device).unsqueeze(0)
             valid = keys < dec.seq_lens.unsqueeze(1)  # [B, L]
             dec.mask = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device).masked_fill_(
                 valid.logical_not(), float("-inf")).view(valid.shape[0], 1, 1, -1)
+
+
+def window_mask(layout: ExtendLayout | DecodeLayout, window: int) -> torch.Tensor:
+    """The mask of sliding window ``window`` (> 0) for a layout that ``gather_layouts`` derived,
+    built on first use and kept for the step's other layers with that window.
+
+    Returns:
+        extend: bool [B, 1, Lq, L], True where key j may be attended: q_pos - window < j <= q_pos.
+        decode: float32 [B, 1, 1, L] additive (0 / -inf): seq_len - window <= j < seq_len.
+    """
+    mask = layout.window_masks.get(window)
+    if mask is not None:
+        return mask
+    if isinstance(layout, ExtendLayout):
+        keys = torch.arange(layout.max_seq_len, device=layout.q_pos.device).view(1, 1, -1)
+        q_pos = layout.q_pos.unsqueeze(2)  # [B, Lq, 1]
+        mask = torch.logical_and(keys <= q_pos, keys > q_pos - window).unsqueeze(1)
+    else:
+        keys = torch.arange(layout.max_seq_len, device=layout.seq_lens.device).unsqueeze(0)
+        lens = layout.seq_lens.unsqueeze(1)
+        valid = torch.logical_and(keys < lens, keys >= lens - window)  # [B, L]
+        mask = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device).masked_fill_(
+            valid.logical_not(), float("-inf")).view(valid.shape[0], 1, 1, -1)
+    layout.window_masks[window] = mask
+    return mask
 
 
 def paged_attention(
@@ -162,11 +209,15 @@ def paged_attention(
     meta: AttnMetadata,
     kv: KVBuffers,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Write k/v into the KV cache, then attend (extend part and decode part separately).
 
     Args:
         q: [T, Hq, D]; k, v: [T, Hkv, D] (model dtype), packed over the batch's requests.
+        window: the layer's sliding window in tokens (0: none; see the module docstring).
+        softcap: attention logit soft-capping (0: none).
 
     Returns:
         [T, Hq * D] in q's dtype.
@@ -177,10 +228,12 @@ def paged_attention(
     if meta.extend is not None:
         keys, values = gather_kv(k_buf, v_buf, meta.extend.kv_indices)
         outs.append(extend_attention(q.narrow(0, 0, n).to(k_buf.dtype), keys.transpose(1, 2), values.transpose(1, 2),
-                                     meta.extend, scale))
+                                     meta.extend, scale, window, softcap))
     if meta.decode is not None:
-        outs.append(_decode(q.narrow(0, n, q.shape[0] - n).to(k_buf.dtype), k_buf, v_buf, meta.decode.kv_indices,
-                            meta.decode.mask, scale))
+        dec = meta.decode
+        mask = window_mask(dec, window) if window > 0 else dec.mask
+        outs.append(_decode(q.narrow(0, n, q.shape[0] - n).to(k_buf.dtype), k_buf, v_buf, dec.kv_indices,
+                            mask, scale, softcap))
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out.to(q.dtype)
 
@@ -206,12 +259,13 @@ def gather_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indices: torch.Tensor
 
 
 def _decode(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indices: torch.Tensor,
-            mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+            mask: torch.Tensor | None, scale: float, softcap: float = 0.0) -> torch.Tensor:
     """One query per request over its gathered keys.
 
     Args:
         q: [B, Hq, D] in the cache's dtype; k_buf, v_buf: [N, Hkv, D]; kv_indices: int64
-            [B, L]; mask: float32 [B, 1, 1, L] additive, or None.
+            [B, L]; mask: float32 [B, 1, 1, L] additive, or None; softcap: logit
+            soft-capping (0: none).
 
     Returns:
         [B, Hq * D] in the cache's dtype.
@@ -238,6 +292,8 @@ def _decode(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indice
     # Query heads h*G..h*G+G-1 share KV head h (transformers' repeat_kv order).
     scores = scores.view(b, hkv, g, length, hkv).diagonal(dim1=1, dim2=4)  # [B, G, L, Hkv]
     scores = scores.permute(0, 3, 1, 2).float().mul_(scale)  # [B, Hkv, G, L], contiguous
+    if softcap > 0:
+        scores = softcap_scores(scores, softcap)
     if mask is not None:
         scores += mask  # [B, 1, 1, L]
     probs = torch.softmax(scores, dim=-1).to(q.dtype).view(b, hq, length)
@@ -246,16 +302,38 @@ def _decode(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indice
     return out.permute(0, 3, 1, 2).reshape(b, hq * d)
 
 
+def softcap_scores(scores: torch.Tensor, softcap: float) -> torch.Tensor:
+    """Attention logit soft-capping (Gemma 2): ``softcap * tanh(scores / softcap)``, same shape and dtype."""
+    return torch.tanh(scores / softcap) * softcap
+
+
 def extend_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta: ExtendLayout,
-                     scale: float) -> torch.Tensor:
+                     scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """SDPA of the packed extend tokens q [T, Hq, D] over gathered keys, values [B, Hkv, L, D]
-    (cache dtype) -> [T, Hq * D]."""
+    (cache dtype) -> [T, Hq * D]; ``window`` and ``softcap`` as in ``paged_attention``."""
     t, hq, d = q.shape
     b, lq = meta.q_index.shape
     qp = q.index_select(0, meta.q_index.view(-1)).view(b, lq, hq, d).transpose(1, 2)  # [B, Hq, Lq, D]
-    if meta.mask is None:
+    mask = window_mask(meta, window) if window > 0 else meta.mask
+    if softcap > 0:
+        out = _capped_attention(qp, keys, values, mask, scale, softcap)
+    elif mask is None:
         out = F.scaled_dot_product_attention(qp, keys, values, is_causal=True, scale=scale, enable_gqa=True)
     else:
-        out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=meta.mask, scale=scale, enable_gqa=True)
+        out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     out = out.transpose(1, 2).reshape(-1, hq * d)  # [B*Lq, Hq*D]
     return out.index_select(0, meta.q_valid)
+
+
+def _capped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+                      scale: float, softcap: float) -> torch.Tensor:
+    """Eager attention with soft-capped scores: q [B, Hq, Lq, D], keys/values [B, Hkv, L, D],
+    mask bool [B, 1, Lq, L] or None (causal, Lq == L) -> [B, Hq, Lq, D]; softmax in fp32."""
+    g = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(g, dim=1), values.repeat_interleave(g, dim=1)
+    scores = softcap_scores(torch.matmul(q, keys.transpose(2, 3)).float() * scale, softcap)
+    if mask is None:
+        lq, length = scores.shape[-2:]
+        mask = torch.ones(lq, length, dtype=torch.bool, device=scores.device).tril()
+    scores = scores.masked_fill(mask.logical_not(), float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1).to(q.dtype), values)

@@ -65,13 +65,16 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, meta: AttnMetadata,
-                kv: KVBuffers, scale: float) -> torch.Tensor:
+                kv: KVBuffers, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         """Write k/v into layer ``layer_id``'s pool at ``meta.out_cache_loc``, then attend.
 
         Args:
             q: [T, Hq, D]; k, v: [T, Hkv, D] in the model dtype, packed extend tokens first,
                 then one token per decoding request.
             scale: softmax scale, usually D ** -0.5.
+            window: the calling layer's sliding window in tokens, 0 for none: the query at
+                position p attends keys at positions p - window < j <= p (``layers.attention``).
+            softcap: the layer's attention logit soft-capping ``cap * tanh(s / cap)``, 0 for none.
 
         Returns:
             [T, Hq * D] in q's dtype.
@@ -79,13 +82,15 @@ class AttentionBackend(ABC):
 
 
     def forward_qkv(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], num_heads: int,
-                    layer_id: int, meta: AttnMetadata, kv: KVBuffers, scale: float) -> torch.Tensor:
+                    layer_id: int, meta: AttnMetadata, kv: KVBuffers, scale: float, window: int = 0,
+                    softcap: float = 0.0) -> torch.Tensor:
         """Rotary on the fused projection's q and k, then ``forward``.
 
         Args:
             qkv: [T, (Hq + 2 Hkv) * D]: q heads, k heads, v heads.
             rope: (cos, sin), each [T, 1, D] in qkv's dtype.
             num_heads: Hq (Hkv and D come from the KV pool).
+            window, softcap: as in ``forward``.
 
         Returns:
             [T, Hq * D] in qkv's dtype.
@@ -96,7 +101,7 @@ class AttentionBackend(ABC):
         # q and k heads are rotated together (one pass), then split as views.
         qk = apply_rotary_packed(qk.view(t, num_heads + hkv, d), *rope)
         q, k = qk.split([num_heads, hkv], dim=1)  # [T, Hq, D], [T, Hkv, D]
-        return self.forward(q, k, v.view(t, hkv, d), layer_id, meta, kv, scale)
+        return self.forward(q, k, v.view(t, hkv, d), layer_id, meta, kv, scale, window, softcap)
 
 
 class TorchAttnBackend(AttentionBackend):
@@ -110,8 +115,8 @@ class TorchAttnBackend(AttentionBackend):
                              "in a batch-dependent order): deterministic inference needs --attention-backend cpu or triton")
         gather_layouts(meta)
 
-    def forward(self, q, k, v, layer_id, meta, kv, scale):
-        return paged_attention(q, k, v, layer_id, meta, kv, scale)
+    def forward(self, q, k, v, layer_id, meta, kv, scale, window=0, softcap=0.0):
+        return paged_attention(q, k, v, layer_id, meta, kv, scale, window, softcap)
 
 
 class TritonAttnBackend(AttentionBackend):
@@ -144,7 +149,7 @@ class TritonAttnBackend(AttentionBackend):
         """Nothing to derive: the kernels read K/V rows through the req-to-token table and
         the layouts' slots in place, with grid sizes from the layouts' host ints."""
 
-    def forward(self, q, k, v, layer_id, meta, kv, scale):
+    def forward(self, q, k, v, layer_id, meta, kv, scale, window=0, softcap=0.0):
         k_buf, v_buf = store_kv(k, v, layer_id, meta.out_cache_loc, kv)
         t, hq, d = q.shape
         n = meta.num_extend_tokens
@@ -152,14 +157,17 @@ class TritonAttnBackend(AttentionBackend):
         ext, dec = meta.extend, meta.decode
         if ext is not None and ext.token_seq_lens is not None:  # deterministic: each token as a decode query
             self.kernels.decode_attention(q.narrow(0, 0, n), k_buf, v_buf, meta.req_to_token, ext.token_seq_lens, scale,
-                                          out=out.narrow(0, 0, n), req_slots=ext.token_slots)
+                                          out=out.narrow(0, 0, n), req_slots=ext.token_slots, window=window,
+                                          softcap=softcap)
         elif ext is not None:
             self.kernels.extend_attention(
                 q.narrow(0, 0, n), k_buf, v_buf, meta.req_to_token, ext.prefix_lens, ext.extend_lens, scale,
-                max_extend_len=ext.max_extend_len, out=out.narrow(0, 0, n), req_slots=ext.req_slots)
+                max_extend_len=ext.max_extend_len, out=out.narrow(0, 0, n), req_slots=ext.req_slots, window=window,
+                softcap=softcap)
         if dec is not None:
             self.kernels.decode_attention(q.narrow(0, n, t - n), k_buf, v_buf, meta.req_to_token, dec.seq_lens, scale,
-                                          out=out.narrow(0, n, t - n), req_slots=dec.req_slots)
+                                          out=out.narrow(0, n, t - n), req_slots=dec.req_slots, window=window,
+                                          softcap=softcap)
         return out.view(t, hq * d)
 
 
@@ -194,17 +202,17 @@ class CpuAttnBackend(AttentionBackend):
     def init_forward_metadata(self, meta: AttnMetadata) -> None:
         gather_layouts(meta)
 
-    def forward(self, q, k, v, layer_id, meta, kv, scale):
+    def forward(self, q, k, v, layer_id, meta, kv, scale, window=0, softcap=0.0):
         k_buf, v_buf = store_kv(k, v, layer_id, meta.out_cache_loc, kv)
-        return self._attend(q.contiguous(), k_buf, v_buf, meta, scale)
+        return self._attend(q.contiguous(), k_buf, v_buf, meta, scale, window, softcap)
 
-    def forward_qkv(self, qkv, rope, num_heads, layer_id, meta, kv, scale):
+    def forward_qkv(self, qkv, rope, num_heads, layer_id, meta, kv, scale, window=0, softcap=0.0):
         k_buf, v_buf = kv.k_buffer[layer_id], kv.v_buffer[layer_id]
         q = self.cpu_ops.rotary_store(qkv, rope[0], rope[1], meta.out_cache_loc, k_buf, v_buf, num_heads)
-        return self._attend(q, k_buf, v_buf, meta, scale)
+        return self._attend(q, k_buf, v_buf, meta, scale, window, softcap)
 
     def _attend(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, meta: AttnMetadata,
-                scale: float) -> torch.Tensor:
+                scale: float, window: int, softcap: float) -> torch.Tensor:
         t, hq, d = q.shape
         n = meta.num_extend_tokens
         q = q.to(k_buf.dtype)
@@ -212,14 +220,15 @@ class CpuAttnBackend(AttentionBackend):
         ext = meta.extend
         if ext is not None and ext.token_seq_lens is not None:  # deterministic: each token as a decode query
             self.cpu_ops.decode_attention(q.narrow(0, 0, n), k_buf, v_buf, ext.kv_indices, ext.token_seq_lens, scale,
-                                          out=out.narrow(0, 0, n), rows=ext.token_rows)
+                                          out=out.narrow(0, 0, n), window=window, softcap=softcap, rows=ext.token_rows)
         elif ext is not None:
             keys, values = gather_kv(k_buf, v_buf, meta.extend.kv_indices)
             out[:n] = extend_attention(q.narrow(0, 0, n), keys.transpose(1, 2), values.transpose(1, 2), meta.extend,
-                                       scale).view(n, hq, d)
+                                       scale, window, softcap).view(n, hq, d)
         if meta.decode is not None:
             self.cpu_ops.decode_attention(q.narrow(0, n, t - n), k_buf, v_buf, meta.decode.kv_indices,
-                                          meta.decode.seq_lens, scale, out=out.narrow(0, n, t - n))
+                                          meta.decode.seq_lens, scale, out=out.narrow(0, n, t - n), window=window,
+                                          softcap=softcap)
         return out.view(t, hq * d)
 
 

@@ -4,7 +4,9 @@
  * - rs_decode_attention: one query per request over its keys, read in place from the
  *   token-granular paged KV pool through the request's row of KV indices (no gathered
  *   copy), grouped-query heads sharing each K/V row, scores and softmax in fp32 (the
- *   two-pass form: scores, then max-subtracted exp and the value sum).
+ *   two-pass form: scores, then max-subtracted exp and the value sum); optionally a
+ *   sliding window (only the last `window` keys of each request are read) and attention
+ *   logit soft-capping (cap * tanh(s / cap), Gemma 2).
  * - rs_rotary_store: rotary embedding of the q and k heads of a fused qkv row (the
  *   rotate_half form of Llama checkpoints), q to its output, k and v into the pool rows.
  * - rs_add_rms_norm: optional residual add, then RMSNorm (Zhang & Sennrich 2019).
@@ -88,13 +90,18 @@ static inline float sum_lanes(const float *part) {
     return s;
 }
 
+/* Soft-capping of n scores in place: cap * tanh(s / cap) (cap > 0). */
+static void soft_cap(float *s, int64_t n, float cap) {
+    for (int64_t i = 0; i < n; i++) s[i] = cap * tanhf(s[i] / cap);
+}
+
 /* Attention of one (request, KV head): G query heads against L keys at rows idx[0..L-1].
  * qf: [G, D] fp32, pre-scaled; scores: [G, L] scratch; acc: [G, D] scratch; out rows of
  * the G heads at out_row (stride D elements). */
 #define DEFINE_DECODE_ONE(NAME, T, LD)                                                             \
     static void NAME(const float *qf, const T *k, const T *v, const int64_t *idx, int64_t L,       \
                      int64_t row_stride, int64_t G, int64_t D, float *scores, float *acc,          \
-                     void *out_row, int is_bf16) {                                                 \
+                     void *out_row, float softcap, int is_bf16) {                                  \
         for (int64_t j = 0; j < L; j++) {                                                          \
             const T *kr = k + idx[j] * row_stride;                                                 \
             if (j + 4 < L) __builtin_prefetch(k + idx[j + 4] * row_stride);                        \
@@ -108,6 +115,7 @@ static inline float sum_lanes(const float *part) {
                 scores[g * L + j] = sum_lanes(part);                                               \
             }                                                                                      \
         }                                                                                          \
+        if (softcap > 0.0f) soft_cap(scores, G * L, softcap);                                      \
         float sums[G];                                                                             \
         for (int64_t g = 0; g < G; g++) {                                                          \
             float *sg = scores + g * L;                                                            \
@@ -202,11 +210,11 @@ static inline float exp_minus_max(float *s, int64_t L) {
     return _mm512_reduce_add_ps(sv);
 }
 
-/* decode_one_* with AVX-512 registers; D is a constant at each call (64 or 128), so the
- * loops over D unroll and the value sums stay in registers. */
+/* decode_one_* with AVX-512 registers; D is a constant at each call (64, 128 or 256), so
+ * the loops over D unroll and the value sums stay in registers. */
 static inline __attribute__((always_inline)) void decode_one_avx512(
     const float *qf, const char *k, const char *v, const int64_t *idx, int64_t L, int64_t row_bytes,
-    int64_t G, const int64_t D, float *scores, void *out_row, int is_bf16) {
+    int64_t G, const int64_t D, float *scores, void *out_row, float softcap, int is_bf16) {
     const int64_t nv = D / 16, es = is_bf16 ? 2 : 4;
     for (int64_t j = 0; j < L; j++) {
         const char *kr = k + idx[j] * row_bytes;
@@ -214,22 +222,23 @@ static inline __attribute__((always_inline)) void decode_one_avx512(
             const char *next = k + idx[j + 6] * row_bytes;
             for (int64_t c = 0; c < D * es; c += 64) __builtin_prefetch(next + c);
         }
-        __m512 kv[8];
-#pragma GCC unroll 8
+        __m512 kv[16];
+#pragma GCC unroll 16
         for (int64_t c = 0; c < nv; c++) kv[c] = load16(kr + c * 16 * es, is_bf16);
         for (int64_t g = 0; g < G; g++) {
             const float *qg = qf + g * D;
             __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qg), kv[0]);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
             for (int64_t c = 1; c < nv; c++) a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + c * 16), kv[c], a);
             scores[g * L + j] = _mm512_reduce_add_ps(a);
         }
     }
+    if (softcap > 0.0f) soft_cap(scores, G * L, softcap);
     for (int64_t g = 0; g < G; g++) {
         float *sg = scores + g * L;
         const float inv = 1.0f / exp_minus_max(sg, L);
-        __m512 acc[8];
-#pragma GCC unroll 8
+        __m512 acc[16];
+#pragma GCC unroll 16
         for (int64_t c = 0; c < nv; c++) acc[c] = _mm512_setzero_ps();
         for (int64_t j = 0; j < L; j++) {
             const char *vr = v + idx[j] * row_bytes;
@@ -238,11 +247,11 @@ static inline __attribute__((always_inline)) void decode_one_avx512(
                 for (int64_t c = 0; c < D * es; c += 64) __builtin_prefetch(next + c);
             }
             const __m512 p = _mm512_set1_ps(sg[j]);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
             for (int64_t c = 0; c < nv; c++) acc[c] = _mm512_fmadd_ps(p, load16(vr + c * 16 * es, is_bf16), acc[c]);
         }
-        float res[128];
-#pragma GCC unroll 8
+        float res[256];
+#pragma GCC unroll 16
         for (int64_t c = 0; c < nv; c++) _mm512_storeu_ps(res + c * 16, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv)));
         for (int64_t d = 0; d < D; d++) store(out_row, g * D + d, res[d], is_bf16);
     }
@@ -256,13 +265,17 @@ static inline __attribute__((always_inline)) void decode_one_avx512(
  * [B], the row of kv_indices that query b reads, or NULL for row b (R = B); the first
  * seq_lens[b] entries of that row are used, clamped to idx_stride; seq_lens: int64 [B]; a
  * query with no keys gets zeros; out: [B, Hq, D]. Query head h*G+g uses KV head h
- * (G = Hq / Hkv). Each query's result depends only on its own q, keys and values (one
- * thread computes it, in a fixed order): with ``rows`` the extend part of a step runs
- * through this kernel too, so a token's attention is the same whether it is decoded,
- * prefilled, prefilled in another chunk or batched with other requests. */
+ * (G = Hq / Hkv). window > 0: only the last `window` of those keys (the query sits at
+ * position seq_len - 1 and sees positions > seq_len - 1 - window); softcap > 0: scores
+ * become softcap * tanh(score / softcap) before the softmax. Each query's result depends
+ * only on its own q, keys and values (one thread computes it, in a fixed order): with
+ * ``rows`` the extend part of a step runs through this kernel too, so a token's attention
+ * is the same whether it is decoded, prefilled, prefilled in another chunk or batched with
+ * other requests. */
 void rs_decode_attention(const void *q, const void *k_buf, const void *v_buf, const int64_t *kv_indices,
                          int64_t idx_stride, const int64_t *rows, const int64_t *seq_lens, void *out, int64_t B,
-                         int64_t Hq, int64_t Hkv, int64_t D, float scale, int is_bf16) {
+                         int64_t Hq, int64_t Hkv, int64_t D, float scale, int64_t window, float softcap,
+                         int is_bf16) {
     const int64_t max_len = idx_stride;
     const int64_t G = Hq / Hkv;
     const int64_t es = is_bf16 ? 2 : 4;
@@ -274,37 +287,45 @@ void rs_decode_attention(const void *q, const void *k_buf, const void *v_buf, co
 #pragma omp for collapse(2) schedule(dynamic, 1)
         for (int64_t b = 0; b < B; b++) {
             for (int64_t h = 0; h < Hkv; h++) {
-                const int64_t L = seq_lens[b] < max_len ? seq_lens[b] : max_len;
+                int64_t L = seq_lens[b] < max_len ? seq_lens[b] : max_len;
+                const int64_t first = window > 0 && L > window ? L - window : 0;
+                L -= first;
                 const int64_t head0 = b * Hq + h * G;
                 if (L <= 0) {
                     memset((char *)out + head0 * D * es, 0, G * D * es);
                     continue;
                 }
                 for (int64_t e = 0; e < G * D; e++) qf[e] = load(q, head0 * D + e, is_bf16) * scale;
-                const int64_t *idx = kv_indices + (rows ? rows[b] : b) * idx_stride;
+                const int64_t *idx = kv_indices + (rows ? rows[b] : b) * idx_stride + first;
                 char *out_row = (char *)out + head0 * D * es;
 #if HAVE_AVX512_DECODE
                 const char *kh = (const char *)k_buf + h * D * es, *vh = (const char *)v_buf + h * D * es;
                 if (D == 64 && is_bf16) {
-                    decode_one_avx512(qf, kh, vh, idx, L, Hkv * D * es, G, 64, scores, out_row, 1);
+                    decode_one_avx512(qf, kh, vh, idx, L, Hkv * D * es, G, 64, scores, out_row, softcap, 1);
                     continue;
                 } else if (D == 64) {
-                    decode_one_avx512(qf, kh, vh, idx, L, Hkv * D * es, G, 64, scores, out_row, 0);
+                    decode_one_avx512(qf, kh, vh, idx, L, Hkv * D * es, G, 64, scores, out_row, softcap, 0);
                     continue;
                 } else if (D == 128 && is_bf16) {
-                    decode_one_avx512(qf, kh, vh, idx, L, Hkv * D * es, G, 128, scores, out_row, 1);
+                    decode_one_avx512(qf, kh, vh, idx, L, Hkv * D * es, G, 128, scores, out_row, softcap, 1);
                     continue;
                 } else if (D == 128) {
-                    decode_one_avx512(qf, kh, vh, idx, L, Hkv * D * es, G, 128, scores, out_row, 0);
+                    decode_one_avx512(qf, kh, vh, idx, L, Hkv * D * es, G, 128, scores, out_row, softcap, 0);
+                    continue;
+                } else if (D == 256 && is_bf16) {
+                    decode_one_avx512(qf, kh, vh, idx, L, Hkv * D * es, G, 256, scores, out_row, softcap, 1);
+                    continue;
+                } else if (D == 256) {
+                    decode_one_avx512(qf, kh, vh, idx, L, Hkv * D * es, G, 256, scores, out_row, softcap, 0);
                     continue;
                 }
 #endif
                 if (is_bf16)
                     decode_one_bf16(qf, (const bf16_t *)k_buf + h * D, (const bf16_t *)v_buf + h * D, idx, L,
-                                    Hkv * D, G, D, scores, acc, out_row, 1);
+                                    Hkv * D, G, D, scores, acc, out_row, softcap, 1);
                 else
                     decode_one_f32(qf, (const float *)k_buf + h * D, (const float *)v_buf + h * D, idx, L,
-                                   Hkv * D, G, D, scores, acc, out_row, 0);
+                                   Hkv * D, G, D, scores, acc, out_row, softcap, 0);
             }
         }
         free(qf);

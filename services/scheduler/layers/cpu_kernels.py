@@ -102,7 +102,7 @@ _I64, _F, _I, _P = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 def library() -> ctypes.CDLL:
     """The loaded kernel library (built first if needed). Raises KernelBuildError."""
     lib = ctypes.CDLL(str(build()))
-    lib.rs_decode_attention.argtypes = [_P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _F, _I]
+    lib.rs_decode_attention.argtypes = [_P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _F, _I64, _F, _I]
     lib.rs_rotary_store.argtypes = [_P, _I64, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I]
     lib.rs_add_rms_norm.argtypes = [_P, _P, _P, _P, _I64, _I64, _F, _I]
     lib.rs_silu_and_mul.argtypes = [_P, _P, _I64, _I64, _I]
@@ -123,8 +123,8 @@ def _kind(t: torch.Tensor) -> int:
 
 
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indices: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-                     rows: torch.Tensor | None = None) -> torch.Tensor:
+                     seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None, window: int = 0,
+                     softcap: float = 0.0, rows: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query per request over its keys, read in place in the paged pool.
 
     Args:
@@ -135,6 +135,9 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
             query with none gets zeros).
         scale: softmax scale.
         out: optional [B, Hq, D] destination (may be a row range of a larger tensor).
+        window: sliding window in tokens (0: none): only each query's last ``window`` keys
+            are read (it sits at position seq_len - 1).
+        softcap: attention logit soft-capping ``cap * tanh(s / cap)`` (0: none).
         rows: optional int64 [B], the row of ``kv_indices`` each query reads (default: row
             b, R = B). Several queries of one request -- its extend tokens, each with
             ``seq_lens`` = its position + 1 -- then share the request's row: the
@@ -159,7 +162,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         out = torch.empty_like(q)
     library().rs_decode_attention(q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), kv_indices.data_ptr(),
                                   kv_indices.shape[1], None if rows is None else rows.data_ptr(), seq_lens.data_ptr(),
-                                  out.data_ptr(), b, hq, hkv, d, scale, kind)
+                                  out.data_ptr(), b, hq, hkv, d, scale, window, softcap, kind)
     return out
 
 

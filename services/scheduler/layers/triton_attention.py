@@ -11,6 +11,12 @@ products run through ``tl.dot``: TF32 on GPUs for a float32 cache; float32 under
 interpreter, whose ``tl.dot`` cannot multiply 16-bit floats). Checked against the
 torch reference under ``TRITON_INTERPRET=1`` on CPU tensors.
 
+Sliding window (``window`` W > 0, a per-layer launch argument): the query at position p
+sees keys p - W < j <= p; decode starts its walk at key ``seq_len - W`` and extend at the
+first key its block of queries can see, so a windowed layer reads O(W) keys per query.
+Attention soft-capping (``softcap`` > 0): scores become ``cap * tanh(s / cap)`` before the
+softmax, tanh written as ``1 - 2 / (exp(2x) + 1)`` (no tanh in ``tl``'s core math).
+
 The decode kernel follows the LightLLM / SGLang ``decode_attention`` layout without its
 split-KV second stage (one program walks a request's whole sequence); the extend kernel
 follows SGLang's ``extend_attention`` with prefix and new tokens read through the same
@@ -38,10 +44,17 @@ def _check_head_dim(d: int) -> None:
 
 
 @triton.jit
+def _softcap(s, cap):
+    """cap * tanh(s / cap), with tanh(x) = 1 - 2 / (exp(2x) + 1) (exact limits at +-inf)."""
+    return cap * (1.0 - 2.0 / (tl.exp(2.0 * s / cap) + 1.0))
+
+
+@triton.jit
 def _decode_kernel(
-    Q, K, V, KV_INDICES, ROWS, SEQ_LENS, OUT, scale,
+    Q, K, V, KV_INDICES, ROWS, SEQ_LENS, OUT, scale, window, softcap,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_ib, stride_ob, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ROWS: tl.constexpr,
+    WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -56,13 +69,18 @@ def _decode_kernel(
     m_i = -float("inf")
     l_i = 0.0
     acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
-    for start in range(0, seq_len, BLOCK_N):
+    first = 0
+    if WINDOWED:
+        first = tl.maximum(seq_len - window, 0)  # the query at seq_len - 1 sees its last `window` keys
+    for start in range(first, seq_len, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         valid = n < seq_len
         rows = tl.load(KV_INDICES + row * stride_ib + n, mask=valid, other=0).to(tl.int64)
         offs = rows[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
         k = tl.load(K + offs, mask=valid[:, None], other=0.0).to(tl.float32)  # [BLOCK_N, D]
         s = tl.sum(k * q[None, :], 1) * scale
+        if SOFTCAP:
+            s = _softcap(s, softcap)
         s = tl.where(valid, s, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(s, 0))
         alpha = tl.exp(m_i - m_new)
@@ -76,7 +94,8 @@ def _decode_kernel(
 
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indices: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, block_n: int = 64,
-                     out: torch.Tensor | None = None, req_slots: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, req_slots: torch.Tensor | None = None, window: int = 0,
+                     softcap: float = 0.0) -> torch.Tensor:
     """One query per request against its paged keys and values.
 
     Args:
@@ -88,6 +107,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         req_slots: optional int [B]: request b's keys are row ``req_slots[b]`` of
             ``kv_indices`` (then the whole req-to-token table, read in place: no gather, and
             every shape fixed by B, so the launch can be captured in a CUDA graph).
+        window: sliding window in tokens (0: none); softcap: logit soft-capping (0: none).
 
     Returns:
         [B, Hq * D] in q's dtype.
@@ -104,19 +124,20 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
     rows = seq_lens if req_slots is None else req_slots  # unread without req_slots
     _decode_kernel[(b, hq)](
-        q, k_buf, v_buf, kv_indices, rows, seq_lens.to(torch.int32).contiguous(), out, scale,
+        q, k_buf, v_buf, kv_indices, rows, seq_lens.to(torch.int32).contiguous(), out, scale, window, softcap,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), kv_indices.stride(0), out.stride(0), out.stride(1),
-        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_N=block_n, HAS_ROWS=req_slots is not None,
+        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_N=block_n, HAS_ROWS=req_slots is not None, WINDOWED=window > 0,
+        SOFTCAP=softcap > 0,
     )
     return out.view(b, hq * d)
 
 
 @triton.jit
 def _extend_kernel(
-    Q, K, V, KV_INDICES, ROWS, Q_STARTS, PREFIX_LENS, EXTEND_LENS, OUT, scale,
+    Q, K, V, KV_INDICES, ROWS, Q_STARTS, PREFIX_LENS, EXTEND_LENS, OUT, scale, window, softcap,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_ib, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr, HAS_ROWS: tl.constexpr,
+    UPCAST: tl.constexpr, HAS_ROWS: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -140,7 +161,11 @@ def _extend_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     end = tl.minimum(prefix + ext, prefix + (tl.program_id(2) + 1) * BLOCK_M)
-    for start in range(0, end, BLOCK_N):
+    first = 0
+    if WINDOWED:
+        # the block's first query sits at prefix + program_id(2) * BLOCK_M and sees keys after it - window
+        first = tl.maximum(prefix + tl.program_id(2) * BLOCK_M - window + 1, 0)
+    for start in range(first, end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         valid_n = n < end
         rows = tl.load(KV_INDICES + row * stride_ib + n, mask=valid_n, other=0).to(tl.int64)
@@ -149,9 +174,15 @@ def _extend_kernel(
         if UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [BLOCK_M, BLOCK_N]
-        s = tl.where(valid_n[None, :] & (n[None, :] <= q_pos[:, None]), s, -float("inf"))
+        if SOFTCAP:
+            s = _softcap(s, softcap)
+        visible = valid_n[None, :] & (n[None, :] <= q_pos[:, None])
+        if WINDOWED:
+            visible = visible & (n[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_new = tl.where(valid_m, m_new, 0.0)  # padded queries: keep the arithmetic finite
+        # padded queries, and windowed queries that see no key of this block yet: keep the arithmetic finite
+        m_new = tl.where(valid_m & (m_new > -float("inf")), m_new, 0.0)
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         v = tl.load(V + offs, mask=valid_n[:, None], other=0.0)
@@ -169,7 +200,7 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
                      prefix_lens: torch.Tensor, extend_lens: torch.Tensor, scale: float,
                      block_m: int = 32, block_n: int = 32, q_starts: torch.Tensor | None = None,
                      max_extend_len: int | None = None, out: torch.Tensor | None = None,
-                     req_slots: torch.Tensor | None = None) -> torch.Tensor:
+                     req_slots: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """New tokens of each request against its cached prefix and themselves (causal).
 
     Args:
@@ -183,6 +214,7 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         out: optional [T, Hq, D] in q's dtype to write into (rows of a larger output).
         req_slots: optional int [B]: request b's keys are row ``req_slots[b]`` of
             ``kv_indices`` (the whole req-to-token table, read in place).
+        window: sliding window in tokens (0: none); softcap: logit soft-capping (0: none).
 
     Returns:
         [T, Hq * D] in q's dtype.
@@ -206,10 +238,12 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     rows = ext if req_slots is None else req_slots  # unread without req_slots
     _extend_kernel[grid](
         q, k_buf, v_buf, kv_indices, rows, starts, prefix_lens.to(torch.int32).contiguous(), ext.contiguous(), out, scale,
+        window, softcap,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), kv_indices.stride(0), out.stride(0), out.stride(1),
         GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
         # Triton's interpreter multiplies 16-bit floats in tl.dot as their raw bits (numpy
         # has no bfloat16; triton 3.9's create_dot converts only 8-bit floats): fp32 there.
-        UPCAST=interpreted() and q.dtype != torch.float32, HAS_ROWS=req_slots is not None,
+        UPCAST=interpreted() and q.dtype != torch.float32, HAS_ROWS=req_slots is not None, WINDOWED=window > 0,
+        SOFTCAP=softcap > 0,
     )
     return out.view(t, hq * d)

@@ -11,12 +11,14 @@ from pathlib import Path
 
 import torch
 
+from services.scheduler.models.gemma3 import Gemma3ForCausalLM
 from services.scheduler.models.llama import LlamaForCausalLM
 
 ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -142,6 +143,10 @@ class LlamaForCausalLM(torch.nn.Module):
         attn_backend: the attention every layer calls (``layers.attention_backend``).
     """
 
+    # What ``load`` and ``dummy`` read the HF config with; a subclass for another family
+    # (``models.gemma3``) names its own, and its own ``convert_state``.
+    config_class: ClassVar[type[LlamaConfig]] = LlamaConfig
+
     def __init__(self, cfg: LlamaConfig, attn_backend: AttentionBackend):
         super().__init__()
         self.config = cfg
@@ -170,7 +175,7 @@ class LlamaForCausalLM(torch.nn.Module):
                 attention backend that cannot run on the weights' device.
             ValueError: an unknown attention backend.
         """
-        cfg = LlamaConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
+        cfg = cls.config_class.from_hf(json.loads((model_dir / "config.json").read_text()))
         files = sorted(model_dir.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors in {model_dir}")
@@ -180,7 +185,7 @@ class LlamaForCausalLM(torch.nn.Module):
             raw.update(load_file(str(f), device=str(backend.device)))
         with torch.device("meta"):
             model = cls(cfg, backend)
-        state = _fuse(raw, cfg, dtype)
+        state = cls.convert_state(raw, cfg, dtype)
         model.load_state_dict(state, strict=True, assign=True)
         return model.eval()
 
@@ -191,7 +196,7 @@ class LlamaForCausalLM(torch.nn.Module):
         HF's ``initializer_range``), unit norms, zero biases; reproducible through ``seed``
         (per device kind; None = torch's global generator). ``attention_backend`` and its
         errors as in ``load``."""
-        cfg = LlamaConfig.from_hf(hf_config)
+        cfg = cls.config_class.from_hf(hf_config)
         backend = create_attention_backend(attention_backend, device)
         gen = None if seed is None else torch.Generator(backend.device).manual_seed(seed)
         with torch.device("meta"):
@@ -210,6 +215,11 @@ class LlamaForCausalLM(torch.nn.Module):
             state["lm_head.weight"] = state["embed_tokens.weight"]
         model.load_state_dict(state, strict=True, assign=True)
         return model.eval()
+
+    @staticmethod
+    def convert_state(raw: dict[str, torch.Tensor], cfg: LlamaConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Checkpoint tensors (HF names) -> this module's state dict in ``dtype`` (``_fuse``)."""
+        return _fuse(raw, cfg, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata, kv: KVBuffers) -> torch.Tensor:
         """input_ids, positions: int64 [T] packed over requests -> final hidden states [T, hidden].
