@@ -38,6 +38,7 @@ health checks use them too.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import subprocess
@@ -418,7 +419,9 @@ def parse_args(argv: list[str] | None) -> LaunchConfig:
     parser = argparse.ArgumentParser(prog="ringserve launch", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--model", type=Path, default=DEFAULT_CACHE / "models" / SMOLLM2_DIR,
-        help="HF-format Llama-family model directory (default: the packaged SmolLM2-135M-Instruct)",
+        help="HF-format model directory, or a GGUF file: converted once (progress bar) into the cache "
+             "($RINGSERVE_CACHE_DIR/models/gguf, keyed by the file's path, size and mtime) and served from there "
+             "(default: the packaged SmolLM2-135M-Instruct)",
     )
     parser.add_argument("--host", default="127.0.0.1", help="gateway bind address")
     parser.add_argument("--port", type=int, default=LaunchConfig.port, help="gateway HTTP port (default %(default)s)")
@@ -534,6 +537,13 @@ def main(argv: list[str] | None = None) -> None:
     try:
         check_ports(config.host, vars(config))
     except PortInUse as exc:
+        sys.exit(f"ringserve launch: {exc}")
+    from ringserve.models import resolve_model
+
+    try:
+        # A GGUF is converted here, once, before any service starts; they get the directory.
+        config = dataclasses.replace(config, model=resolve_model(config.model))
+    except RuntimeError as exc:
         sys.exit(f"ringserve launch: {exc}")
     if not (config.model / "config.json").exists():
         from ringserve.models import DEFAULT_CACHE, SMOLLM2_DIR, prepare_smollm2

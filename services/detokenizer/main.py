@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ringserve import grpcutil
 from ringserve.metrics import ServiceMetrics, add_metrics_port_flag
+from ringserve.models import resolve_model
 from ringserve.v1 import detokenizer_pb2, detokenizer_pb2_grpc
 from services.detokenizer.manager import DEFAULT_MAX_DECODE_STATES, DetokenizerManager
 from services.detokenizer.metrics import install_detokenizer_metrics
@@ -42,7 +43,8 @@ class DetokenizerConfig:
 def parse_args(argv: list[str] | None = None) -> DetokenizerConfig:
     d = DetokenizerConfig(model=Path("."))
     p = argparse.ArgumentParser(prog="ringserve detokenizer", description=__doc__)
-    p.add_argument("--model", type=Path, required=True, help="directory holding tokenizer.json")
+    p.add_argument("--model", type=Path, required=True,
+                   help="directory holding tokenizer.json, or a GGUF file (its conversion in the cache, made once)")
     p.add_argument("--host", default=d.host)
     p.add_argument("--port", type=int, default=d.port, help="0 picks a free port")
     p.add_argument("--max-decode-states", type=int, default=d.max_decode_states,
@@ -54,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> DetokenizerConfig:
                    help="model_name label of the metrics (default: the model directory's name)")
     grpcutil.add_transport_args(p)
     a = p.parse_args(argv)
-    return DetokenizerConfig(model=a.model, host=a.host, port=a.port, max_decode_states=a.max_decode_states,
+    return DetokenizerConfig(model=resolve_model(a.model), host=a.host, port=a.port, max_decode_states=a.max_decode_states,
                              grace_period_s=a.grace_period, transport=grpcutil.transport_from_args(p, a),
                              metrics_port=a.metrics_port, served_model_name=a.served_model_name)
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from ringserve import grpcutil
 from ringserve.metrics import add_metrics_port_flag
+from ringserve.models import resolve_model
 from services.scheduler.config import (ATTENTION_BACKENDS, DTYPES, GRAMMAR_BACKENDS, LOAD_FORMATS, SCHEDULE_POLICIES, EngineConfig,
                                       SchedulerConfig)
 
@@ -33,7 +34,9 @@ def parse_args(argv: list[str] | None) -> SchedulerConfig:
     """Flags -> SchedulerConfig; defaults come from the dataclasses."""
     e, s = EngineConfig(model=Path(".")), SchedulerConfig(engine=EngineConfig(model=Path(".")))
     p = argparse.ArgumentParser(prog="ringserve scheduler", description=__doc__)
-    p.add_argument("--model", type=Path, required=True, help="HF model directory (config.json, *.safetensors, tokenizer.json)")
+    p.add_argument("--model", type=Path, required=True,
+                   help="HF model directory (config.json, *.safetensors, tokenizer.json), or a GGUF file: "
+                        "converted once into the cache ($RINGSERVE_CACHE_DIR) and reused")
     p.add_argument("--host", default=s.host)
     p.add_argument("--port", type=int, default=s.port, help="gRPC port (0 = any free port)")
     p.add_argument("--detokenizer", default=s.detokenizer, help="detokenizer gRPC address host:port")
@@ -121,7 +124,7 @@ def parse_args(argv: list[str] | None) -> SchedulerConfig:
         p.error(f"--grammar-backend {a.grammar_backend} needs the {a.grammar_backend} package: "
                 f"pip install 'ringserve[{a.grammar_backend}]'")
     engine = EngineConfig(
-        model=a.model, dtype=a.dtype, max_running_requests=a.max_running_requests, max_total_tokens=a.max_total_tokens,
+        model=resolve_model(a.model), dtype=a.dtype, max_running_requests=a.max_running_requests, max_total_tokens=a.max_total_tokens,
         kv_cache_gib=a.kv_cache_gib, kv_cache_mem_fraction=a.kv_cache_mem_fraction,
         max_prefill_tokens=a.max_prefill_tokens, context_length=a.context_length, seed=a.seed,
         chunked_prefill_size=a.chunked_prefill_size, disable_radix_cache=a.disable_radix_cache,

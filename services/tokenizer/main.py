@@ -32,6 +32,7 @@ from ringserve import grpcutil
 from ringserve.apikeys import ApiKeyInterceptor, ApiKeys, add_api_key_args, api_keys_from_args
 from ringserve.grpcutil import ServingServer, start_server
 from ringserve.metrics import ServiceMetrics, add_metrics_port_flag
+from ringserve.models import resolve_model
 from ringserve.v1 import tokenizer_pb2_grpc
 from services.tokenizer.errors import unavailable
 from services.tokenizer.links import DetokenizerLink, Link, SchedulerLink
@@ -174,7 +175,8 @@ class TokenizerService:
 
 def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
     p = argparse.ArgumentParser(prog="ringserve tokenizer", description="The tokenizer service (public gRPC API).")
-    p.add_argument("--model", type=Path, required=True, help="HF-format model directory")
+    p.add_argument("--model", type=Path, required=True,
+                   help="HF-format model directory, or a GGUF file (its conversion in the cache, made once)")
     p.add_argument("--host", default=TokenizerConfig.host)
     p.add_argument("--port", type=int, default=TokenizerConfig.port, help="0 picks a free port")
     p.add_argument("--scheduler", default=TokenizerConfig.scheduler, help="scheduler address")
@@ -205,7 +207,7 @@ def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
         except ValueError as exc:
             p.error(str(exc))
     return TokenizerConfig(
-        model=a.model,
+        model=resolve_model(a.model),
         host=a.host,
         port=a.port,
         scheduler=a.scheduler,
