@@ -73,13 +73,15 @@ async def test_greedy_continuations_equal_transformers(gemma_ring, gemma_gguf):
 
 async def test_streamed_text_equals_non_streamed(gemma_ring):
     async with httpx.AsyncClient(base_url=gemma_ring.base_url, timeout=300) as client:
-        for prompt in (PROMPTS[4], "Emoji: 🙂 and Ümlaut:"):
-            body = {"model": SERVED, "prompt": prompt, "max_tokens": 24, "temperature": 0}
-            whole = (await call(client, body)).only
-            stream = await call(client, {**body, "stream": True})
+        bodies = [{"model": SERVED, "prompt": prompt, "max_tokens": 24, "temperature": 0}
+                  for prompt in (PROMPTS[4], "Emoji: 🙂 and Ümlaut:")]
+        # All four at once (one batch in the engine): each stream against its non-streamed twin.
+        results = await asyncio.gather(*(call(client, {**body, "stream": stream})
+                                         for body in bodies for stream in (False, True)))
+        for whole, stream in zip(results[0::2], results[1::2]):
             assert {e["model"] for e in stream.events} == {SERVED}  # the GGUF's name, not the cache key
-            assert stream.only.text == whole.text and whole.text.strip()
-            assert stream.only.finish_reason == whole.finish_reason == "length"
+            assert stream.only.text == whole.only.text and whole.only.text.strip()
+            assert stream.only.finish_reason == whole.only.finish_reason == "length"
         r = await client.post("/v1/chat/completions", json={
             "model": SERVED, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
         assert r.status_code == 400, r.text

@@ -1,4 +1,4 @@
-"""The engine on a CUDA device, without a GPU: SmolLM2's shapes as fake CUDA tensors.
+"""The engine on a CUDA device, without a GPU: SmolLM2's shapes (and a tiny Gemma 3) as fake CUDA tensors.
 
 Under ``FakeTensorMode`` every tensor made on ``cuda`` is a fake one: any op that mixes it
 with a CPU tensor raises ``FakeTensorDeviceMismatchError``, and any data-dependent read
@@ -27,6 +27,7 @@ from services.scheduler.engine.device import CudaRuntime, DeviceRuntime, MemoryS
 from services.scheduler.engine.engine import Engine
 from services.scheduler.engine.req import FinishType, ReqInput, SamplingParams
 from services.scheduler.engine.stops import load_eos_ids
+from services.scheduler.models.gemma3 import Gemma3ForCausalLM
 from services.scheduler.models.llama import LlamaForCausalLM
 
 CUDA = torch.device("cuda:0")
@@ -94,9 +95,19 @@ def _req(rid, ids, n, temperature=0.0, **kw):
     return ReqInput(rid=rid, input_ids=ids, sampling=SamplingParams(temperature=temperature, max_new_tokens=n, **kw))
 
 
-@pytest.mark.parametrize("backend,graphs,overlap", [("torch", False, False), ("torch", True, True),
-                                                    ("triton", False, True)])
-def test_step_sequence_on_fake_cuda_tensors(smollm2_dir, tokenizer, backend, graphs, overlap):
+# Gemma 3 (tiny, SmolLM2's vocabulary): sliding-window and global layers, q/k norms, soft-capped logits.
+GEMMA3 = dict(architectures=["Gemma3ForCausalLM"], vocab_size=49152, hidden_size=64, intermediate_size=96,
+              num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+              max_position_embeddings=2048, sliding_window=8, final_logit_softcapping=15.0,
+              layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+              rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                               "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+
+
+@pytest.mark.parametrize("backend,graphs,overlap,arch", [("torch", False, False, "llama"), ("torch", True, True, "llama"),
+                                                         ("triton", False, True, "llama"),
+                                                         ("triton", True, True, "gemma3")])
+def test_step_sequence_on_fake_cuda_tensors(smollm2_dir, tokenizer, backend, graphs, overlap, arch):
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     token = tokenizer.token_to_id("Ġthe")
     runtime = FakeCudaRuntime(mode, token)
@@ -106,7 +117,8 @@ def test_step_sequence_on_fake_cuda_tensors(smollm2_dir, tokenizer, backend, gra
     hf = json.loads((smollm2_dir / "config.json").read_text())
     eos = load_eos_ids(smollm2_dir, tokenizer)
     with mode:
-        model = LlamaForCausalLM.dummy(hf, torch.bfloat16, seed=None, attention_backend=backend, device=CUDA)
+        cls, hf = (LlamaForCausalLM, hf) if arch == "llama" else (Gemma3ForCausalLM, GEMMA3)
+        model = cls.dummy(hf, torch.bfloat16, seed=None, attention_backend=backend, device=CUDA)
         kernels = None
         if backend == "triton":
             kernels = model.attn_backend.kernels = CheckedTritonKernels()
