@@ -16,9 +16,11 @@ makes, at a ladder of row counts (1-9, then 2^k - 1, 2^k, 2^k + 1 up to ``max_ro
 and at shifted row offsets, and compares every row to the same row of one large call.
 Measured on AVX-512-BF16 (no AMX), 1 and 2 threads: oneDNN's bf16 GEMM computes one row
 (M = 1) of a [576, 1536] weight in another order than any M >= 2, so that linear is padded
-to 2 rows; its other SmolLM2 shapes agree at every count. MKL's fp32 GEMM differs for
-M <= 3 (<= 7 on 2 threads), so fp32 linears are padded to a floor of 8 or more. When no floor works the probe raises rather than
-run a mode that would be deterministic only by luck.
+to 2 rows; its other SmolLM2 shapes agree at every count. MKL's fp32 GEMM gives rows
+other bits up to M = 9 (2 threads), so fp32 linears are padded to 15 rows, which costs a
+batch-1 step; that is why fp32 does not default to deterministic inference. When no floor
+up to ``MAX_PAD_ROWS`` works the probe raises rather than run a mode that would be
+deterministic only by luck.
 """
 
 from __future__ import annotations
