@@ -7,7 +7,8 @@ gRPC health service (the gateway: ``GET /health`` = 200), prints the URL and
 each service's address and PID, and stops them all on Ctrl-C or SIGTERM.
 
 ``--replicas M`` starts M model replicas (each a scheduler with its own
-detokenizer) and ``--tokenizers N`` N tokenizer instances, each talking to every
+detokenizer; with ``--tp-size N`` each scheduler is rank 0 of N and starts the other ranks
+itself, so replica i takes cuda:i*N..cuda:i*N+N-1 when ``--device cuda``) and ``--tokenizers N`` N tokenizer instances, each talking to every
 replica; the gateway balances over the tokenizers with gRPC's round_robin. The
 port flags set the first instance's port; the others get free ports.
 
@@ -100,6 +101,10 @@ class LaunchConfig:
     restart_on_failure: bool = False
     tokenizers: int = 1  # tokenizer instances, each connected to every replica
     replicas: int = 1  # model replicas: a scheduler and its detokenizer each
+    chunked_prefill_size: int | None = None  # scheduler: None = its default
+    tp_size: int = 1  # tensor-parallel ranks per replica (the scheduler starts ranks 1..N-1)
+    dist_init_addr: str | None = None  # None: the scheduler's default (loopback)
+    dist_port: int = 0  # replica i's rendezvous port: dist_port + i; 0 = a free port each
     allow_special_tokens_in_messages: bool = False
     max_queued_tokens: int | None = None
     request_timeout_s: float | None = None  # None: the gateway's default
@@ -339,7 +344,7 @@ class Launcher:
     def _device(self, index: int) -> str:
         """Replica ``index``'s device: its own GPU when several replicas share "cuda"."""
         device = self.config.device
-        return f"cuda:{index}" if device == "cuda" and self.config.replicas > 1 else device
+        return f"cuda:{index * self.config.tp_size}" if device == "cuda" and self.config.replicas > 1 else device
 
     def _scheduler_args(self, port: str, detokenizer: str, index: int) -> list[str]:
         c = self.config
@@ -348,6 +353,14 @@ class Launcher:
             "--detokenizer", detokenizer, "--dtype", c.dtype, "--instance-id", f"scheduler-{index}",
             "--attention-backend", c.attention_backend, "--device", self._device(index),
         ]
+        if c.chunked_prefill_size is not None:
+            sched_args += ["--chunked-prefill-size", str(c.chunked_prefill_size)]
+        if c.tp_size > 1:
+            sched_args += ["--tp-size", str(c.tp_size)]
+            if c.dist_init_addr is not None:
+                sched_args += ["--dist-init-addr", c.dist_init_addr]
+            if c.dist_port:
+                sched_args += ["--dist-port", str(c.dist_port + index)]
         if c.disable_cuda_graph:
             sched_args.append("--disable-cuda-graph")
         if c.disable_overlap_schedule:
@@ -477,6 +490,15 @@ def parse_args(argv: list[str] | None) -> LaunchConfig:
     parser.add_argument("--replicas", type=int, default=LaunchConfig.replicas,
                         help="model replicas, each a scheduler with its detokenizer; every tokenizer "
                              "picks one per request (least outstanding work, then prefix affinity)")
+    parser.add_argument("--chunked-prefill-size", type=int, default=None,
+                        help="scheduler: most prompt tokens prefilled per step (<= 0: no chunking; default 2048)")
+    parser.add_argument("--tp-size", type=int, default=LaunchConfig.tp_size,
+                        help="tensor-parallel ranks per replica (one process and device each; the scheduler "
+                             "starts them and exits when one is lost)")
+    parser.add_argument("--dist-init-addr", default=None,
+                        help="scheduler: address of the tensor-parallel rendezvous (default 127.0.0.1)")
+    parser.add_argument("--dist-port", type=int, default=LaunchConfig.dist_port,
+                        help="scheduler: replica i's tensor-parallel rendezvous port is this + i (0 = a free port)")
     parser.add_argument("--restart-on-failure", action="store_true",
                         help="restart a service that exits (same flags and port) instead of stopping all")
     parser.add_argument("--allow-special-tokens-in-messages", action="store_true",
@@ -507,6 +529,8 @@ def parse_args(argv: list[str] | None) -> LaunchConfig:
         parser.error("--kv-cache-mem-fraction must be in (0, 1)")
     if args.tokenizers < 1 or args.replicas < 1:
         parser.error("--tokenizers and --replicas must be at least 1")
+    if args.tp_size < 1:
+        parser.error("--tp-size must be at least 1")
     return LaunchConfig(
         model=args.model, host=args.host, port=args.port,
         tokenizer_port=args.tokenizer_port, scheduler_port=args.scheduler_port,
@@ -521,7 +545,9 @@ def parse_args(argv: list[str] | None) -> LaunchConfig:
         kv_cache_mem_fraction=args.kv_cache_mem_fraction, max_queued_requests=args.max_queued_requests,
         grace_period_s=args.grace_period, watchdog_timeout_s=args.watchdog_timeout,
         restart_on_failure=args.restart_on_failure,
-        tokenizers=args.tokenizers, replicas=args.replicas,
+        tokenizers=args.tokenizers, replicas=args.replicas, tp_size=args.tp_size,
+        chunked_prefill_size=args.chunked_prefill_size,
+        dist_init_addr=args.dist_init_addr, dist_port=args.dist_port,
         allow_special_tokens_in_messages=args.allow_special_tokens_in_messages,
         max_queued_tokens=args.max_queued_tokens, request_timeout_s=args.request_timeout,
         max_request_body_bytes=args.max_request_body_bytes, log_requests=args.log_requests,

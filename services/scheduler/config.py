@@ -101,6 +101,12 @@ class SchedulerConfig:
     transport: Transport = Transport()  # gRPC message size and TLS, server and detokenizer channel
     metrics_port: int | None = None  # Prometheus /metrics on host:port; None = off, 0 = a free port
     served_model_name: str | None = None  # the metrics' model_name label; None = the model directory's name
+    # Tensor parallelism (engine.tp): ranks of this replica; rank 0 hosts the rendezvous at
+    # dist_init_addr:dist_port (0 = a free port); every collective times out after dist_timeout_s.
+    tp_size: int = 1
+    dist_init_addr: str = "127.0.0.1"
+    dist_port: int = 0
+    dist_timeout_s: float = 60.0
 
     @property
     def model_name(self) -> str:

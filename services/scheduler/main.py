@@ -5,6 +5,11 @@ Health is SERVING once the model is loaded and the detokenizer stream is up. A w
 has not finished a step for that long, and back when it moves again. On SIGTERM the
 service turns NOT_SERVING, refuses new requests (UNAVAILABLE), lets the ones in flight
 finish for up to ``--grace-period`` seconds, aborts what is left and exits 0.
+
+With ``--tp-size N`` this process is rank 0 of N (``engine.tp``): it starts the other ranks,
+and when one of them is lost it turns NOT_SERVING, ends every request in flight with
+UNAVAILABLE, stops the others and exits 1 (a launcher's ``--restart-on-failure`` then
+starts the whole group again).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import logging
 import os
 import re
 import signal
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -97,6 +103,14 @@ def parse_args(argv: list[str] | None) -> SchedulerConfig:
     p.add_argument("--max-queued-tokens", type=int, default=s.max_queued_tokens,
                    help="prompt tokens of the requests held (waiting and running) plus the new one's; "
                         "beyond it refuse with RESOURCE_EXHAUSTED (a request is never refused on an idle scheduler)")
+    p.add_argument("--tp-size", type=int, default=s.tp_size,
+                   help="tensor parallelism: ranks (processes, one device each) this replica is sharded over")
+    p.add_argument("--dist-init-addr", default=s.dist_init_addr,
+                   help="tensor parallelism: the address rank 0 hosts the group's rendezvous on")
+    p.add_argument("--dist-port", type=int, default=s.dist_port,
+                   help="tensor parallelism: the rendezvous port (0 = a free port)")
+    p.add_argument("--dist-timeout", type=float, default=s.dist_timeout_s,
+                   help="tensor parallelism: seconds any collective waits for the other ranks before failing")
     add_metrics_port_flag(p)
     p.add_argument("--served-model-name", default=None,
                    help="model_name label of the metrics (default: the model directory's name)")
@@ -120,6 +134,10 @@ def parse_args(argv: list[str] | None) -> SchedulerConfig:
         p.error(f"--device {a.device!r}: use auto, cpu, cuda or cuda:N")
     if a.grammar_compile_timeout <= 0:
         p.error("--grammar-compile-timeout must be > 0")
+    if a.tp_size < 1:
+        p.error("--tp-size must be >= 1")
+    if a.dist_timeout <= 0:
+        p.error("--dist-timeout must be > 0")
     if importlib.util.find_spec(a.grammar_backend) is None:
         p.error(f"--grammar-backend {a.grammar_backend} needs the {a.grammar_backend} package: "
                 f"pip install 'ringserve[{a.grammar_backend}]'")
@@ -139,7 +157,9 @@ def parse_args(argv: list[str] | None) -> SchedulerConfig:
                            max_queued_requests=a.max_queued_requests, grace_period_s=a.grace_period,
                            watchdog_timeout_s=a.watchdog_timeout, max_queued_tokens=a.max_queued_tokens,
                            transport=grpcutil.transport_from_args(p, a),
-                           metrics_port=a.metrics_port, served_model_name=a.served_model_name)
+                           metrics_port=a.metrics_port, served_model_name=a.served_model_name,
+                           tp_size=a.tp_size, dist_init_addr=a.dist_init_addr, dist_port=a.dist_port,
+                           dist_timeout_s=a.dist_timeout)
 
 
 def usable_cpus(cgroup_dir: Path = Path("/sys/fs/cgroup")) -> int:
@@ -202,11 +222,12 @@ async def drain(loop, timeout_s: float) -> bool:
 
 
 async def serve(cfg: SchedulerConfig, stop: asyncio.Event | None = None,
-                on_serving: Callable[[int], None] | None = None) -> None:
+                on_serving: Callable[[int], None] | None = None) -> int:
     """Run the scheduler until ``stop`` is set (or SIGTERM/SIGINT when stop is None).
 
     Health turns SERVING once the model is loaded and the detokenizer stream is up;
-    ``on_serving`` then gets the bound port (useful with port 0).
+    ``on_serving`` then gets the bound port (useful with port 0). Returns the exit status:
+    0, or 1 when a tensor-parallel rank was lost.
     """
     import torch
 
@@ -216,6 +237,8 @@ async def serve(cfg: SchedulerConfig, stop: asyncio.Event | None = None,
     from services.scheduler.detok_link import DetokenizerLink
     from services.scheduler.engine.engine import Engine
     from services.scheduler.engine.loop import EngineLoop
+    from services.scheduler.engine.tp import TPGroup, rank_threads
+    from services.scheduler.layers.parallel import TensorParallel
     from services.scheduler.metrics import SchedulerMetrics
     from services.scheduler.servicer import SchedulerServicer
     from services.scheduler.wire import step_output_to_proto
@@ -226,21 +249,36 @@ async def serve(cfg: SchedulerConfig, stop: asyncio.Event | None = None,
     # second team started from this thread made every parallel region of a step wake
     # sleeping workers: a batch-64 decode step ran 36 % slower (152 against 112 ms,
     # 2 cores), and in serving 1.3 of the 2 cores stayed busy.
-    torch_threads = cfg.torch_threads or usable_cpus()
+    torch_threads = rank_threads(cfg, usable_cpus())
     torch.set_num_threads(1)
-    engine = Engine.from_config(cfg.engine)
+    group = TPGroup.start(cfg) if cfg.tp_size > 1 else None
+    engine = Engine.from_config(cfg.engine, group.tp if group else TensorParallel())
+    if group is not None:
+        group.attach(engine)
     metrics = ServiceMetrics(cfg.model_name)
     SchedulerMetrics(engine, metrics)
     metrics.serve(cfg.host, cfg.metrics_port)
+    aio = asyncio.get_running_loop()
+    failure: list[str] = []
+
+    def lost_rank(message: str) -> None:  # any thread
+        def fail() -> None:
+            if not failure:
+                log.error("%s: NOT_SERVING, ending every request in flight, exiting", message)
+                failure.append(message)
+                stop.set()
+        aio.call_soon_threadsafe(fail)
+
     loop = EngineLoop(engine, lambda out: link.send_threadsafe(step_output_to_proto(out)),
                       max_queued_requests=cfg.max_queued_requests, max_queued_tokens=cfg.max_queued_tokens,
-                      torch_threads=torch_threads)
+                      torch_threads=torch_threads, heartbeat=group.heartbeat if group else None,
+                      heartbeat_s=cfg.dist_timeout_s / 4, on_fatal=lost_rank)
     link = DetokenizerLink(
         cfg.detokenizer,
         on_lost=lambda: loop.abort(message="lost the detokenizer stream and its decode state",
                                    status="UNAVAILABLE", resend_init=True),
     )
-    servicer = SchedulerServicer(loop, cfg.instance_id, cfg.load_report_interval_s)
+    servicer = SchedulerServicer(loop, cfg.instance_id, cfg.load_report_interval_s, tp_size=cfg.tp_size)
     name = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
     server = await start_server(cfg.address, [(scheduler_pb2_grpc.add_SchedulerServicer_to_server, servicer, name)])
     link_task = asyncio.create_task(link.run())
@@ -248,6 +286,8 @@ async def serve(cfg: SchedulerConfig, stop: asyncio.Event | None = None,
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    if group is not None:
+        group.watch(lost_rank)
     loop.start()
     log.info("scheduler %s listening on %s:%d, waiting for detokenizer %s", cfg.instance_id, cfg.host, server.port, cfg.detokenizer)
     watchdog_task = None
@@ -267,11 +307,16 @@ async def serve(cfg: SchedulerConfig, stop: asyncio.Event | None = None,
         if watchdog_task is not None:
             watchdog_task.cancel()
         await server.set_serving(False)
-        if not await drain(loop, cfg.grace_period_s):
+        if failure:
+            # The group cannot run a step: end every request now (the engine thread applies
+            # it unless a collective holds it; then exiting ends the stream all the same).
+            loop.abort(message="a tensor-parallel rank of this replica failed", status="UNAVAILABLE")
+            await drain(loop, 0.5)
+        elif not await drain(loop, cfg.grace_period_s):
             log.warning("grace period (%.1f s) over; aborting what is still in flight", cfg.grace_period_s)
             loop.abort(message="the scheduler is shutting down", status="UNAVAILABLE")
             await drain(loop, 1.0)
-        for _ in range(20):  # up to 1 s for the last rows to leave on the detokenizer stream
+        for _ in range(10 if failure else 20):  # up to 1 s for the last rows to leave on the detokenizer stream
             if link.queue.empty() or not link.connected.is_set():
                 break
             await asyncio.sleep(0.05)
@@ -280,9 +325,12 @@ async def serve(cfg: SchedulerConfig, stop: asyncio.Event | None = None,
             watchdog_task.cancel()
         await server.stop(1.0)
         metrics.stop()
-        loop.stop()
+        loop.stop(1.0 if failure else 5.0)
+        if group is not None:
+            group.stop(graceful=not failure)
         link_task.cancel()
         await asyncio.gather(link_task, return_exceptions=True)
+    return 1 if failure else 0
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -298,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Start-up objects (model, torch internals) out of the collector's way once serving:
     # with torch imported, full collections otherwise add ~100 ms pauses to steps.
-    asyncio.run(serve(cfg, on_serving=lambda _port: gc.freeze()))
+    sys.exit(asyncio.run(serve(cfg, on_serving=lambda _port: gc.freeze())))
 
 
 if __name__ == "__main__":

@@ -69,6 +69,8 @@ class SchedulerMetrics(EngineObserver):
             Read("num_requests_waiting", "Requests waiting for a request slot or KV room.", "gauge",
                  lambda: load().num_waiting_reqs),
             Read("req_slots_used", "Request slots in use.", "gauge", lambda: engine.req_pool.used),
+            Read("tp_size", "Tensor-parallel ranks of this replica (--tp-size); rank 0 alone reports.", "gauge",
+                 lambda: engine.tp.size),
             Read("req_slots_total", "Request slots (--max-running-requests).", "gauge",
                  lambda: engine.cfg.max_running_requests),
             Read("kv_cache_usage_perc", "KV cache usage: rows held by requests over all rows (1 = full; rows only "

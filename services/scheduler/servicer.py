@@ -32,13 +32,14 @@ def non_finite(msg: scheduler_pb2.TokenizedGenerateReqInput) -> str | None:
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     """One Connect stream per tokenizer instance; rids it owns die with its stream."""
 
-    def __init__(self, loop: EngineLoop, instance_id: str, load_report_interval_s: float = 1.0):
+    def __init__(self, loop: EngineLoop, instance_id: str, load_report_interval_s: float = 1.0, tp_size: int = 1):
         self.loop = loop
         self.instance_id = instance_id
+        self.tp_size = tp_size
         self.load_report_interval_s = load_report_interval_s
 
     def _load_event(self) -> scheduler_pb2.SchedulerEvent:
-        return scheduler_pb2.SchedulerEvent(load=load_to_proto(self.loop.load(), self.instance_id))
+        return scheduler_pb2.SchedulerEvent(load=load_to_proto(self.loop.load(), self.instance_id, self.tp_size))
 
     async def Connect(self, request_iterator, context: grpc.aio.ServicerContext):
         """Bidi stream: hello (AbortReq, empty rid, tokenizer_id), then requests and aborts.
@@ -88,4 +89,4 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     self.loop.abort(rid=a.rid, message=reason)
 
     async def GetLoad(self, request: common_pb2.Empty, context: grpc.aio.ServicerContext) -> common_pb2.LoadReport:
-        return load_to_proto(self.loop.load(), self.instance_id)
+        return load_to_proto(self.loop.load(), self.instance_id, self.tp_size)

@@ -83,6 +83,6 @@ def step_output_to_proto(out: StepOutput) -> detokenizer_pb2.BatchTokenIDOutput:
     )
 
 
-def load_to_proto(stats: LoadStats, instance_id: str) -> common_pb2.LoadReport:
-    """LoadStats -> LoadReport (the field names are the same)."""
-    return common_pb2.LoadReport(instance_id=instance_id, **asdict(stats))
+def load_to_proto(stats: LoadStats, instance_id: str, tp_size: int = 1) -> common_pb2.LoadReport:
+    """LoadStats -> LoadReport (the field names are the same), with the replica's tensor-parallel size."""
+    return common_pb2.LoadReport(instance_id=instance_id, tp_size=tp_size, **asdict(stats))

@@ -453,3 +453,16 @@ def test_scheduler_deterministic_inference_flag(helm: Path, rendered) -> None:
     out = subprocess.run([str(helm), "template", RELEASE, str(CHART), "--set",
                           "config.scheduler.deterministicInference=sometimes"], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "deterministicInference" in out.stderr
+
+
+@pytest.mark.parametrize("tp_size", [1, 2, 8])
+def test_replica_tensor_parallel(helm: Path, tp_size: int) -> None:
+    """replica.tpSize N: the replica pod asks for N GPUs and its scheduler runs N ranks."""
+    docs = render(helm, "gpu-multi", "--set", f"replica.tpSize={tp_size}")
+    for doc in docs:
+        if (doc["apiVersion"], doc["kind"]) not in CRD_KINDS:
+            kv_utils.validate(doc, K8S_VERSION, strict=True)
+    sched = container(by(docs, "StatefulSet", f"{FULL}-replica")["spec"]["template"]["spec"], "scheduler")
+    assert sched["resources"]["limits"]["nvidia.com/gpu"] == tp_size
+    assert sched["resources"]["requests"]["nvidia.com/gpu"] == tp_size
+    assert [a for a in sched["args"] if a.startswith("--tp-size")] == ([f"--tp-size={tp_size}"] if tp_size > 1 else [])

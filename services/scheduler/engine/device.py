@@ -64,6 +64,18 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Tensor-parallel rank ``rank``'s device: the CPU for every rank, or the ``rank``-th CUDA
+    device from ``device`` on (``cuda:1`` with 4 ranks: cuda:1..cuda:4).
+
+    Raises:
+        RuntimeError: torch sees fewer CUDA devices than that.
+    """
+    if device.type != "cuda" or rank == 0:
+        return device
+    return resolve_device(f"cuda:{(device.index or 0) + rank}")
+
+
 @dataclass(frozen=True)
 class MemorySplit:
     """How the device's memory is shared out at start-up (bytes), logged and exported as metrics.

@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 
 from services.scheduler.config import EngineConfig
 from services.scheduler.engine.cuda_graph import DecodeGraphRunner
-from services.scheduler.engine.device import DeviceRuntime, create_runtime, resolve_device
+from services.scheduler.engine.device import DeviceRuntime, create_runtime, rank_device, resolve_device
 from services.scheduler.engine.grammar import GrammarManager, accept_grammar_tokens, apply_grammar_masks
 from services.scheduler.engine.grammar_backends import GrammarBackend, load_backend
 from services.scheduler.engine.kv_pool import GIB, ReqToTokenPool, TokenToKVPool, kv_bytes_per_token
@@ -33,6 +33,7 @@ from services.scheduler.engine.stops import StopChecker, load_eos_ids
 from services.scheduler.engine.validate import validate
 from services.scheduler.layers.batch_invariant import NotBatchInvariantError, make_batch_invariant
 from services.scheduler.layers.linear import pack_linears
+from services.scheduler.layers.parallel import TensorParallel, local_kv_heads
 from services.scheduler.models import load_model
 
 log = logging.getLogger(__name__)
@@ -63,9 +64,16 @@ class Engine:
     def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer, eos_ids: frozenset[int], cfg: EngineConfig,
                  runtime: DeviceRuntime | None = None):
         """The grammar backend (``cfg.grammar_backend``) reads ``cfg.model``/tokenizer.json when
-        the first constrained request arrives, in the compile thread."""
+        the first constrained request arrives, in the compile thread.
+
+        A model sharded over a tensor-parallel group (its ``tp``) makes this the group's rank
+        0: the KV pool holds this rank's KV heads, the req-to-token writes are recorded for
+        the other ranks, and CUDA graphs and overlap scheduling are off (each step is
+        broadcast from the host before it runs; see ``engine.tp``)."""
         mc = model.config
         self.cfg = cfg
+        self.tp: TensorParallel = getattr(model, "tp", TensorParallel())
+        kv_heads = local_kv_heads(mc.num_key_value_heads, self.tp.size)
         self.runtime = runtime or create_runtime(next(model.parameters()).device)
         device = self.runtime.device
         self.vocab_size = mc.vocab_size
@@ -74,22 +82,22 @@ class Engine:
             raise ValueError(f"--context-length {self.context_length} exceeds the model's "
                              f"max_position_embeddings {mc.max_position_embeddings}")
         kv_dtype = next(model.parameters()).dtype
-        bytes_per_token = kv_bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, kv_dtype)
+        bytes_per_token = kv_bytes_per_token(mc.num_hidden_layers, kv_heads, mc.head_dim, kv_dtype)
         self.max_total_tokens, self.memory = self.runtime.memory_split(
             weight_bytes(model), bytes_per_token, cfg.max_total_tokens, cfg.kv_cache_gib,
             cfg.mem_fraction_static if device.type == "cuda" else cfg.kv_cache_mem_fraction,
             activation_reserve_bytes(mc, cfg, kv_dtype))
         log.info("KV pool: %d tokens of %s on %s; memory: %s", self.max_total_tokens, kv_dtype, device,
                  self.memory.describe())
-        self.kv_pool = TokenToKVPool(self.max_total_tokens, mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
-                                     kv_dtype, device)
-        self.req_pool = ReqToTokenPool(cfg.max_running_requests, self.context_length, device, self.kv_pool.pad_row)
+        self.kv_pool = TokenToKVPool(self.max_total_tokens, mc.num_hidden_layers, kv_heads, mc.head_dim, kv_dtype, device)
+        self.req_pool = ReqToTokenPool(cfg.max_running_requests, self.context_length, device, self.kv_pool.pad_row,
+                                       record_writes=self.tp.size > 1)
         self.tree = None if cfg.disable_radix_cache else RadixCache(self.kv_pool)
         self.policy = SchedulePolicy(self.req_pool, self.kv_pool, cfg.max_running_requests, cfg.max_prefill_tokens,
                                      cfg.chunked_prefill_size, self.tree, cfg.schedule_policy)
         self.deterministic = _make_deterministic(model, cfg, device)
         graphs = None
-        if self.runtime.supports_cuda_graph and not cfg.disable_cuda_graph:
+        if self.runtime.supports_cuda_graph and not cfg.disable_cuda_graph and self.tp.size == 1:
             graphs = DecodeGraphRunner(model, self.runtime, self.req_pool, self.kv_pool,
                                        min(cfg.cuda_graph_max_bs, cfg.max_running_requests), capture=True)
         self.runner = ModelRunner(model, self.req_pool, self.kv_pool, self.runtime, graphs,
@@ -107,22 +115,25 @@ class Engine:
         # Overlap scheduling: on by default where the device runs the forward while the host
         # plans (CUDA); on the CPU the forward holds the host thread, so there is nothing to overlap.
         self.overlap = cfg.overlap_schedule if cfg.overlap_schedule is not None else device.type == "cuda"
+        self.overlap = self.overlap and self.tp.size == 1  # the other ranks never see the sampled ids
         self._inflight: _InFlight | None = None
 
     @classmethod
-    def from_config(cls, cfg: EngineConfig) -> "Engine":
-        """Load model, tokenizer.json and EOS ids from ``cfg.model`` onto ``cfg.device``.
+    def from_config(cls, cfg: EngineConfig, tp: TensorParallel = TensorParallel()) -> "Engine":
+        """Load model, tokenizer.json and EOS ids from ``cfg.model`` onto ``cfg.device``
+        (rank 0 of ``tp``: its shard, on its device; see ``engine.tp.rank_device``).
 
         Raises:
-            ValueError: unsupported architecture, device, dtype or attention backend, or no EOS id.
+            ValueError: unsupported architecture, device, dtype or attention backend, no EOS
+                id, or a model ``tp.size`` does not divide.
             RuntimeError: a CUDA device torch does not see, or an attention backend that
                 cannot run on the device.
             FileNotFoundError: missing config.json, tokenizer.json or weights.
         """
         model_dir = Path(cfg.model)
-        runtime = create_runtime(resolve_device(cfg.device))
+        runtime = create_runtime(rank_device(resolve_device(cfg.device), tp.rank))
         model = load_model(model_dir, runtime.resolve_dtype(cfg.dtype), cfg.load_format, cfg.attention_backend,
-                           runtime.device)
+                           runtime.device, tp)
         tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         engine = cls(model, tokenizer, load_eos_ids(model_dir, tokenizer), cfg, runtime)
         engine.grammars.warm()
@@ -180,14 +191,14 @@ class Engine:
             self._emit_abort(req, message, status)
         return len(victims)
 
-    def fail_all(self, message: str) -> None:
-        """After a failed step: abort every request (status INTERNAL) and reset both pools.
+    def fail_all(self, message: str, status: str = "INTERNAL") -> None:
+        """After a failed step: abort every request (with ``status``) and reset both pools.
 
         A step can fail after allocating KV rows it had not yet recorded, so the free lists
         are rebuilt rather than trusted.
         """
         for req in list(self.reqs.values()):
-            self._emit_abort(req, message, "INTERNAL")
+            self._emit_abort(req, message, status)
         self.reqs.clear()
         self._inflight = None
         self.grammars.clear()

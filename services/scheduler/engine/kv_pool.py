@@ -32,10 +32,12 @@ class ReqToTokenPool:
     Args:
         device: where ``device_table`` lives.
         pad_row: the KV pool's padding row (``TokenToKVPool.pad_row``).
+        record_writes: queue the writes on the CPU too (tensor parallelism: each step carries
+            them to the other ranks' tables).
     """
 
     def __init__(self, max_reqs: int, max_context: int, device: torch.device = torch.device("cpu"),
-                 pad_row: int = 0):
+                 pad_row: int = 0, record_writes: bool = False):
         self.size = max_reqs
         self.pad_slot = max_reqs
         self.req_to_token = torch.zeros(max_reqs + 1, max_context, dtype=torch.int32)
@@ -45,6 +47,7 @@ class ReqToTokenPool:
             self.device_table = torch.full((max_reqs + 1, max_context), pad_row, dtype=torch.int32, device=device)
         else:
             self.device_table = self.req_to_token
+        self.recorded = self.mirrored or record_writes
         self._writes: list[tuple[torch.Tensor, torch.Tensor]] = []  # (flat index int64, rows int32)
         self._free = list(range(max_reqs - 1, -1, -1))
 
@@ -73,7 +76,7 @@ class ReqToTokenPool:
         """Positions ``start..start+len(rows)-1`` of ``slot`` now hold KV pool ``rows`` (int, 1-D, host)."""
         rows = rows.to(torch.int32)
         self.req_to_token[slot, start : start + rows.numel()] = rows
-        if self.mirrored and rows.numel():
+        if self.recorded and rows.numel():
             width = self.req_to_token.shape[1]
             self._writes.append((slot * width + start + torch.arange(rows.numel()), rows))
 
@@ -83,12 +86,12 @@ class ReqToTokenPool:
         pos_t = torch.tensor(positions, dtype=torch.int64)
         rows = rows.to(torch.int32)
         self.req_to_token[slots_t, pos_t] = rows
-        if self.mirrored and rows.numel():
+        if self.recorded and rows.numel():
             self._writes.append((slots_t * self.req_to_token.shape[1] + pos_t, rows))
 
     def take_writes(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The writes since the last call -> (flat indices int64 [N], rows int32 [N]) for
-        ``device_table.view(-1)``; None when there are none (always on the CPU)."""
+        ``device_table.view(-1)``; None when there are none (always on the CPU on one rank)."""
         if not self._writes:
             return None
         index = torch.cat([i for i, _ in self._writes])

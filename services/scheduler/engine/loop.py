@@ -16,6 +16,11 @@ context length), so a budget below one prompt can never lock a request out forev
 request (UNAVAILABLE) while the ones in flight finish, for a graceful shutdown.
 ``stalled_s()`` feeds the service's watchdog: how long the thread has had work and not
 come back from a step.
+
+Under tensor parallelism the idle thread wakes every ``heartbeat_s`` to run ``heartbeat``
+(the other ranks' collectives time out otherwise), and a step that fails because a rank is
+gone (``RankFailure``) ends every request with UNAVAILABLE, refuses new ones and calls
+``on_fatal``: the group cannot serve again without a restart.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import torch
 from services.scheduler.engine.engine import Engine, LoadStats
 from services.scheduler.engine.output import StepOutput
 from services.scheduler.engine.req import ReqInput
+from services.scheduler.layers.parallel import RankFailure
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +51,19 @@ class EngineLoop:
             most; None = no limit.
         torch_threads: torch's intra-op thread count, set in the engine thread when it
             starts (OpenMP keeps the count per thread); None leaves it as it is.
+        heartbeat: run in the engine thread after ``heartbeat_s`` idle seconds (tensor
+            parallelism: ``TPGroup.heartbeat``); None = sleep until woken.
+        on_fatal: called (engine thread) with the reason when a rank of the group is lost.
     """
 
     def __init__(self, engine: Engine, on_output: Callable[[StepOutput], None],
                  max_queued_requests: int | None = None, max_queued_tokens: int | None = None,
-                 torch_threads: int | None = None):
+                 torch_threads: int | None = None, heartbeat: Callable[[], None] | None = None,
+                 heartbeat_s: float = 5.0, on_fatal: Callable[[str], None] | None = None):
         self.engine = engine
+        self.heartbeat = heartbeat
+        self.heartbeat_s = heartbeat_s
+        self.on_fatal = on_fatal
         self.torch_threads = torch_threads
         self.max_queued_requests = max_queued_requests
         self.max_queued_tokens = max_queued_tokens
@@ -151,12 +164,17 @@ class EngineLoop:
             self._drain()
             if not self.engine.has_work:
                 self._busy = False
-                self._wake.wait()
+                woken = self._wake.wait(self.heartbeat_s if self.heartbeat else None)
                 self._wake.clear()
+                if not woken and not self._stopping:
+                    self._guard(self.heartbeat)
                 continue
             self._busy = True
             try:
                 out = self.engine.step()
+            except RankFailure as exc:
+                self._lost_rank(exc)
+                continue
             except Exception:
                 log.exception("engine step failed; aborting every in-flight request")
                 self.engine.fail_all("engine step failed; see the scheduler log")
@@ -168,3 +186,21 @@ class EngineLoop:
                 # budget runs out (the timeout): sleep rather than spin.
                 self._wake.wait(0.05)
                 self._wake.clear()
+
+    def _guard(self, collective: Callable[[], None]) -> None:
+        try:
+            collective()
+        except RankFailure as exc:
+            self._lost_rank(exc)
+
+    def _lost_rank(self, exc: RankFailure) -> None:
+        """A rank of the tensor-parallel group is gone: end everything with UNAVAILABLE, refuse the rest."""
+        log.error("tensor-parallel group lost a rank: %s", exc)
+        self._draining = True
+        self.heartbeat = None
+        self.engine.fail_all("a tensor-parallel rank of this replica failed", "UNAVAILABLE")
+        out = self.engine.step()  # no plan: only the abort rows
+        if out is not None:
+            self._on_output(out)
+        if self.on_fatal is not None:
+            self.on_fatal(str(exc))

@@ -7,10 +7,15 @@ part, the rows that sample, and the req-to-token entries written since the last 
 into one int64 tensor, which ``DeviceRuntime.to_device`` copies in one go (pinned and
 non-blocking on CUDA). Everything the layers need to size a shape is a host int taken
 from the plan, so the forward never reads the device.
+
+That packed tensor and those host ints (a ``StepBatch``) are the whole step: under tensor
+parallelism rank 0 hands them to ``broadcast`` before running them, and every other rank
+runs the same ``execute`` on its shard (``engine.tp``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +41,10 @@ class ModelRunner:
         batch_invariant: deterministic inference: every extend token attends as a decode
             query (``ExtendLayout.token_seq_lens``); the model's backend must be
             ``batch_invariant`` and its linears made so (``layers.batch_invariant``).
+
+    Attributes:
+        broadcast: called with each step's ``StepBatch`` before it runs (tensor parallelism:
+            rank 0 sends it to the other ranks); None on a single rank.
     """
 
     def __init__(self, model: torch.nn.Module, req_pool: ReqToTokenPool, kv_pool: TokenToKVPool,
@@ -47,6 +56,7 @@ class ModelRunner:
         self.runtime = runtime or DeviceRuntime(next(model.parameters()).device)
         self.graph_runner = graph_runner
         self.batch_invariant = batch_invariant
+        self.broadcast: Callable[[StepBatch], None] | None = None
 
     @torch.inference_mode()
     def forward(self, plan: Plan, future: FutureIds | None = None) -> torch.Tensor:
@@ -64,20 +74,59 @@ class ModelRunner:
         ne, nd = plan.num_extend, len(plan.reqs) - plan.num_extend
         ext = inputs.add_extend(plan, self.batch_invariant) if ne else None
         dec = inputs.add_decode(plan.reqs[ne:], plan.prefix_lens[ne:]) if nd else None
-        dev = inputs.to_device(self.runtime, plan.out_cache_loc)
-        meta = AttnMetadata(dev["out_cache_loc"], self.req_pool.device_table, inputs.num_extend_tokens)
-        if ext is not None:
-            meta.extend = ExtendLayout(dev["ext_slots"], dev["prefix_lens"], dev["extend_lens"], dev["q_valid"], **ext,
-                                       token_rows=dev.get("token_rows"), token_slots=dev.get("token_slots"),
-                                       token_seq_lens=dev.get("token_seq_lens"))
-        if dec is not None:
-            meta.decode = DecodeLayout(dev["dec_slots"], dev["seq_lens"], **dec)
+        names, sizes, host = inputs.pack(plan.out_cache_loc)
+        batch = StepBatch(names, sizes, host, inputs.num_extend_tokens, ext, dec, plan.logprob_rows)
+        if self.broadcast is not None:
+            self.broadcast(batch)
+        logits, plan.logprob_hidden = self.execute(batch, future)
+        return logits
+
+    def execute(self, batch: StepBatch, future: FutureIds | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run one packed step -> (float32 logits [B, vocab] of the rows that sample, the
+        hidden states [R, hidden] of ``batch.logprob_rows`` or None).
+
+        Raises:
+            layers.parallel.RankFailure: under tensor parallelism, a collective failed.
+        """
+        dev = upload(self.runtime, self.req_pool, batch.names, batch.sizes, batch.host)
+        if future is not None:
+            take_future_ids(dev, future, batch.num_extend_tokens)
+        meta = AttnMetadata(dev["out_cache_loc"], self.req_pool.device_table, batch.num_extend_tokens)
+        if batch.extend is not None:
+            meta.extend = ExtendLayout(dev["ext_slots"], dev["prefix_lens"], dev["extend_lens"], dev["q_valid"],
+                                       **batch.extend, token_rows=dev.get("token_rows"),
+                                       token_slots=dev.get("token_slots"), token_seq_lens=dev.get("token_seq_lens"))
+        if batch.decode is not None:
+            meta.decode = DecodeLayout(dev["dec_slots"], dev["seq_lens"], **batch.decode)
         hidden = self.model(dev["input_ids"], dev["positions"], meta, self.kv_pool)
-        if plan.logprob_rows is not None:  # prompt logprobs: at most a chunk of rows
-            plan.logprob_hidden = hidden.index_select(0, self.runtime.to_device(plan.logprob_rows))
+        logprob_hidden = None
+        if batch.logprob_rows is not None:  # prompt logprobs: at most a chunk of rows
+            logprob_hidden = hidden.index_select(0, self.runtime.to_device(batch.logprob_rows))
         if "sample_index" in dev:
             hidden = hidden.index_select(0, dev["sample_index"])
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden), logprob_hidden
+
+
+@dataclass
+class StepBatch:
+    """One step as the host packed it: what every tensor-parallel rank runs (picklable).
+
+    Attributes:
+        names, sizes: the segments of ``host``, in order (see ``StepInputs``).
+        host: int64 [sum(sizes)], every per-step index on the host.
+        num_extend_tokens: packed tokens of the extend part.
+        extend, decode: the host fields of ``ExtendLayout`` / ``DecodeLayout`` (None: no such part).
+        logprob_rows: int64 [R] host, packed token indices whose hidden states prompt logprobs
+            score, or None.
+    """
+
+    names: list[str]
+    sizes: list[int]
+    host: torch.Tensor
+    num_extend_tokens: int
+    extend: dict | None
+    decode: dict | None
+    logprob_rows: torch.Tensor | None = None
 
 
 @dataclass
@@ -164,9 +213,9 @@ class StepInputs:
                                                 torch.arange(self.num_extend_tokens, self.num_extend_tokens + n))))
         return dict(max_seq_len=max(seq_lens), uniform=min(seq_lens) == max(seq_lens))
 
-    def to_device(self, runtime: DeviceRuntime, out_cache_loc: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Copy every segment (and ``out_cache_loc``, host int64) to the device at once;
-        applies the pending req-to-token writes there. Returns the device views by name."""
+    def pack(self, out_cache_loc: torch.Tensor) -> tuple[list[str], list[int], torch.Tensor]:
+        """Every segment, ``out_cache_loc`` (host int64) and the pending req-to-token writes
+        in one host tensor -> (segment names, their sizes, int64 [sum(sizes)])."""
         self.add("input_ids", self.ids)
         self.add("positions", self.positions)
         self.add("out_cache_loc", out_cache_loc)
@@ -175,17 +224,36 @@ class StepInputs:
             self.add("table_index", writes[0])
             self.add("table_rows", writes[1].to(torch.int64))
         names = list(self.segments)
-        host = torch.cat([self.segments[k] for k in names])
-        parts = runtime.to_device(host).split([self.segments[k].numel() for k in names])
-        dev = dict(zip(names, parts))
-        if writes is not None:
-            table = self.req_pool.device_table.view(-1)
-            table.index_copy_(0, dev.pop("table_index"), dev.pop("table_rows").to(torch.int32))
-        if "future_rows" in dev:
-            rows = dev.pop("future_rows")
-            ids = dev["input_ids"]
-            decode_ids = ids.narrow(0, self.num_extend_tokens, rows.numel())
-            taken = self.future.next_ids.index_select(0, rows.clamp(min=0))
-            decode_ids = torch.where(rows >= 0, taken, decode_ids)
-            dev["input_ids"] = torch.cat((ids.narrow(0, 0, self.num_extend_tokens), decode_ids))
+        return names, [self.segments[k].numel() for k in names], torch.cat([self.segments[k] for k in names])
+
+    def to_device(self, runtime: DeviceRuntime, out_cache_loc: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Copy every segment (and ``out_cache_loc``, host int64) to the device at once;
+        applies the pending req-to-token writes there. Returns the device views by name."""
+        dev = upload(runtime, self.req_pool, *self.pack(out_cache_loc))
+        if self.future is not None:
+            take_future_ids(dev, self.future, self.num_extend_tokens)
         return dev
+
+
+def upload(runtime: DeviceRuntime, req_pool: ReqToTokenPool, names: list[str], sizes: list[int],
+           host: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One host-to-device copy of a packed step (``StepInputs.pack``) -> device views by name;
+    the req-to-token writes it carries are applied to ``req_pool.device_table``."""
+    dev = dict(zip(names, runtime.to_device(host).split(sizes)))
+    if "table_index" in dev:
+        table = req_pool.device_table.view(-1)
+        table.index_copy_(0, dev.pop("table_index"), dev.pop("table_rows").to(torch.int32))
+    return dev
+
+
+def take_future_ids(dev: dict[str, torch.Tensor], future: FutureIds, num_extend_tokens: int) -> None:
+    """Overlap scheduling: decode rows whose last token the in-flight step sampled take it
+    from ``future.next_ids`` (device) in ``dev["input_ids"]``."""
+    if "future_rows" not in dev:
+        return
+    rows = dev.pop("future_rows")
+    ids = dev["input_ids"]
+    decode_ids = ids.narrow(0, num_extend_tokens, rows.numel())
+    taken = future.next_ids.index_select(0, rows.clamp(min=0))
+    decode_ids = torch.where(rows >= 0, taken, decode_ids)
+    dev["input_ids"] = torch.cat((ids.narrow(0, 0, num_extend_tokens), decode_ids))

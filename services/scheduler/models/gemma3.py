@@ -45,6 +45,7 @@ from services.scheduler.layers.attention import AttnMetadata, KVBuffers
 from services.scheduler.layers.attention_backend import AttentionBackend
 from services.scheduler.layers.norm import RMSNorm
 from services.scheduler.layers.rotary import RotaryEmbedding
+from services.scheduler.layers.parallel import TensorParallel
 from services.scheduler.models.llama import (LlamaAttention, LlamaConfig, LlamaForCausalLM, LlamaMLP, Rope,
                                              _Embedding, _fuse, _Linear)
 
@@ -221,8 +222,11 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     config_class = Gemma3Config
 
-    def __init__(self, cfg: Gemma3Config, attn_backend: AttentionBackend):
+    def __init__(self, cfg: Gemma3Config, attn_backend: AttentionBackend, tp: TensorParallel = TensorParallel()):
         torch.nn.Module.__init__(self)
+        if tp.size > 1:
+            raise ValueError("Gemma3ForCausalLM does not shard over tensor parallelism yet: use --tp-size 1")
+        self.tp = tp
         if cfg.attn_logit_softcapping:
             log.warning("config sets attn_logit_softcapping=%s; Gemma 3 does not apply it (neither does "
                         "transformers' Gemma3Attention), so it is ignored", cfg.attn_logit_softcapping)

@@ -4,6 +4,10 @@ One class covers the family: the variants differ only in config flags (q/k/v bia
 Qwen2, head_dim, grouped-query attention, tied embeddings, RMSNorm eps, rope theta and
 llama3 rope scaling). Weights come from an HF directory (config.json + *.safetensors);
 q/k/v and gate/up projections are fused at load so a layer runs four matmuls.
+
+Under tensor parallelism (``layers.parallel``) each rank builds the same modules with its
+share of the heads, KV heads, intermediate size and vocabulary, loads its shard of every
+weight, and sums the row-parallel o_proj and down_proj outputs with one all-reduce each.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from safetensors.torch import load_file
 from services.scheduler.layers.attention import AttnMetadata, KVBuffers
 from services.scheduler.layers.attention_backend import AttentionBackend, create_attention_backend
 from services.scheduler.layers.norm import RMSNorm
+from services.scheduler.layers.parallel import (TensorParallel, VocabParallelEmbedding, check_divisible, local_kv_heads,
+                                                shard_state, vocab_shard_size)
 from services.scheduler.layers.rotary import RotaryEmbedding
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, head_dim]
@@ -30,13 +36,6 @@ class _Linear(torch.nn.Linear):
     ``dummy``). Initializing on the meta device runs torch's reference ops, which import
     torch._dynamo and with it triton (whose bindings then print ~30 "nanobind: leaked"
     lines at every exit of a CPU scheduler)."""
-
-    def reset_parameters(self) -> None:
-        pass
-
-
-class _Embedding(torch.nn.Embedding):
-    """``nn.Embedding`` without the random init (see ``_Linear``)."""
 
     def reset_parameters(self) -> None:
         pass
@@ -92,12 +91,13 @@ class LlamaConfig:
 
 
 class LlamaAttention(torch.nn.Module):
-    def __init__(self, cfg: LlamaConfig, layer_id: int, attn_backend: AttentionBackend):
+    def __init__(self, cfg: LlamaConfig, layer_id: int, attn_backend: AttentionBackend, tp: TensorParallel = TensorParallel()):
         super().__init__()
         self.layer_id = layer_id
         self.attn_backend = attn_backend
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.tp = tp
+        self.num_heads = cfg.num_attention_heads // tp.size  # this rank's
+        self.num_kv_heads = local_kv_heads(cfg.num_key_value_heads, tp.size)
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -107,27 +107,29 @@ class LlamaAttention(torch.nn.Module):
 
     def forward(self, h: torch.Tensor, rope: Rope, meta: AttnMetadata, kv: KVBuffers) -> torch.Tensor:
         """h: [T, hidden] -> [T, hidden]."""
-        qkv = self.qkv_proj(h)  # [T, (Hq + 2 Hkv) * D]
-        return self.o_proj(self.attn_backend.forward_qkv(qkv, rope, self.num_heads, self.layer_id, meta, kv,
-                                                         self.scale))
+        qkv = self.qkv_proj(h)  # [T, (Hq + 2 Hkv) * D], this rank's heads
+        return self.tp.all_reduce(self.o_proj(self.attn_backend.forward_qkv(qkv, rope, self.num_heads, self.layer_id,
+                                                                            meta, kv, self.scale)))
 
 
 class LlamaMLP(torch.nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel = TensorParallel()):
         super().__init__()
-        self.gate_up_proj = _Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = _Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.tp = tp
+        inter = cfg.intermediate_size // tp.size  # this rank's columns
+        self.gate_up_proj = _Linear(cfg.hidden_size, 2 * inter, bias=False)
+        self.down_proj = _Linear(inter, cfg.hidden_size, bias=False)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class LlamaDecoderLayer(torch.nn.Module):
-    def __init__(self, cfg: LlamaConfig, layer_id: int, attn_backend: AttentionBackend):
+    def __init__(self, cfg: LlamaConfig, layer_id: int, attn_backend: AttentionBackend, tp: TensorParallel = TensorParallel()):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_id, attn_backend)
-        self.mlp = LlamaMLP(cfg)
+        self.self_attn = LlamaAttention(cfg, layer_id, attn_backend, tp)
+        self.mlp = LlamaMLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -141,41 +143,48 @@ class LlamaForCausalLM(torch.nn.Module):
 
     Args:
         attn_backend: the attention every layer calls (``layers.attention_backend``).
+        tp: this rank's tensor-parallel group (the whole model when its size is 1).
     """
 
     # What ``load`` and ``dummy`` read the HF config with; a subclass for another family
     # (``models.gemma3``) names its own, and its own ``convert_state``.
     config_class: ClassVar[type[LlamaConfig]] = LlamaConfig
 
-    def __init__(self, cfg: LlamaConfig, attn_backend: AttentionBackend):
+    def __init__(self, cfg: LlamaConfig, attn_backend: AttentionBackend, tp: TensorParallel = TensorParallel()):
         super().__init__()
         self.config = cfg
+        self.tp = tp
+        self.num_kv_heads = local_kv_heads(cfg.num_key_value_heads, tp.size)  # the KV pool's, on this rank
         self.attn_backend = attn_backend
         with torch.device(attn_backend.device):
             # Real tensors on the model's device even when the module tree is built on the meta device.
             self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.embed_tokens = _Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = torch.nn.ModuleList(LlamaDecoderLayer(cfg, i, attn_backend) for i in range(cfg.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = torch.nn.ModuleList(LlamaDecoderLayer(cfg, i, attn_backend, tp)
+                                          for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = _Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = _Linear(cfg.hidden_size, vocab_shard_size(cfg.vocab_size, tp.size), bias=False)
 
     @classmethod
     def load(cls, model_dir: Path, dtype: torch.dtype, attention_backend: str = "auto",
-             device: torch.device = torch.device("cpu")) -> "LlamaForCausalLM":
+             device: torch.device = torch.device("cpu"), tp: TensorParallel = TensorParallel()) -> "LlamaForCausalLM":
         """Build from ``model_dir``/config.json and every ``*.safetensors`` file in it.
 
         Args:
             attention_backend: a name for ``create_attention_backend``, resolved for ``device``.
             device: where the weights go; safetensors reads each tensor straight onto it (no
                 copy of the whole model on the host first), and tied embeddings stay one tensor.
+            tp: keep rank ``tp.rank``'s shard of every weight (``layers.parallel.shard_state``).
 
         Raises:
             FileNotFoundError: no safetensors file.
             RuntimeError: missing or unexpected weights (named by load_state_dict), or an
                 attention backend that cannot run on the weights' device.
-            ValueError: an unknown attention backend.
+            ValueError: an unknown attention backend, or heads / intermediate size that
+                ``tp.size`` does not divide.
         """
         cfg = cls.config_class.from_hf(json.loads((model_dir / "config.json").read_text()))
+        check_divisible(cfg, tp.size)
         files = sorted(model_dir.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors in {model_dir}")
@@ -184,26 +193,29 @@ class LlamaForCausalLM(torch.nn.Module):
         for f in files:
             raw.update(load_file(str(f), device=str(backend.device)))
         with torch.device("meta"):
-            model = cls(cfg, backend)
-        state = cls.convert_state(raw, cfg, dtype)
+            model = cls(cfg, backend, tp)
+        state = shard_state(cls.convert_state(raw, cfg, dtype), cfg, tp)
+        del raw
         model.load_state_dict(state, strict=True, assign=True)
         return model.eval()
 
     @classmethod
     def dummy(cls, hf_config: dict, dtype: torch.dtype, seed: int | None = 0, attention_backend: str = "auto",
-              device: torch.device = torch.device("cpu")) -> "LlamaForCausalLM":
+              device: torch.device = torch.device("cpu"), tp: TensorParallel = TensorParallel()) -> "LlamaForCausalLM":
         """Random weights for an HF config dict, made on ``device``: N(0, 0.02) matrices (as
         HF's ``initializer_range``), unit norms, zero biases; reproducible through ``seed``
-        (per device kind; None = torch's global generator). ``attention_backend`` and its
-        errors as in ``load``."""
+        (per device kind; None = torch's global generator). Under tensor parallelism every
+        rank draws the whole model and keeps its shard, so the ranks together hold the
+        weights of ``tp.size`` 1. ``attention_backend``, ``tp`` and errors as in ``load``."""
         cfg = cls.config_class.from_hf(hf_config)
+        check_divisible(cfg, tp.size)
         backend = create_attention_backend(attention_backend, device)
         gen = None if seed is None else torch.Generator(backend.device).manual_seed(seed)
         with torch.device("meta"):
-            model = cls(cfg, backend)
+            full, model = cls(cfg, backend), cls(cfg, backend, tp)
         state = {}
         on = dict(dtype=dtype, device=backend.device)
-        for name, p in model.named_parameters():
+        for name, p in full.named_parameters():
             if name.endswith("norm.weight"):
                 state[name] = torch.ones(p.shape, **on)
             elif name.endswith(".bias"):
@@ -213,7 +225,7 @@ class LlamaForCausalLM(torch.nn.Module):
                 state[name] = normal.mul_(0.02).to(dtype)
         if cfg.tie_word_embeddings:
             state["lm_head.weight"] = state["embed_tokens.weight"]
-        model.load_state_dict(state, strict=True, assign=True)
+        model.load_state_dict(shard_state(state, cfg, tp), strict=True, assign=True)
         return model.eval()
 
     @staticmethod
@@ -247,15 +259,16 @@ class LlamaForCausalLM(torch.nn.Module):
             attn = layer.self_attn(x, rope, meta, kv)
             norm = layer.post_attention_layernorm
             x = ops.add_rms_norm(attn, norm.weight, norm.eps, residual)
-            mlp = layer.mlp.down_proj(ops.silu_and_mul(layer.mlp.gate_up_proj(x)))
+            mlp = self.tp.all_reduce(layer.mlp.down_proj(ops.silu_and_mul(layer.mlp.gate_up_proj(x))))
             if i + 1 < len(self.layers):
                 norm = self.layers[i + 1].input_layernorm
                 x = ops.add_rms_norm(mlp, norm.weight, norm.eps, residual)
         return residual.add_(mlp)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] (the positions that sample) -> float32 logits [N, vocab]."""
-        return self.lm_head(self.norm(hidden)).float()
+        """hidden [N, hidden] (the positions that sample) -> float32 logits [N, vocab], the
+        vocabulary shards gathered from every rank (every rank must call it)."""
+        return self.tp.gather_vocab(self.lm_head(self.norm(hidden)).float(), self.config.vocab_size)
 
 
 def _fuse(raw: dict[str, torch.Tensor], cfg: LlamaConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
