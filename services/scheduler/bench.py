@@ -3,6 +3,10 @@
 Runs ``batch`` greedy requests (ignore_eos) through prefill, then times decode steps:
 wall time and the process's CPU time (on a machine shared with other work the CPU time is
 the steadier figure; with one torch thread it is the step's single-core cost).
+
+``--tp-size 1 2`` runs each size in turn: rank 0 is this process, the other ranks are the
+processes ``engine.tp.TPGroup`` spawns (``--threads`` torch threads each); the CPU time is
+rank 0's alone.
 """
 
 from __future__ import annotations
@@ -14,8 +18,10 @@ from pathlib import Path
 
 import torch
 
-from services.scheduler.config import ATTENTION_BACKENDS, DTYPES, EngineConfig
+from services.scheduler.config import ATTENTION_BACKENDS, DTYPES, EngineConfig, SchedulerConfig
 from services.scheduler.engine.engine import Engine
+from services.scheduler.engine.tp import TPGroup
+from services.scheduler.layers.parallel import TensorParallel
 from services.scheduler.engine.req import FinishType, ReqInput, SamplingParams
 
 
@@ -56,6 +62,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    help="one or more; with two, the second's CPU time per step is compared to the first's")
     p.add_argument("--cuda-graph", choices=["on", "off", "both"], default="on",
                    help="CUDA: decode from CUDA graphs, eagerly, or both side by side (ratios printed)")
+    p.add_argument("--tp-size", type=int, nargs="+", default=[1],
+                   help="tensor-parallel sizes to run in turn (ranks > 0 are spawned processes)")
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -64,20 +72,31 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ms_of: dict[tuple[str, bool, int], tuple[float, float]] = {}
     for backend in a.attention_backend:
         for disable_graph in graph_modes:
-            cfg = EngineConfig(model=a.model, dtype=a.dtype, device=a.device, load_format=a.load_format,
-                               max_total_tokens=max(32768, max(a.batch) * (a.prompt_len + a.steps + 4)),
-                               max_running_requests=max(64, max(a.batch)), attention_backend=backend,
-                               disable_cuda_graph=disable_graph)
-            engine = Engine.from_config(cfg)
-            for b in a.batch:
-                ms, cpu_ms = decode_step_ms(engine, b, a.prompt_len, a.steps)
-                ms_of[backend, disable_graph, b] = ms, cpu_ms
-                rows.append(dict(model=Path(a.model).name, device=a.device, dtype=a.dtype, backend=backend,
-                                 cuda_graph=not disable_graph and engine.runner.graph_runner is not None, batch=b,
-                                 step_ms=round(ms, 3), cpu_ms=round(cpu_ms, 3), tok_s=round(b / ms * 1e3, 1)))
-                print(f"backend={backend} graphs={rows[-1]['cuda_graph']} dtype={a.dtype} batch={b} "
-                      f"prompt_len={a.prompt_len}: decode step {ms:.2f} ms ({b / ms * 1e3:.0f} tok/s), CPU {cpu_ms:.1f} ms")
-            del engine
+            for tp_size in a.tp_size:
+                cfg = EngineConfig(model=a.model, dtype=a.dtype, device=a.device, load_format=a.load_format,
+                                   max_total_tokens=max(32768, max(a.batch) * (a.prompt_len + a.steps + 4)),
+                                   max_running_requests=max(64, max(a.batch)), attention_backend=backend,
+                                   disable_cuda_graph=disable_graph)
+                group = TPGroup.start(SchedulerConfig(engine=cfg, tp_size=tp_size, torch_threads=a.threads)) \
+                    if tp_size > 1 else None
+                try:
+                    engine = Engine.from_config(cfg, group.tp if group else TensorParallel())
+                    if group is not None:
+                        group.attach(engine)
+                    for b in a.batch:
+                        ms, cpu_ms = decode_step_ms(engine, b, a.prompt_len, a.steps)
+                        ms_of[backend, disable_graph, b] = ms, cpu_ms
+                        rows.append(dict(model=Path(a.model).name, device=a.device, dtype=a.dtype, backend=backend,
+                                         cuda_graph=not disable_graph and engine.runner.graph_runner is not None,
+                                         tp_size=tp_size, batch=b, step_ms=round(ms, 3), cpu_ms=round(cpu_ms, 3),
+                                         tok_s=round(b / ms * 1e3, 1)))
+                        print(f"backend={backend} graphs={rows[-1]['cuda_graph']} tp={tp_size} dtype={a.dtype} "
+                              f"batch={b} prompt_len={a.prompt_len}: decode step {ms:.2f} ms ({b / ms * 1e3:.0f} "
+                              f"tok/s), CPU {cpu_ms:.1f} ms")
+                    del engine
+                finally:
+                    if group is not None:
+                        group.stop()
     if len(a.attention_backend) == 2:
         base, new = a.attention_backend
         for b in a.batch:
