@@ -12,7 +12,7 @@ Messages on the gloo group (``torch.distributed.broadcast_object_list`` from ran
 collective has the group's timeout (``--dist-timeout``), so an idle rank 0 sends a heartbeat
 more often than that.
 
-Failure: rank 0 owns the other ranks' processes (multiprocessing, spawn) and watches them;
+Failure: rank 0 owns the other ranks' processes (multiprocessing, forkserver) and watches them;
 when one exits, ``on_exit`` runs (the service stops serving and exits 1, so a launcher's
 ``--restart-on-failure`` starts the whole group again). A rank that loses rank 0 (its
 connection closed, a timeout, or the kernel's parent-death signal) exits.
@@ -93,12 +93,18 @@ class TPGroup:
 
         Raises:
             ValueError: the model cannot be sharded over ``cfg.tp_size`` ranks (before any starts).
-            RuntimeError: the group did not form within ``cfg.dist_timeout_s`` (a rank failed to start).
+            RuntimeError: fewer CUDA devices than ranks (before any starts), or the group did not
+                form within ``cfg.dist_timeout_s`` (a rank failed to start).
         """
         check_tensor_parallel(cfg.engine.model, cfg.tp_size)
+        rank_device(resolve_device(cfg.engine.device), cfg.tp_size - 1)  # raises when a rank has no GPU
         port = cfg.dist_port or free_port()
         cfg = replace(cfg, dist_port=port)
-        ctx = multiprocessing.get_context("spawn")
+        # A fork server imports torch and the model code once, then forks each rank from
+        # that clean, single-threaded process (spawn imports them once per rank; a plain fork
+        # would copy this process's gRPC and OpenMP threads' state).
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload([__name__])
         procs = [ctx.Process(target=worker_main, args=(rank, cfg), name=f"tp-rank-{rank}", daemon=True)
                  for rank in range(1, cfg.tp_size)]
         for p in procs:
@@ -107,7 +113,7 @@ class TPGroup:
                  cfg.tp_size, cfg.dist_init_addr, port, cfg.tp_size - 1, [p.pid for p in procs])
         try:
             tp = init_tensor_parallel(0, cfg.tp_size, cfg.dist_init_addr, port,
-                                      resolve_device(cfg.engine.device), cfg.dist_timeout_s)
+                                      rank_device(resolve_device(cfg.engine.device), 0), cfg.dist_timeout_s)
         except Exception:
             for p in procs:
                 p.kill()
@@ -178,10 +184,10 @@ def worker_main(rank: int, cfg: SchedulerConfig) -> None:
 
     torch.set_num_threads(rank_threads(cfg, usable_cpus()))
     ec = cfg.engine
-    device = resolve_device(ec.device)
+    device = rank_device(resolve_device(ec.device), rank)
     try:
         tp = init_tensor_parallel(rank, cfg.tp_size, cfg.dist_init_addr, cfg.dist_port, device, cfg.dist_timeout_s)
-        runtime = create_runtime(rank_device(device, rank))
+        runtime = create_runtime(device)
         model = load_model(ec.model, runtime.resolve_dtype(ec.dtype), ec.load_format, ec.attention_backend,
                            runtime.device, tp)
         shape: PoolShape = _broadcast(tp)

@@ -85,12 +85,17 @@ def init_tensor_parallel(rank: int, size: int, addr: str, port: int, device: tor
                          timeout_s: float) -> TensorParallel:
     """Join the group at ``tcp://addr:port`` (rank 0 hosts the store): NCCL on CUDA, gloo on the CPU.
 
+    Args:
+        device: this rank's device (on CUDA it becomes the current device, as NCCL needs).
+
     Every collective (and the rendezvous) raises after ``timeout_s`` rather than waiting for
     a rank that is gone. On CUDA a second, gloo group carries the per-step plan (host data).
     """
     if size == 1:
         return TensorParallel()
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=size,
                             timeout=timeout)

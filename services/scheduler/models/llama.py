@@ -41,6 +41,14 @@ class _Linear(torch.nn.Linear):
         pass
 
 
+class _Embedding(torch.nn.Embedding):
+    """``nn.Embedding`` without the random init (see ``_Linear``), for models that run
+    unsharded; the Llama family's is ``layers.parallel.VocabParallelEmbedding``."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
 @dataclass(frozen=True)
 class LlamaConfig:
     """The config.json fields the model reads; defaults are Llama's."""
@@ -91,7 +99,8 @@ class LlamaConfig:
 
 
 class LlamaAttention(torch.nn.Module):
-    def __init__(self, cfg: LlamaConfig, layer_id: int, attn_backend: AttentionBackend, tp: TensorParallel = TensorParallel()):
+    def __init__(self, cfg: LlamaConfig, layer_id: int, attn_backend: AttentionBackend,
+                 tp: TensorParallel = TensorParallel()):
         super().__init__()
         self.layer_id = layer_id
         self.attn_backend = attn_backend
@@ -126,7 +135,8 @@ class LlamaMLP(torch.nn.Module):
 
 
 class LlamaDecoderLayer(torch.nn.Module):
-    def __init__(self, cfg: LlamaConfig, layer_id: int, attn_backend: AttentionBackend, tp: TensorParallel = TensorParallel()):
+    def __init__(self, cfg: LlamaConfig, layer_id: int, attn_backend: AttentionBackend,
+                 tp: TensorParallel = TensorParallel()):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_id, attn_backend, tp)
         self.mlp = LlamaMLP(cfg, tp)
