@@ -42,4 +42,12 @@ chunk-prefills or retracts, or a batch with a request whose sampling reads its o
 history (penalties, min tokens), first waits for step N, so every plan is the one made
 without overlap (``tests/scheduler/test_overlap.py``: the same tokens, finish reasons and
 gauges). On the CPU the forward holds the host thread, so overlap is off there by default.
+
+Tensor parallelism (``--tp-size N``, ``engine.tp``, ``layers.parallel``): this process is
+rank 0 and does all of the above; before each forward it broadcasts the packed int64 tensor
+and the layouts' host ints (``model_runner.StepBatch``) over a gloo group, and ranks
+1..N-1 run the same forward on their shard of every weight and their own KV pool (their
+heads), with one all-reduce after o_proj and down_proj, the embedding's all-reduce and the
+logits' all-gather. Sampling and every host structure stay on rank 0. CUDA graphs and
+overlap scheduling are off under TP (the other ranks never see the sampled ids).
 """
