@@ -113,7 +113,7 @@ class TPGroup:
                  cfg.tp_size, cfg.dist_init_addr, port, cfg.tp_size - 1, [p.pid for p in procs])
         try:
             tp = init_tensor_parallel(0, cfg.tp_size, cfg.dist_init_addr, port,
-                                      rank_device(resolve_device(cfg.engine.device), 0), cfg.dist_timeout_s)
+                                      resolve_device(cfg.engine.device), cfg.dist_timeout_s)
         except Exception:
             for p in procs:
                 p.kill()
