@@ -202,10 +202,12 @@ def shard_vocab(w: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     return torch.cat([mine, w.new_zeros(n - mine.shape[0], w.shape[1])])
 
 
-def shard_state(state: dict[str, torch.Tensor], cfg, tp: TensorParallel) -> dict[str, torch.Tensor]:
+def shard_state(state: dict[str, torch.Tensor], cfg, tp: TensorParallel,
+                device: torch.device | None = None) -> dict[str, torch.Tensor]:
     """Cut a Llama-family state dict (fused qkv_proj and gate_up_proj, this package's names)
-    to rank ``tp.rank``'s shard; each shard is a fresh tensor, so the full ones can be freed.
-    Tied embeddings stay one tensor. The identity when size is 1."""
+    to rank ``tp.rank``'s shard, copied to ``device`` (default: where it is); each shard is a
+    fresh tensor, so the full ones can be freed. Tied embeddings stay one tensor. The
+    identity when size is 1."""
     if tp.size == 1:
         return state
     out: dict[str, torch.Tensor] = {}
@@ -220,7 +222,7 @@ def shard_state(state: dict[str, torch.Tensor], cfg, tp: TensorParallel) -> dict
             t = shard_columns(t, tp)
         elif name in ("embed_tokens.weight", "lm_head.weight"):
             t = shard_vocab(t, tp)
-        out[name] = t.clone()
+        out[name] = t.to(device if device is not None else t.device, copy=True)
     if "lm_head.weight" not in out:
         out["lm_head.weight"] = out["embed_tokens.weight"]
     return out

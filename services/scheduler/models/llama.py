@@ -183,7 +183,8 @@ class LlamaForCausalLM(torch.nn.Module):
         Args:
             attention_backend: a name for ``create_attention_backend``, resolved for ``device``.
             device: where the weights go; safetensors reads each tensor straight onto it (no
-                copy of the whole model on the host first), and tied embeddings stay one tensor.
+                copy of the whole model on the host first; under tensor parallelism the host
+                holds it and the device gets the shard), and tied embeddings stay one tensor.
             tp: keep rank ``tp.rank``'s shard of every weight (``layers.parallel.shard_state``).
 
         Raises:
@@ -199,12 +200,14 @@ class LlamaForCausalLM(torch.nn.Module):
         if not files:
             raise FileNotFoundError(f"no *.safetensors in {model_dir}")
         backend = create_attention_backend(attention_backend, device)
+        # Under tensor parallelism the whole checkpoint is read to the host and only this
+        # rank's shard goes to the device: the point is a model larger than one device.
         raw: dict[str, torch.Tensor] = {}
         for f in files:
-            raw.update(load_file(str(f), device=str(backend.device)))
+            raw.update(load_file(str(f), device=str(backend.device if tp.size == 1 else "cpu")))
         with torch.device("meta"):
             model = cls(cfg, backend, tp)
-        state = shard_state(cls.convert_state(raw, cfg, dtype), cfg, tp)
+        state = shard_state(cls.convert_state(raw, cfg, dtype), cfg, tp, backend.device)
         del raw
         model.load_state_dict(state, strict=True, assign=True)
         return model.eval()
@@ -235,7 +238,7 @@ class LlamaForCausalLM(torch.nn.Module):
                 state[name] = normal.mul_(0.02).to(dtype)
         if cfg.tie_word_embeddings:
             state["lm_head.weight"] = state["embed_tokens.weight"]
-        model.load_state_dict(shard_state(state, cfg, tp), strict=True, assign=True)
+        model.load_state_dict(shard_state(state, cfg, tp, backend.device), strict=True, assign=True)
         return model.eval()
 
     @staticmethod
