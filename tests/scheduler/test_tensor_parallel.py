@@ -129,3 +129,17 @@ def test_refused_before_any_rank_starts(smollm2_dir, tmp_path):
     with pytest.raises(ValueError, match=r"tensor parallelism is not implemented for \['Gemma3ForCausalLM'\]"):
         TPGroup.start(SchedulerConfig(engine=EngineConfig(model=tmp_path), tp_size=2))
     assert not dist.is_initialized()
+
+
+def test_launcher_gives_each_replica_its_ranks_devices_and_port():
+    from ringserve.launch import Launcher, parse_args
+
+    launcher = Launcher(parse_args(["--model", "m", "--replicas", "2", "--tp-size", "4", "--device", "cuda",
+                                    "--dist-port", "29500", "--chunked-prefill-size", "512"]))
+    args = [launcher._scheduler_args("1", "d", i) for i in range(2)]
+    for i, a in enumerate(args):
+        flags = dict(zip(a[::2], a[1::2]))
+        assert (flags["--tp-size"], flags["--device"], flags["--dist-port"], flags["--chunked-prefill-size"]) == \
+            ("4", f"cuda:{4 * i}", str(29500 + i), "512")
+    single = Launcher(parse_args(["--model", "m"]))._scheduler_args("1", "d", 0)
+    assert "--tp-size" not in single and "--dist-port" not in single
