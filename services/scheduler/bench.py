@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         group.attach(engine)
                     for b in a.batch:
                         ms, cpu_ms = decode_step_ms(engine, b, a.prompt_len, a.steps)
-                        ms_of[backend, disable_graph, b] = ms, cpu_ms
+                        if tp_size == a.tp_size[0]:  # the backend and graph ratios compare the first size
+                            ms_of[backend, disable_graph, b] = ms, cpu_ms
                         rows.append(dict(model=Path(a.model).name, device=a.device, dtype=a.dtype, backend=backend,
                                          cuda_graph=not disable_graph and engine.runner.graph_runner is not None,
                                          tp_size=tp_size, batch=b, step_ms=round(ms, 3), cpu_ms=round(cpu_ms, 3),
