@@ -396,6 +396,11 @@ def _reads_output_history(req: Req) -> bool:
                 or len(req.output_ids) < p.min_new_tokens or req.grammar is not None)
 
 
+def probe_rows(cfg: EngineConfig) -> int:
+    """The largest row count a step's linears run, as far as the batch-invariance probe checks (<= 1024)."""
+    return min(1024, *(n for n in (cfg.chunked_prefill_size, cfg.max_prefill_tokens) if n > 0))
+
+
 def _make_deterministic(model: torch.nn.Module, cfg: EngineConfig, device: torch.device) -> bool:
     """Resolve ``cfg.deterministic_inference`` and, when on, make the forward batch-invariant:
     the attention backend must be, and the linears are probed (packed first, as
@@ -426,9 +431,8 @@ def _make_deterministic(model: torch.nn.Module, cfg: EngineConfig, device: torch
         raise ValueError(f"--enable-deterministic-inference needs a batch-invariant attention backend (cpu or "
                          f"triton), not {backend.name!r}: its SDPA and batched matmuls reduce in a batch-dependent order")
     pack_linears(model)
-    steps = [n for n in (cfg.chunked_prefill_size, cfg.max_prefill_tokens) if n > 0]
     try:
-        wrapped = make_batch_invariant(model, max_rows=min(1024, *steps))
+        wrapped = make_batch_invariant(model, max_rows=probe_rows(cfg))
     except NotBatchInvariantError as exc:
         if asked:
             raise

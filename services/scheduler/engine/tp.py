@@ -37,9 +37,11 @@ import torch.distributed as dist
 from ringserve.ports import free_port
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine.device import create_runtime, rank_device, resolve_device
+from services.scheduler.engine.engine import probe_rows
 from services.scheduler.engine.kv_pool import ReqToTokenPool, TokenToKVPool
 from services.scheduler.engine.model_runner import ModelRunner, StepBatch
 from services.scheduler.engine.prompt_logprobs import LOGITS_SLICE
+from services.scheduler.layers.batch_invariant import make_batch_invariant
 from services.scheduler.layers.parallel import RankFailure, TensorParallel, init_tensor_parallel
 from services.scheduler.models import check_tensor_parallel, load_model
 
@@ -56,6 +58,7 @@ class PoolShape:
     max_total_tokens: int
     context_length: int
     max_running_requests: int
+    deterministic: bool = False  # rank 0's resolved deterministic inference: every rank's linears batch-invariant
 
 
 def rank_threads(cfg: SchedulerConfig, usable: int) -> int:
@@ -123,7 +126,7 @@ class TPGroup:
     def attach(self, engine) -> None:
         """Send the engine's pool shape to every rank and broadcast each of its steps from now on."""
         _broadcast(self.tp, PoolShape(engine.max_total_tokens, engine.context_length,
-                                      engine.cfg.max_running_requests))
+                                      engine.cfg.max_running_requests, engine.deterministic))
         engine.runner.broadcast = self.send
 
     def send(self, batch: StepBatch) -> None:
@@ -195,7 +198,9 @@ def worker_main(rank: int, cfg: SchedulerConfig) -> None:
         kv_pool = TokenToKVPool(shape.max_total_tokens, mc.num_hidden_layers, model.num_kv_heads, mc.head_dim,
                                 next(model.parameters()).dtype, runtime.device)
         req_pool = ReqToTokenPool(shape.max_running_requests, shape.context_length, runtime.device, kv_pool.pad_row)
-        runner = ModelRunner(model, req_pool, kv_pool, runtime)
+        runner = ModelRunner(model, req_pool, kv_pool, runtime)  # packs the linears first, as on rank 0
+        if shape.deterministic:  # the extend layout comes in the step's segments; the linears are this rank's
+            make_batch_invariant(model, max_rows=probe_rows(ec))
         log.info("rank %d of %d ready: KV pool %d tokens, %d KV heads", rank, cfg.tp_size, shape.max_total_tokens,
                  model.num_kv_heads)
         with torch.inference_mode():
