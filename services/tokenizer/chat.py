@@ -141,7 +141,8 @@ def render_chat(tokenizer: Any, chat: tokenizer_pb2.ChatInput) -> str:
             tools/kwargs JSON, or an error the template raises (param "messages").
     """
     if not tokenizer.chat_template:
-        raise invalid("this model has no chat template; send text or input_ids instead", "messages", INVALID_REQUEST)
+        raise invalid("this model has no chat template: use /v1/completions (or text / input_ids), or start it with "
+                      "--chat-template FILE (ringserve launch or the tokenizer)", "messages", INVALID_REQUEST)
     messages = messages_to_dicts(chat)
     add_generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
     if chat.continue_final_message:
@@ -185,8 +186,8 @@ def render_chat(tokenizer: Any, chat: tokenizer_pb2.ChatInput) -> str:
         if tools and prompt == render(None):
             raise invalid(
                 "this model's chat template does not render tools, so the model would never see them; "
-                "start the tokenizer with --chat-template FILE (ringserve/templates/chatml_tools.jinja "
-                "fits ChatML models such as SmolLM2)",
+                "start it with --chat-template FILE (ringserve launch or the tokenizer; "
+                "ringserve/templates/chatml_tools.jinja fits ChatML models such as SmolLM2)",
                 "tools",
                 INVALID_REQUEST,
             )

@@ -143,3 +143,41 @@ def test_launcher_gives_each_replica_its_ranks_devices_and_port():
             ("4", f"cuda:{4 * i}", str(29500 + i), "512")
     single = Launcher(parse_args(["--model", "m"]))._scheduler_args("1", "d", 0)
     assert "--tp-size" not in single and "--dist-port" not in single
+
+
+def test_deterministic_inference_at_tp3_in_bf16(smollm2_dir, chat_ids):
+    """bf16 at tp 3 (deterministic inference on by default): a prompt alone on a cold engine and
+    the same prompt once cached among five others give the same ids and logprobs, and so does a
+    prompt first run in that batch and then alone -- the all-reduce sums in rank order
+    (``TensorParallel.fixed_order``), not in the ring's size-dependent chunks."""
+    cfg = SchedulerConfig(engine=EngineConfig(model=smollm2_dir, dtype="bfloat16", seed=0, max_running_requests=8,
+                                              max_total_tokens=4096),
+                          tp_size=3, torch_threads=1, dist_timeout_s=60)
+    prompts = {f"q{i}": chat_ids(q) for i, q in enumerate(["Describe a cat.", "Name a river.", "What is rain?",
+                                                           "Say hello.", "Why is grass green?", "Count to three."])}
+    group = TPGroup.start(cfg)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine = Engine.from_config(cfg.engine, group.tp)
+        group.attach(engine)
+        assert engine.deterministic and engine.tp.fixed_order
+
+        def run(rids: list[str], tag: str) -> dict:
+            for rid in rids:
+                engine.add_request(replace(greedy(f"{rid}-{tag}", prompts[rid], 12), return_logprob=True))
+            results: dict = {}
+            while engine.has_work:
+                out = engine.step()
+                if out is not None:
+                    collect(out, results)
+            return {rid.split("-")[0]: (r.output_ids, r.logprobs) for rid, r in results.items()}
+
+        alone = run(["q0"], "alone")
+        batch = run(list(prompts), "batch")
+        again = run(["q1"], "again")
+    finally:
+        torch.set_num_threads(threads)
+        group.stop()
+    assert batch["q0"] == alone["q0"] and len(alone["q0"][0]) == 12
+    assert again["q1"] == batch["q1"]

@@ -189,4 +189,5 @@ def test_model_without_template_is_rejected(smollm2_dir):
     tok = load_tokenizer(smollm2_dir)
     tok.chat_template = None
     err = rejected(tok, chat(msg("user", "x")))
-    assert err.message == "this model has no chat template; send text or input_ids instead"
+    assert err.message == ("this model has no chat template: use /v1/completions (or text / input_ids), or start it "
+                           "with --chat-template FILE (ringserve launch or the tokenizer)")

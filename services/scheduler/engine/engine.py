@@ -424,8 +424,12 @@ def _make_deterministic(model: torch.nn.Module, cfg: EngineConfig, device: torch
     if asked is None:
         dtype = next(model.parameters()).dtype
         if not (device.type == "cpu" and dtype == torch.bfloat16 and backend.batch_invariant):
+            log.info("deterministic inference off (the default for %s on %s with the %s attention backend; "
+                     "--enable-deterministic-inference to turn it on)", str(dtype).removeprefix("torch."),
+                     device.type, backend.name)
             return False
     elif not asked:
+        log.info("deterministic inference off (--disable-deterministic-inference)")
         return False
     elif not backend.batch_invariant:
         raise ValueError(f"--enable-deterministic-inference needs a batch-invariant attention backend (cpu or "
@@ -438,8 +442,11 @@ def _make_deterministic(model: torch.nn.Module, cfg: EngineConfig, device: torch
             raise
         log.warning("deterministic inference off: %s", exc)
         return False
+    tp = getattr(model, "tp", None)
+    if tp is not None and tp.size > 1:
+        tp.fixed_order = True  # every layer holds this one object
     log.info("deterministic inference on: extend attention through the %s decode kernel, %d linears padded to a "
-             "row floor", backend.name, len(wrapped))
+             "row floor%s", backend.name, len(wrapped), ", all-reduce in rank order" if tp and tp.size > 1 else "")
     return True
 
 

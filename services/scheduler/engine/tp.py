@@ -200,7 +200,10 @@ def worker_main(rank: int, cfg: SchedulerConfig) -> None:
         req_pool = ReqToTokenPool(shape.max_running_requests, shape.context_length, runtime.device, kv_pool.pad_row)
         runner = ModelRunner(model, req_pool, kv_pool, runtime)  # packs the linears first, as on rank 0
         if shape.deterministic:  # the extend layout comes in the step's segments; the linears are this rank's
-            make_batch_invariant(model, max_rows=probe_rows(ec))
+            wrapped = make_batch_invariant(model, max_rows=probe_rows(ec))
+            tp.fixed_order = True
+            log.info("rank %d: deterministic inference on, %d linears padded, all-reduce in rank order", rank,
+                     len(wrapped))
         log.info("rank %d of %d ready: KV pool %d tokens, %d KV heads", rank, cfg.tp_size, shape.max_total_tokens,
                  model.num_kv_heads)
         with torch.inference_mode():
