@@ -4,7 +4,7 @@ Runs in this order, each part's figures written into one JSON (``--json``) and a
 table appended to ``bench/RESULTS.md``:
 
 1. correctness on the device -- the Triton decode and extend kernels against the torch
-   reference on CUDA tensors; SmolLM2 through the engine on the GPU against transformers
+   reference on CUDA tensors; the Triton fused-MoE grouped GEMM against the CPU expert path; SmolLM2 through the engine on the GPU against transformers
    on the GPU: fp32 logits within 1e-3 and identical greedy tokens for 32 steps on 5
    prompts, and in bf16 the top-1 agreement under teacher forcing over 5 x 64 positions
    (target >= 99 %); the placement test's step sequence (batched prefill, chunked prefill
@@ -12,7 +12,8 @@ table appended to ``bench/RESULTS.md``:
    deterministic inference (the Triton GEMM, RMSNorm and decode-kernel extend): 16 prompts
    alone, cached and together give identical ids and logprobs, and its cost in wall time;
 2. the engine alone: decode step time at batch 1, 8, 64, 256 with and without CUDA graphs,
-   for SmolLM2 and for a dummy-weights model shaped like Llama-3-8B (``--load-format dummy``);
+   for SmolLM2, for a dummy-weights model shaped like Llama-3-8B (``--load-format dummy``) and
+   for the scaled-down Qwen3-MoE of the engine bench (``--preset qwen3-moe-small``);
    the HBM floor of the 8B shape at batch 1 (weight bytes / measured copy bandwidth);
 3. the whole ring against the one-request-at-a-time transformers server on the same GPU at
    concurrency 1, 16, 64, 256 (``ringserve bench compare --device cuda``).
@@ -96,6 +97,30 @@ def check_kernels(device: str) -> dict:
             ref.append(torch.einsum("htk,khd->thd", s.masked_fill(~causal, float("-inf")).softmax(-1), v).reshape(n, -1))
             start += n
         out[f"extend {dtype}"] = (got.float() - torch.cat(ref)).abs().max().item()
+    return out
+
+
+def check_fused_moe(device: str, quick: bool) -> dict:
+    """The Triton fused-MoE (Qwen3-30B-A3B's expert shapes: 128 experts of 768 over hidden 2048,
+    top 8; ``quick``: 8 experts of 48 over 64, top 2) on ``device`` against the CPU expert path
+    in float32, at 1, 64 and 1000 tokens (quick: 1, 7, 40) (max abs error)."""
+    from services.scheduler.layers.moe import fused_experts_cpu, select_experts, stacked_expert
+    from services.scheduler.layers.triton_moe import fused_experts
+    from services.scheduler.models.llama import silu_and_mul
+
+    gen = torch.Generator().manual_seed(0)
+    e, k, h, i = (8, 2, 64, 48) if quick else (128, 8, 2048, 768)
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        w13 = (torch.randn(e, 2 * i, h, generator=gen) * 0.02).to(dtype)
+        w2 = (torch.randn(e, h, i, generator=gen) * 0.02).to(dtype)
+        w13_d, w2_d = w13.to(device), w2.to(device)
+        for t in (1, 7, 40) if quick else (1, 64, 1000):
+            x = torch.randn(t, h, generator=gen).to(dtype)
+            weights, ids = select_experts(torch.randn(t, e, generator=gen), k, renormalize=True)
+            got = fused_experts(x.to(device), w13_d, w2_d, weights.to(device), ids.to(device), silu_and_mul)
+            want = fused_experts_cpu(x.float(), weights, ids, e, stacked_expert(w13.float(), w2.float(), silu_and_mul))
+            out[f"fused_moe {dtype} T={t}"] = (got.float().cpu() - want).abs().max().item()
     return out
 
 
@@ -289,7 +314,7 @@ def main(argv: list[str] | None = None) -> None:
     report: dict = {"device": a.device, "torch": torch.__version__,
                     "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
     started = time.monotonic()
-    report["kernels_max_abs_err"] = check_kernels(a.device)
+    report["kernels_max_abs_err"] = {**check_kernels(a.device), **check_fused_moe(a.device, a.quick)}
     report["vs_transformers"] = check_against_transformers(smollm2, a.device, 8 if a.quick else 32,
                                                            16 if a.quick else 64)
     report["step_sequence"] = check_step_sequence(smollm2, a.device)
@@ -301,6 +326,9 @@ def main(argv: list[str] | None = None) -> None:
                                              "--batch", *map(str, batches), "--cuda-graph", graphs, *steps])
     report["engine_llama3_8b_shape"] = engine_bench(["--model", str(llama_dir), "--device", a.device, "--dtype",
                                                      "bfloat16", "--load-format", "dummy", "--batch",
+                                                     *map(str, batches), "--cuda-graph", graphs, *steps])
+    report["engine_qwen3_moe_small"] = engine_bench(["--model", str(smollm2), "--device", a.device, "--dtype",
+                                                     "bfloat16", "--preset", "qwen3-moe-small", "--batch",
                                                      *map(str, batches), "--cuda-graph", graphs, *steps])
     report["llama3_8b_hbm_floor"] = hbm_floor_ms(llama_dir, a.device)
     if not a.skip_serving:
@@ -328,7 +356,7 @@ def _markdown(r: dict) -> str:
              f"- Llama-3-8B shape, batch-1 HBM floor: {r['llama3_8b_hbm_floor']['floor_ms']:.2f} ms "
              f"({r['llama3_8b_hbm_floor']['copy_bandwidth_gb_s']:.0f} GB/s copy)", "",
              "| model | batch | CUDA graph | decode step (ms) | tok/s |", "|---|---|---|---|---|"]
-    for key in ("engine_smollm2", "engine_llama3_8b_shape"):
+    for key in ("engine_smollm2", "engine_llama3_8b_shape", "engine_qwen3_moe_small"):
         for row in r[key]:
             lines.append(f"| {row['model']} | {row['batch']} | {row['cuda_graph']} | {row['step_ms']} | {row['tok_s']} |")
     return "\n".join(lines) + "\n"

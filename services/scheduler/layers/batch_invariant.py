@@ -228,6 +228,14 @@ def make_batch_invariant(model: torch.nn.Module, max_rows: int = 1024) -> dict[s
             if floor > 1:
                 setattr(parent, name, RowPaddedLinear(child, floor))
                 wrapped[f"{parent_name}.{name}".lstrip(".")] = floor
+        if callable(getattr(parent, "linear_shapes", None)) and parent.min_rows == 1:
+            # Stacked MoE experts (``models.moe.Experts``): one floor for all of a layer's expert matmuls.
+            packed = parent.packed is not None
+            dtype = torch.bfloat16 if packed else parent.gate_up.dtype
+            floor = max(probe(i, o, dtype, "cpu", packed, threads, max_rows) for i, o in parent.linear_shapes())
+            if floor > 1:
+                parent.min_rows = floor
+                wrapped[parent_name] = floor
     if wrapped:
         log.info("deterministic inference: %d linears padded to a row floor (%s)", len(wrapped),
                  ", ".join(sorted({f"{f} rows" for f in wrapped.values()})))

@@ -34,20 +34,31 @@ class PackedLinear(torch.nn.Module):
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        # The batch-size hint only tunes the layout; a weight packed for 1 runs any M.
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
+        self.packed = pack_weight(linear.weight.detach())
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in_features] bf16 -> [T, out_features] bf16."""
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return packed_linear(x, self.packed, self.bias)
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 CPU weight [out, in] (see ``can_pack``) -> an opaque oneDNN-blocked copy for ``packed_linear``."""
+    # The batch-size hint only tunes the layout; a weight packed for 1 runs any M.
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [T, in] bf16 @ a ``pack_weight`` weight^T (+ bias) -> [T, out] bf16."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def pack_linears(model: torch.nn.Module) -> int:
-    """Replace every packable ``nn.Linear`` in ``model`` by a ``PackedLinear``, in place.
+    """Replace every packable ``nn.Linear`` in ``model`` by a ``PackedLinear``, in place, and
+    let every module with a ``pack()`` method (stacked MoE experts) pack its own weights.
 
-    Returns how many were replaced (0 for an fp32 model, a GPU model, or a torch without
-    oneDNN bf16); calling it again replaces nothing.
+    Returns how many weights were packed (0 for an fp32 model, a GPU model, or a torch
+    without oneDNN bf16); calling it again packs nothing.
     """
     count = 0
     for module in list(model.modules()):
@@ -55,4 +66,6 @@ def pack_linears(model: torch.nn.Module) -> int:
             if isinstance(child, torch.nn.Linear) and can_pack(child.weight):
                 setattr(module, name, PackedLinear(child))
                 count += 1
+        if callable(getattr(module, "pack", None)):
+            count += module.pack()
     return count

@@ -14,12 +14,19 @@ import torch
 from services.scheduler.layers.parallel import TensorParallel, check_divisible
 from services.scheduler.models.gemma3 import Gemma3ForCausalLM
 from services.scheduler.models.llama import LlamaConfig, LlamaForCausalLM
+from services.scheduler.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+from services.scheduler.models.qwen3 import Qwen3ForCausalLM
 
 ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Phi3ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 # Architectures whose model shards itself over a tensor-parallel group (``layers.parallel``);
 # the others run with --tp-size 1 only.

@@ -1,13 +1,17 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Mistral) on a paged KV cache.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Mistral, Phi-3) on a paged KV cache.
 
 One class covers the family: the variants differ only in config flags (q/k/v bias for
-Qwen2, head_dim, grouped-query attention, tied embeddings, RMSNorm eps, rope theta and
-llama3 rope scaling). Weights come from an HF directory (config.json + *.safetensors);
-q/k/v and gate/up projections are fused at load so a layer runs four matmuls.
+Qwen2, head_dim, grouped-query attention, tied embeddings, RMSNorm eps, rope theta, rope
+scaling and partial rotary: ``layers.rotary``). Weights come from an HF directory
+(config.json + *.safetensors); q/k/v and gate/up projections are fused at load (Phi-3
+ships them fused) so a layer runs four matmuls. Other architectures reuse these blocks:
+a subclass names its config (``config_class``), its attention (``attention_cls``) and its
+MLP per layer (``make_mlp``): ``models.qwen3`` (q/k norm), ``models.moe`` (experts).
 
 Under tensor parallelism (``layers.parallel``) each rank builds the same modules with its
 share of the heads, KV heads, intermediate size and vocabulary, loads its shard of every
-weight, and sums the row-parallel o_proj and down_proj outputs with one all-reduce each.
+weight, and sums the row-parallel o_proj and down_proj outputs with one all-reduce each
+(the Llama, Qwen2 and Mistral architectures; the others run unsharded).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from services.scheduler.layers.attention_backend import AttentionBackend, create
 from services.scheduler.layers.norm import RMSNorm
 from services.scheduler.layers.parallel import (TensorParallel, VocabParallelEmbedding, check_divisible, local_kv_heads,
                                                 shard_state, vocab_shard_size)
-from services.scheduler.layers.rotary import RotaryEmbedding
+from services.scheduler.layers.rotary import RotaryEmbedding, rope_type, rotary_permutation
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, head_dim]
 
@@ -69,19 +73,26 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "LlamaConfig":
-        """Read an HF config dict; rope from ``rope_parameters`` (transformers 5) or ``rope_theta``/``rope_scaling``.
+        """Read an HF config dict; rope from ``rope_parameters`` (transformers 5) or
+        ``rope_theta``/``rope_scaling``, with the top-level ``partial_rotary_factor`` and
+        ``original_max_position_embeddings`` (Phi-3) folded in.
 
         Raises:
-            ValueError: a hidden activation other than silu, or an active sliding window.
+            ValueError: a hidden activation other than silu, an active sliding window, or an
+                unsupported rope type (named).
         """
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r}; only silu")
         if cfg.get("sliding_window") and cfg.get("use_sliding_window", True) and cfg["sliding_window"] < cfg["max_position_embeddings"]:
             raise ValueError("sliding-window attention is not implemented; the config sets sliding_window")
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        for key in ("partial_rotary_factor", "original_max_position_embeddings"):
+            if key in cfg and key not in rope:
+                rope[key] = cfg[key]
+        rope_type(rope)  # refuse an unsupported scaling now, by name
         theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
         heads = cfg["num_attention_heads"]
-        return cls(
+        return cls(**cls.fields_from_hf(cfg),
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
@@ -93,9 +104,16 @@ class LlamaConfig:
             rope_theta=float(theta),
             rope_scaling=rope or None,
             max_position_embeddings=cfg["max_position_embeddings"],
-            attention_bias=cfg.get("attention_bias", cfg.get("model_type") == "qwen2"),
+            # Qwen2-MoE names it qkv_bias; both Qwen2 families default to biased q/k/v.
+            attention_bias=cfg.get("attention_bias",
+                                   cfg.get("qkv_bias", cfg.get("model_type") in ("qwen2", "qwen2_moe"))),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
         )
+
+    @classmethod
+    def fields_from_hf(cls, cfg: dict) -> dict:
+        """A subclass's own fields from the HF config dict (none here)."""
+        return {}
 
 
 class LlamaAttention(torch.nn.Module):
@@ -114,32 +132,45 @@ class LlamaAttention(torch.nn.Module):
         self.qkv_proj = _Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = _Linear(self.q_size, cfg.hidden_size, bias=False)
 
+    def project_qkv(self, h: torch.Tensor) -> torch.Tensor:
+        """h: [T, hidden] -> qkv [T, (Hq + 2 Hkv) * D], before rotary."""
+        return self.qkv_proj(h)
+
     def forward(self, h: torch.Tensor, rope: Rope, meta: AttnMetadata, kv: KVBuffers) -> torch.Tensor:
         """h: [T, hidden] -> [T, hidden]."""
-        qkv = self.qkv_proj(h)  # [T, (Hq + 2 Hkv) * D], this rank's heads
+        qkv = self.project_qkv(h)  # [T, (Hq + 2 Hkv) * D], this rank's heads
         return self.tp.all_reduce(self.o_proj(self.attn_backend.forward_qkv(qkv, rope, self.num_heads, self.layer_id,
                                                                             meta, kv, self.scale)))
 
 
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2 I] (gate, up) -> silu(gate) * up [T, I]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class LlamaMLP(torch.nn.Module):
-    def __init__(self, cfg: LlamaConfig, tp: TensorParallel = TensorParallel()):
+    """The gated MLP: down(silu(gate(h)) * up(h)), gate and up fused; under tensor parallelism
+    this rank's columns, the row-parallel down_proj summed over ranks."""
+
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel = TensorParallel(), intermediate_size: int | None = None):
         super().__init__()
         self.tp = tp
-        inter = cfg.intermediate_size // tp.size  # this rank's columns
+        # this rank's columns; another size than the config's: a MoE's shared expert
+        inter = (intermediate_size or cfg.intermediate_size) // tp.size
         self.gate_up_proj = _Linear(cfg.hidden_size, 2 * inter, bias=False)
         self.down_proj = _Linear(inter, cfg.hidden_size, bias=False)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
-        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
+    def forward(self, h: torch.Tensor, act=silu_and_mul) -> torch.Tensor:
+        """h: [T, hidden] -> [T, hidden]; ``act`` is SiLU-and-mul (the cpu backend passes its fused kernel)."""
+        return self.tp.all_reduce(self.down_proj(act(self.gate_up_proj(h))))
 
 
 class LlamaDecoderLayer(torch.nn.Module):
-    def __init__(self, cfg: LlamaConfig, layer_id: int, attn_backend: AttentionBackend,
-                 tp: TensorParallel = TensorParallel()):
+    def __init__(self, attn: LlamaAttention, mlp: torch.nn.Module, cfg: LlamaConfig):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_id, attn_backend, tp)
-        self.mlp = LlamaMLP(cfg, tp)
+        self.self_attn = attn
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -157,8 +188,13 @@ class LlamaForCausalLM(torch.nn.Module):
     """
 
     # What ``load`` and ``dummy`` read the HF config with; a subclass for another family
-    # (``models.gemma3``) names its own, and its own ``convert_state``.
+    # (``models.gemma3``, ``models.moe``) names its own, and its own ``convert_state``.
     config_class: ClassVar[type[LlamaConfig]] = LlamaConfig
+    attention_cls: ClassVar[type[LlamaAttention]] = LlamaAttention
+
+    def make_mlp(self, cfg: LlamaConfig, layer_id: int) -> torch.nn.Module:
+        """The MLP of layer ``layer_id``: its ``forward(h, act)`` maps [T, hidden] -> [T, hidden]."""
+        return LlamaMLP(cfg, self.tp)
 
     def __init__(self, cfg: LlamaConfig, attn_backend: AttentionBackend, tp: TensorParallel = TensorParallel()):
         super().__init__()
@@ -170,8 +206,9 @@ class LlamaForCausalLM(torch.nn.Module):
             # Real tensors on the model's device even when the module tree is built on the meta device.
             self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = torch.nn.ModuleList(LlamaDecoderLayer(cfg, i, attn_backend, tp)
-                                          for i in range(cfg.num_hidden_layers))
+        self.layers = torch.nn.ModuleList(
+            LlamaDecoderLayer(self.attention_cls(cfg, i, attn_backend, tp), self.make_mlp(cfg, i), cfg)
+            for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = _Linear(cfg.hidden_size, vocab_shard_size(cfg.vocab_size, tp.size), bias=False)
 
@@ -241,11 +278,6 @@ class LlamaForCausalLM(torch.nn.Module):
         model.load_state_dict(shard_state(state, cfg, tp, backend.device), strict=True, assign=True)
         return model.eval()
 
-    @staticmethod
-    def convert_state(raw: dict[str, torch.Tensor], cfg: LlamaConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """Checkpoint tensors (HF names) -> this module's state dict in ``dtype`` (``_fuse``)."""
-        return _fuse(raw, cfg, dtype)
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata, kv: KVBuffers) -> torch.Tensor:
         """input_ids, positions: int64 [T] packed over requests -> final hidden states [T, hidden].
 
@@ -272,7 +304,7 @@ class LlamaForCausalLM(torch.nn.Module):
             attn = layer.self_attn(x, rope, meta, kv)
             norm = layer.post_attention_layernorm
             x = ops.add_rms_norm(attn, norm.weight, norm.eps, residual)
-            mlp = self.tp.all_reduce(layer.mlp.down_proj(ops.silu_and_mul(layer.mlp.gate_up_proj(x))))
+            mlp = layer.mlp(x, ops.silu_and_mul)  # the row-parallel sum inside (LlamaMLP.forward)
             if i + 1 < len(self.layers):
                 norm = self.layers[i + 1].input_layernorm
                 x = ops.add_rms_norm(mlp, norm.weight, norm.eps, residual)
@@ -283,21 +315,42 @@ class LlamaForCausalLM(torch.nn.Module):
         vocabulary shards gathered from every rank (every rank must call it)."""
         return self.tp.gather_vocab(self.lm_head(self.norm(hidden)).float(), self.config.vocab_size)
 
+    @staticmethod
+    def convert_state(raw: dict[str, torch.Tensor], cfg: LlamaConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Checkpoint tensors (HF names) -> this module's state dict in ``dtype`` (``_fuse``)."""
+        return _fuse(raw, cfg, dtype)
+
 
 def _fuse(raw: dict[str, torch.Tensor], cfg: LlamaConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """HF names -> this module's names, with q/k/v and gate/up concatenated along the output dim."""
+    """HF names -> this module's names, in ``dtype``: q/k/v and every gate/up pair (a shared
+    expert's too) concatenated along the output dim (Phi-3's ``qkv_proj`` and ``gate_up_proj``
+    come fused and pass through); for partial rotary the q and k rows, and q/k norm weights,
+    reordered by ``layers.rotary.rotary_permutation``."""
+    perm = rotary_permutation(cfg.head_dim, cfg.rope_scaling)
     out: dict[str, torch.Tensor] = {}
     for name, t in raw.items():
         key = name.removeprefix("model.")
-        if ".self_attn.k_proj." in key or ".self_attn.v_proj." in key or ".mlp.up_proj." in key:
+        if ".k_proj." in key or ".v_proj." in key or ".up_proj." in key or "rotary_emb" in key:
             continue
-        if ".self_attn.q_proj." in key:
-            parts = [raw[name], raw[name.replace("q_proj", "k_proj")], raw[name.replace("q_proj", "v_proj")]]
-            out[key.replace("q_proj", "qkv_proj")] = torch.cat(parts, dim=0).to(dtype)
-        elif ".mlp.gate_proj." in key:
-            out[key.replace("gate_proj", "gate_up_proj")] = torch.cat([t, raw[name.replace("gate_proj", "up_proj")]], dim=0).to(dtype)
-        elif "rotary_emb" not in key:
-            out[key] = t.to(dtype)
+        if ".q_proj." in key:
+            t = torch.cat([t, raw[name.replace("q_proj", "k_proj")], raw[name.replace("q_proj", "v_proj")]])
+            key = key.replace("q_proj", "qkv_proj")
+        elif ".gate_proj." in key:
+            t = torch.cat([t, raw[name.replace("gate_proj", "up_proj")]])
+            key = key.replace("gate_proj", "gate_up_proj")
+        if perm is not None and ".qkv_proj." in key:
+            t = _permute_qk_rows(t, cfg, perm)
+        elif perm is not None and key.endswith(("q_norm.weight", "k_norm.weight")):
+            t = t.index_select(0, perm)
+        out[key] = t.to(dtype)
     if cfg.tie_word_embeddings or "lm_head.weight" not in out:
         out["lm_head.weight"] = out["embed_tokens.weight"]
     return out
+
+
+def _permute_qk_rows(qkv: torch.Tensor, cfg: LlamaConfig, perm: torch.Tensor) -> torch.Tensor:
+    """Reorder the dims of every q and k head of a fused qkv weight [(Hq + 2 Hkv) D, ...] or bias by ``perm`` [D]."""
+    d = cfg.head_dim
+    rows = (cfg.num_attention_heads + cfg.num_key_value_heads) * d
+    qk = qkv.narrow(0, 0, rows).unflatten(0, (-1, d)).index_select(1, perm.to(qkv.device)).flatten(0, 1)
+    return torch.cat([qk, qkv.narrow(0, rows, qkv.shape[0] - rows)])
