@@ -140,8 +140,8 @@ def test_example_script_with_a_key(ring):
     """examples/grpc_chat.py: the sync then the async client, the key from $RINGSERVE_API_KEY."""
     example = Path(__file__).resolve().parents[2] / "examples" / "grpc_chat.py"
     env = {k: v for k, v in os.environ.items() if k != "RINGSERVE_API_KEY"}
-    ok = subprocess.run([sys.executable, str(example), ring.tokenizer, "--timeout", "120"], capture_output=True,
-                        text=True, timeout=300, env={**env, "RINGSERVE_API_KEY": KEYS[1]})
+    ok = subprocess.run([sys.executable, str(example), ring.tokenizer, "What is the capital of France?", "--timeout",
+                         "120"], capture_output=True, text=True, timeout=300, env={**env, "RINGSERVE_API_KEY": KEYS[1]})
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.count(f"{ANSWER}\n[finish_reason=stop, tokens=8]") == 2, ok.stdout
     refused = subprocess.run([sys.executable, str(example), ring.tokenizer], capture_output=True, text=True,
