@@ -2,7 +2,7 @@
 
 Run the stack (`make run`: the gRPC API on 127.0.0.1:30010, or GRPC_PORT=), then:
 
-    .venv/bin/python examples/grpc_chat.py 127.0.0.1:30010 "What is the capital of Italy?"
+    .venv/bin/python examples/grpc_chat.py 127.0.0.1:30010 "What is the capital of Japan?"
 
 With an API key (the ring started with `--api-key KEY`) and/or TLS:
 
@@ -42,7 +42,7 @@ async def async_chat(target: str, question: str, timeout_s: float | None, **conn
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("target", help="the tokenizer's gRPC address, host:port")
-    p.add_argument("question", nargs="?", default="What is the capital of Italy?")
+    p.add_argument("question", nargs="?", default="What is the capital of Japan?")
     p.add_argument("--api-key", default=os.environ.get("RINGSERVE_API_KEY"),
                    help="sent as 'authorization: Bearer <key>' (default: $RINGSERVE_API_KEY)")
     p.add_argument("--tls", action="store_true", help="TLS, verifying the server against the system roots")
