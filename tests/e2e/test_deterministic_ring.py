@@ -17,9 +17,7 @@ from tests.ringstack import launched
 from .sse_reader import call
 
 PROMPTS = ["How much does a good bicycle cost?", "Name a famous bridge.", "What is the capital of Peru?",
-           "Give me a word that rhymes with moon.", "Describe the colour of the sky at dusk.",
-           "What do bees make?", "Suggest a name for a cat.", "Why is the sea salty?",
-           "What is 17 times 3?", "Write a haiku about autumn."]
+           "What do bees make?", "Why is the sea salty?", "Write a haiku about autumn."]
 
 
 @pytest.fixture(scope="module")

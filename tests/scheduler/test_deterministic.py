@@ -28,10 +28,7 @@ NEW_TOKENS = 8
 TOPICS = ["the sea", "a robot", "bread", "winter", "a lighthouse", "chess", "rain", "a violin", "mountains", "a library"]
 
 
-@pytest.fixture(scope="module")
-def bf16_engine(smollm2_dir, tokenizer, make_engine):
-    """Factory of engines over a bf16 SmolLM2 with the cpu backend (its own model: the
-    deterministic engines pad some of its linears in place)."""
+def _bf16_factory(smollm2_dir, tokenizer, make_engine):
     model = load_model(smollm2_dir, torch.bfloat16, attention_backend="cpu")
     base = make_engine()
 
@@ -40,6 +37,19 @@ def bf16_engine(smollm2_dir, tokenizer, make_engine):
         return Engine(model, tokenizer, base.stops.eos_ids, cfg)
 
     return make
+
+
+@pytest.fixture(scope="module")
+def bf16_engine(smollm2_dir, tokenizer, make_engine):
+    """Factory of engines over a bf16 SmolLM2 with the cpu backend (its own model: the
+    deterministic engines pad some of its linears in place)."""
+    return _bf16_factory(smollm2_dir, tokenizer, make_engine)
+
+
+@pytest.fixture(scope="module")
+def bf16_default_engine(smollm2_dir, tokenizer, make_engine):
+    """The same over a model no deterministic engine has touched (the default arithmetic)."""
+    return _bf16_factory(smollm2_dir, tokenizer, make_engine)
 
 
 def _prompts(chat_ids) -> list[list[int]]:
@@ -64,10 +74,11 @@ def _run(engine: Engine, requests: list[ReqInput]) -> dict[str, Result]:
     return results
 
 
-def _four_ways(make, prompts, deterministic: bool) -> dict[str, dict[str, Result]]:
+def _four_ways(make, prompts, deterministic: bool, count: int = 50) -> dict[str, dict[str, Result]]:
+    """The first ``count`` prompts alone (cold, then cached) and chunked; all 64 together."""
     reqs = [_request(i, ids) for i, ids in enumerate(prompts)]
     cold, cached = {}, {}
-    for req in reqs[:50]:
+    for req in reqs[:count]:
         engine = make(deterministic_inference=deterministic)
         cold.update(_run(engine, [req]))
         cached.update(_run(engine, [req]))
@@ -76,7 +87,7 @@ def _four_ways(make, prompts, deterministic: bool) -> dict[str, dict[str, Result
     chunk = 16  # every prompt here is longer: each is prefilled in two or three chunks
     assert min(len(ids) for ids in prompts) > chunk
     chunked = _run(make(deterministic_inference=deterministic, chunked_prefill_size=chunk, disable_radix_cache=True),
-                   reqs[:50])
+                   reqs[:count])
     return {"cold": cold, "cached": cached, "concurrent": concurrent, "chunked": chunked}
 
 
@@ -100,12 +111,14 @@ def test_deterministic_inference_gives_the_same_tokens_and_logprobs_four_ways(bf
     assert _differing(runs) == {"cached": 0, "concurrent": 0, "chunked": 0}
 
 
-def test_default_arithmetic_reports_how_many_differ(bf16_engine, chat_ids, capsys):
-    """Informative: the same four runs with deterministic inference off."""
-    runs = _four_ways(bf16_engine, _prompts(chat_ids), deterministic=False)
+def test_default_arithmetic_reports_how_many_differ(bf16_default_engine, chat_ids, capsys):
+    """Informative: the same four runs with deterministic inference off, on the first 20 prompts
+    (50 take a minute more). Measured: 16 differ once cached, all 20 among 63 concurrent
+    requests and all 20 chunked (oneDNN's one-row down_proj alone changes every decode)."""
+    runs = _four_ways(bf16_default_engine, _prompts(chat_ids), deterministic=False, count=20)
     differ = _differing(runs)
     with capsys.disabled():
-        print(f"\ndeterministic inference off, of 50 prompts differing from the cold run (ids or logprobs): {differ}")
+        print(f"\ndeterministic inference off, of 20 prompts differing from the cold run (ids or logprobs): {differ}")
     assert set(differ) == {"cached", "concurrent", "chunked"}
 
 
