@@ -86,6 +86,7 @@ class LaunchConfig:
     disable_cuda_graph: bool = False
     disable_overlap_schedule: bool = False
     deterministic_inference: bool | None = None  # None: the scheduler's default (on for bf16 on the CPU)
+    quantization: str | None = None  # "int8" / "int8wo": the schedulers quantize their linears at load (CPU, VNNI)
     served_model_name: str | None = None
     api_keys: ApiKeys = ApiKeys()  # required by the gateway's HTTP API and the tokenizers' gRPC API
     context_length: int | None = None
@@ -367,6 +368,8 @@ class Launcher:
             sched_args.append("--disable-overlap-schedule")
         if c.deterministic_inference is not None:
             sched_args.append(f"--{'enable' if c.deterministic_inference else 'disable'}-deterministic-inference")
+        if c.quantization:
+            sched_args += ["--quantization", c.quantization]
         if c.max_running_requests:
             sched_args += ["--max-running-requests", str(c.max_running_requests)]
         if c.max_total_tokens:
@@ -466,6 +469,10 @@ def parse_args(argv: list[str] | None) -> LaunchConfig:
                      const=False, help="schedulers: turn the default deterministic inference off")
     parser.add_argument("--disable-overlap-schedule", action="store_true",
                         help="CUDA: plan each step only after the previous one's results reach the host")
+    parser.add_argument("--quantization", choices=["int8", "int8wo"], default=None,
+                        help="schedulers, CPU with AVX-512-VNNI: per-channel int8 linears and LM head, quantized at "
+                             "load; int8: W8A8 or weight-only per shape, the faster; int8wo: weight-only (closer to "
+                             "bf16); default: the checkpoint's weights in --dtype")
     parser.add_argument("--attention-backend", default=LaunchConfig.attention_backend,
                         choices=["auto", "torch", "cpu", "triton"],
                         help="scheduler: auto = triton on CUDA devices, cpu (C kernels) on CPU")
@@ -539,6 +546,7 @@ def parse_args(argv: list[str] | None) -> LaunchConfig:
         detokenizer_metrics_port=args.detokenizer_metrics_port, attention_backend=args.attention_backend,
         device=args.device, disable_cuda_graph=args.disable_cuda_graph,
         disable_overlap_schedule=args.disable_overlap_schedule, deterministic_inference=args.deterministic_inference,
+        quantization=args.quantization,
         served_model_name=args.served_model_name, api_keys=api_keys_from_args(parser, args),
         context_length=args.context_length, max_running_requests=args.max_running_requests,
         max_total_tokens=args.max_total_tokens, kv_cache_gib=args.kv_cache_gib,

@@ -95,6 +95,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    help="one or more; with two, the second's CPU time per step is compared to the first's")
     p.add_argument("--cuda-graph", choices=["on", "off", "both"], default="on",
                    help="CUDA: decode from CUDA graphs, eagerly, or both side by side (ratios printed)")
+    p.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "int8", "int8wo"],
+                   help="weights: the checkpoint's (none) and/or int8 (layers.quant); with two, step-time ratios are printed")
     p.add_argument("--tp-size", type=int, nargs="+", default=[1],
                    help="tensor-parallel sizes to run in turn (ranks > 0 are spawned processes)")
     a = p.parse_args(argv)
@@ -112,13 +114,15 @@ def _run(a: argparse.Namespace, model_dir: Path, load_format: str, graph_modes: 
     """Time every (backend, graph mode, tp size, batch) of the parsed arguments ``a``; one row each."""
     rows: list[dict] = []
     ms_of: dict[tuple[str, bool, int], tuple[float, float]] = {}
-    for backend in a.attention_backend:
+    quant_ms: dict[tuple[str, int], float] = {}
+    for backend, quant in [(b, q) for q in a.quantization for b in a.attention_backend]:
         for disable_graph in graph_modes:
             for tp_size in a.tp_size:
                 cfg = EngineConfig(model=model_dir, dtype=a.dtype, device=a.device, load_format=load_format,
                                    max_total_tokens=max(32768, max(a.batch) * (a.prompt_len + a.steps + 4)),
                                    max_running_requests=max(64, max(a.batch)), attention_backend=backend,
-                                   disable_cuda_graph=disable_graph)
+                                   disable_cuda_graph=disable_graph,
+                                   quantization=None if quant == "none" else quant)
                 group = TPGroup.start(SchedulerConfig(engine=cfg, tp_size=tp_size, torch_threads=a.threads)) \
                     if tp_size > 1 else None
                 try:
@@ -130,14 +134,17 @@ def _run(a: argparse.Namespace, model_dir: Path, load_format: str, graph_modes: 
                     engine.grammars.backend  # noqa: B018 (blocks until loaded)
                     for b in a.batch:
                         ms, cpu_ms = decode_step_ms(engine, b, a.prompt_len, a.steps)
-                        if tp_size == a.tp_size[0]:  # the backend and graph ratios compare the first size
+                        if tp_size == a.tp_size[0] and quant == a.quantization[0]:  # ratios: the first size and weights
                             ms_of[backend, disable_graph, b] = ms, cpu_ms
+                        if tp_size == a.tp_size[0] and backend == a.attention_backend[0]:
+                            quant_ms[quant, b] = ms
                         rows.append(dict(model=a.preset or Path(a.model).name, device=a.device, dtype=a.dtype,
-                                         backend=backend,
+                                         backend=backend, quantization=quant,
                                          cuda_graph=not disable_graph and engine.runner.graph_runner is not None,
                                          tp_size=tp_size, batch=b, step_ms=round(ms, 3), cpu_ms=round(cpu_ms, 3),
                                          tok_s=round(b / ms * 1e3, 1)))
                         print(f"backend={backend} graphs={rows[-1]['cuda_graph']} tp={tp_size} dtype={a.dtype} "
+                              f"weights={quant} "
                               f"batch={b} prompt_len={a.prompt_len}: decode step {ms:.2f} ms ({b / ms * 1e3:.0f} "
                               f"tok/s), CPU {cpu_ms:.1f} ms")
                     del engine
@@ -149,6 +156,10 @@ def _run(a: argparse.Namespace, model_dir: Path, load_format: str, graph_modes: 
         for b in a.batch:
             print(f"batch={b}: CPU per step {base}/{new} = "
                   f"{ms_of[base, graph_modes[0], b][1] / ms_of[new, graph_modes[0], b][1]:.2f}x")
+    if len(a.quantization) == 2:
+        base, new = a.quantization
+        for b in a.batch:
+            print(f"batch={b}: decode step {base}/{new} = {quant_ms[base, b] / quant_ms[new, b]:.2f}x")
     if len(graph_modes) == 2:
         for backend in a.attention_backend:
             for b in a.batch:

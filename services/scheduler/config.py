@@ -57,6 +57,9 @@ class EngineConfig:
             attention and linears: ``layers.batch_invariant``); True needs the cpu or
             triton attention backend. None = on for a bf16 model on the CPU with the cpu
             backend (measured within 10 % of off), off elsewhere (``Engine``).
+        quantization: None (the checkpoint's weights in ``dtype``) or "int8": every linear and
+            the LM head quantized at load to per-output-channel int8, run as W8A8 or
+            weight-only per shape and batch size (``layers.quant``); CPU with AVX-512-VNNI only.
     """
 
     model: Path
@@ -81,6 +84,7 @@ class EngineConfig:
     grammar_backend: str = "llguidance"
     grammar_compile_timeout_s: float = 5.0
     deterministic_inference: bool | None = None
+    quantization: str | None = None
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,10 @@ def parse_args(argv: list[str] | None) -> SchedulerConfig:
                           "bf16 on the CPU, off elsewhere")
     det.add_argument("--disable-deterministic-inference", dest="deterministic_inference", action="store_const",
                      const=False, help="turn the default deterministic inference off")
+    p.add_argument("--quantization", choices=["int8", "int8wo"], default=None,
+                   help="CPU with AVX-512-VNNI: quantize every linear and the LM head to per-channel int8 at load; "
+                        "int8 runs W8A8 or weight-only per shape and batch size, whichever measured faster; int8wo "
+                        "weight-only (closer to bf16). Default: the checkpoint's weights in --dtype (layers/quant.py)")
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="CUDA: plan each step only after the previous one's sampled ids reach the host "
                         "(overlap is off on the CPU, where the forward holds the planning thread)")
@@ -138,6 +142,13 @@ def parse_args(argv: list[str] | None) -> SchedulerConfig:
         p.error("--tp-size must be >= 1")
     if a.dist_timeout <= 0:
         p.error("--dist-timeout must be > 0")
+    if a.quantization:  # refused here, before the model loads (torch imported only for it)
+        from services.scheduler.engine.device import resolve_device
+        from services.scheduler.layers.quant import QuantizationError, check_supported
+        try:
+            check_supported(a.quantization, resolve_device(a.device))
+        except (QuantizationError, ValueError, RuntimeError) as exc:
+            p.error(str(exc))
     if importlib.util.find_spec(a.grammar_backend) is None:
         p.error(f"--grammar-backend {a.grammar_backend} needs the {a.grammar_backend} package: "
                 f"pip install 'ringserve[{a.grammar_backend}]'")
@@ -150,7 +161,7 @@ def parse_args(argv: list[str] | None) -> SchedulerConfig:
         device=a.device, mem_fraction_static=a.mem_fraction_static, cuda_graph_max_bs=a.cuda_graph_max_bs,
         disable_cuda_graph=a.disable_cuda_graph, overlap_schedule=False if a.disable_overlap_schedule else None,
         grammar_backend=a.grammar_backend, grammar_compile_timeout_s=a.grammar_compile_timeout,
-        deterministic_inference=a.deterministic_inference,
+        deterministic_inference=a.deterministic_inference, quantization=a.quantization,
     )
     return SchedulerConfig(engine=engine, host=a.host, port=a.port, detokenizer=a.detokenizer,
                            instance_id=a.instance_id, torch_threads=a.torch_threads,

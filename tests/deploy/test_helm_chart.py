@@ -455,6 +455,20 @@ def test_scheduler_deterministic_inference_flag(helm: Path, rendered) -> None:
     assert out.returncode != 0 and "deterministicInference" in out.stderr
 
 
+def test_scheduler_quantization_flag(helm: Path, rendered) -> None:
+    def sched_args(docs: list[dict]) -> list[str]:
+        pod = by(docs, "StatefulSet", f"{FULL}-replica")["spec"]["template"]["spec"]
+        return [a for a in container(pod, "scheduler")["args"] if "quantization" in a]
+
+    assert sched_args(rendered["cpu-single"]) == []  # "": the checkpoint's weights
+    for method in ("int8", "int8wo"):
+        assert sched_args(render(helm, "cpu-single", "--set", f"config.scheduler.quantization={method}")) == [
+            f"--quantization={method}"]
+    out = subprocess.run([str(helm), "template", RELEASE, str(CHART), "--set",
+                          "config.scheduler.quantization=int4"], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "quantization" in out.stderr
+
+
 @pytest.mark.parametrize("tp_size", [1, 2, 8])
 def test_replica_tensor_parallel(helm: Path, tp_size: int) -> None:
     """replica.tpSize N: the replica pod asks for N GPUs and its scheduler runs N ranks."""

@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from ringserve.launch import Launcher, free_port, free_ports, parse_args, service_processes, wait_launched
 from tests.ringstack import SERVICES, launched
 
@@ -68,6 +70,18 @@ def test_kv_memory_share_is_split_over_replicas() -> None:
     assert fraction("--replicas", "4", "--kv-cache-mem-fraction", "0.6") == ["0.15"]
     assert fraction("--replicas", "2", "--kv-cache-gib", "1.5") == ["1.5"]
     assert fraction("--max-total-tokens", "4096") == ["4096"]
+
+
+def test_quantization_reaches_every_scheduler() -> None:
+    def quant(*flags: str) -> list[str]:
+        launcher = Launcher(parse_args(["--model", "m", "--replicas", "2", *flags]))
+        return [" ".join(args[i : i + 2]) for args in (launcher._scheduler_args("1", "127.0.0.1:2", r) for r in (0, 1))
+                for i, a in enumerate(args) if a == "--quantization"]
+
+    assert quant() == []
+    assert quant("--quantization", "int8wo") == ["--quantization int8wo"] * 2
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "m", "--quantization", "fp8"])
 
 
 def test_free_ports_are_distinct_and_avoid_the_fixed_ones() -> None:

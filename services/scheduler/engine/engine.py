@@ -34,6 +34,8 @@ from services.scheduler.engine.validate import validate
 from services.scheduler.layers.batch_invariant import NotBatchInvariantError, make_batch_invariant
 from services.scheduler.layers.linear import pack_linears
 from services.scheduler.layers.parallel import TensorParallel, local_kv_heads
+from services.scheduler.layers.quant import (KERNELS, WEIGHT_ONLY, check_supported, choose_kernels, describe, fix_kernels,
+                                             quantize_model)
 from services.scheduler.models import load_model
 
 log = logging.getLogger(__name__)
@@ -132,8 +134,11 @@ class Engine:
         """
         model_dir = Path(cfg.model)
         runtime = create_runtime(rank_device(resolve_device(cfg.device), tp.rank))
+        if cfg.quantization:
+            check_supported(cfg.quantization, runtime.device)  # before minutes of loading
         model = load_model(model_dir, runtime.resolve_dtype(cfg.dtype), cfg.load_format, cfg.attention_backend,
                            runtime.device, tp)
+        apply_quantization(model, cfg)
         tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         engine = cls(model, tokenizer, load_eos_ids(model_dir, tokenizer), cfg, runtime)
         engine.grammars.warm()
@@ -396,6 +401,20 @@ def _reads_output_history(req: Req) -> bool:
                 or len(req.output_ids) < p.min_new_tokens or req.grammar is not None)
 
 
+def apply_quantization(model: torch.nn.Module, cfg: EngineConfig) -> None:
+    """``cfg.quantization``: quantize ``model``'s linears in place and choose each one's kernel
+    per batch size from measurements (``layers.quant``); nothing when it is None.
+
+    Raises:
+        QuantizationError: a method, device or CPU ``layers.quant.check_supported`` refuses.
+    """
+    if not cfg.quantization:
+        return
+    quantize_model(model, cfg.quantization)
+    choose_kernels(model, next(model.parameters()).dtype, KERNELS if cfg.quantization == "int8" else WEIGHT_ONLY)
+    log.info("--quantization %s: %s", cfg.quantization, describe(model))
+
+
 def probe_rows(cfg: EngineConfig) -> int:
     """The largest row count a step's linears run, as far as the batch-invariance probe checks (<= 1024)."""
     return min(1024, *(n for n in (cfg.chunked_prefill_size, cfg.max_prefill_tokens) if n > 0))
@@ -442,6 +461,7 @@ def _make_deterministic(model: torch.nn.Module, cfg: EngineConfig, device: torch
             raise
         log.warning("deterministic inference off: %s", exc)
         return False
+    fix_kernels(model)  # int8 linears: one kernel per shape, whatever the batch
     tp = getattr(model, "tp", None)
     if tp is not None and tp.size > 1:
         tp.fixed_order = True  # every layer holds this one object

@@ -37,11 +37,12 @@ import torch.distributed as dist
 from ringserve.ports import free_port
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine.device import create_runtime, rank_device, resolve_device
-from services.scheduler.engine.engine import probe_rows
+from services.scheduler.engine.engine import apply_quantization, probe_rows
 from services.scheduler.engine.kv_pool import ReqToTokenPool, TokenToKVPool
 from services.scheduler.engine.model_runner import ModelRunner, StepBatch
 from services.scheduler.engine.prompt_logprobs import LOGITS_SLICE
 from services.scheduler.layers.batch_invariant import make_batch_invariant
+from services.scheduler.layers.quant import fix_kernels
 from services.scheduler.layers.parallel import RankFailure, TensorParallel, init_tensor_parallel
 from services.scheduler.models import check_tensor_parallel, load_model
 
@@ -193,6 +194,7 @@ def worker_main(rank: int, cfg: SchedulerConfig) -> None:
         runtime = create_runtime(device)
         model = load_model(ec.model, runtime.resolve_dtype(ec.dtype), ec.load_format, ec.attention_backend,
                            runtime.device, tp)
+        apply_quantization(model, ec)
         shape: PoolShape = _broadcast(tp)
         mc = model.config
         kv_pool = TokenToKVPool(shape.max_total_tokens, mc.num_hidden_layers, model.num_kv_heads, mc.head_dim,
@@ -201,6 +203,7 @@ def worker_main(rank: int, cfg: SchedulerConfig) -> None:
         runner = ModelRunner(model, req_pool, kv_pool, runtime)  # packs the linears first, as on rank 0
         if shape.deterministic:  # the extend layout comes in the step's segments; the linears are this rank's
             wrapped = make_batch_invariant(model, max_rows=probe_rows(ec))
+            fix_kernels(model)
             tp.fixed_order = True
             log.info("rank %d: deterministic inference on, %d linears padded, all-reduce in rank order", rank,
                      len(wrapped))

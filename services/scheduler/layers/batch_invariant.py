@@ -27,14 +27,12 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
 
-from services.scheduler.layers.cpu_kernels import cpu_flags, cache_dir
+from services.scheduler.layers.cpu_kernels import cache_dir, cpu_flags, load_json, save_json
 from services.scheduler.layers.linear import PackedLinear
 
 log = logging.getLogger(__name__)
@@ -97,22 +95,13 @@ def probe(in_features: int, out_features: int, dtype: torch.dtype, device: str, 
         return measure(in_features, out_features, dtype, device, packed, threads, max_rows)
     path = _probe_cache_path()
     key = f"{in_features}x{out_features} {dtype} packed={packed} threads={threads} rows={max_rows}"
-    try:
-        known = json.loads(path.read_text())
-    except (OSError, ValueError):
-        known = {}
+    known = load_json(path)
     if key not in known:
         try:
             known[key] = measure(in_features, out_features, dtype, device, packed, threads, max_rows)
         except NotBatchInvariantError as exc:
             known[key] = str(exc)
-        try:  # written whole and renamed: concurrent schedulers never read half a file
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(known, indent=1, sort_keys=True))
-            os.replace(tmp, path)
-        except OSError as exc:
-            log.warning("batch-invariance probe: cannot keep the result in %s: %s", path, exc)
+        save_json(path, known, "batch-invariance probe")
     if isinstance(known[key], str):
         raise NotBatchInvariantError(known[key])
     return int(known[key])

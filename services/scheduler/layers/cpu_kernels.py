@@ -27,6 +27,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import json
+import logging
 import os
 import subprocess
 from pathlib import Path
@@ -93,6 +95,26 @@ def build() -> Path:
         raise KernelBuildError(f"building the CPU kernels failed: {' '.join(cmd)}\n{proc.stderr.strip()}")
     os.replace(tmp, out)  # atomic: a concurrent builder's library is the same bytes
     return out
+
+
+def load_json(path: Path) -> dict:
+    """A JSON cache file of measurements beside the kernels ({} when missing or unreadable)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def save_json(path: Path, known: dict, what: str) -> None:
+    """Write ``known`` to ``path`` whole and rename it in place (a concurrent scheduler never
+    reads half a file); a read-only cache only logs a warning naming ``what``."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError as exc:
+        logging.getLogger(__name__).warning("%s: cannot keep the result in %s: %s", what, path, exc)
 
 
 _I64, _F, _I, _P = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p

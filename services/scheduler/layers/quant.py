@@ -1,0 +1,317 @@
+"""int8 weights for the CPU: ``--quantization int8`` and ``--quantization int8wo``.
+
+Every linear of the decoder and the LM head is quantized at load, from the checkpoint's
+bf16/fp32 weights, to symmetric int8 with one fp32 scale per output channel
+(``scale[n] = max_k |w[n, k]| / 127``). Two C kernels (``cpu_kernels.c``) run them from one
+packed layout (VNNI's: 16 output channels x 4 input channels per 64-byte block):
+
+- ``w8a8``: activations quantized per token on the fly (symmetric, ``amax / 127``), u8 x s8
+  dot products summed exactly in int32 (AVX-512-VNNI ``vpdpbusd``), dequantized in fp32
+  (the dynamic per-token scheme of LLM.int8()'s vector-wise quantization, Dettmers et al.
+  2022, without its outlier split; SmoothQuant's W8A8 GEMM, Xiao et al. 2023).
+- ``w8``: weight-only; the int8 weights widened to fp32 and FMA'd against the activations
+  as they are (more exact; for a few rows, where a step reads weights and computes little).
+- ``w8bf16``: weight-only for bf16 activations and many rows: each 16-channel block widened
+  once per call to bf16 (exact) and run with AVX-512-BF16 ``vdpbf16ps`` on every row.
+
+``int8`` runs, per weight shape and per row-count bucket (``ROW_BUCKETS``), whichever kernel
+measured faster, once per CPU, thread count and kernel build, kept in the kernel cache
+(``choose_kernels``); ``int8wo`` (torchao's name for it) the faster weight-only one. Quality on
+20,000 tokens of Python's documentation (``tests/scheduler/test_quantization.py``,
+``bench/int8_quality.py``) against bf16, SmolLM2-135M: ``int8wo`` perplexity +0.8 %, greedy
+agreement 95 %; ``int8`` (W8A8 on this CPU) +5 %, 88 %. fp32 itself agrees with bf16 on
+97.8 % of the tokens: the near-ties of bf16 logits flip under any other rounding. On the EPYC (AVX-512-VNNI, no AMX) these were measured against
+oneDNN through torch (``torch._int_mm`` for W8A8, ``torch.ops.aten._weight_int8pack_mm``
+for weight-only) and bf16 oneDNN; the C kernels won every SmolLM2 shape at 1 and 64 rows
+(``bench/int8_kernels.py``, ``bench/RESULTS.md``), so the runtime chooses between them only.
+
+Deterministic inference: ``w8a8`` is batch-invariant by construction (an exact int32 sum,
+per-row scales), ``w8`` sums each output in k order whatever the tile; switching kernels
+with the row count is not, so ``fix_kernels`` pins one kernel per shape.
+
+Needs AVX-512-VNNI (AMX-INT8 CPUs have it too): elsewhere ``check_supported`` raises.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import time
+
+import torch
+
+from services.scheduler.layers.cpu_kernels import cache_dir, cpu_flags, library, library_path, load_json, save_json
+from services.scheduler.layers.linear import PackedLinear
+
+log = logging.getLogger(__name__)
+
+QUANTIZATION_METHODS = ("int8", "int8wo")
+KERNELS = ("w8a8", "w8", "w8bf16")
+WEIGHT_ONLY = ("w8", "w8bf16")
+ROW_BUCKETS = (1, 4, 16, 64)  # a call of M rows runs the kernel measured for the largest bucket <= M
+
+
+class QuantizationError(ValueError):
+    """``--quantization`` cannot run here (method, device or CPU named in the message)."""
+
+
+def check_supported(method: str, device: torch.device) -> None:
+    """Refuse a quantization this build cannot run.
+
+    Raises:
+        QuantizationError: an unknown method, a device other than the CPU, or a CPU
+            without AVX-512-VNNI (its /proc/cpuinfo flags named).
+    """
+    if method not in QUANTIZATION_METHODS:
+        raise QuantizationError(f"unknown --quantization {method!r}; supported: {', '.join(QUANTIZATION_METHODS)}")
+    if device.type != "cpu":
+        raise QuantizationError(f"--quantization {method} runs on the CPU only (its kernels are AVX-512-VNNI C), "
+                                f"not on {device}; serve the bf16 weights there")
+    flags = cpu_flags().split()
+    if "avx512_vnni" not in flags or not _lib().rs_int8_available():
+        raise QuantizationError(f"--quantization {method} needs a CPU with AVX-512-VNNI (or AMX-INT8, which has it); "
+                                "this CPU's flags have neither avx512_vnni nor amx_int8")
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL:
+    lib = library()
+    p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.rs_int8_available.argtypes, lib.rs_int8_available.restype = [], ctypes.c_int
+    lib.rs_quantize_rows.argtypes = [p, i64, i64, i64, p, p, i]
+    lib.rs_w8a8_gemm.argtypes = [p, p, i64, i64, p, p, p, p, p, i64, i64, i]
+    lib.rs_w8_gemm.argtypes = [p, i64, i64, i64, p, p, p, p, i64, i64, i, i]
+    lib.rs_w8_bf16_available.argtypes, lib.rs_w8_bf16_available.restype = [], ctypes.c_int
+    lib.rs_w8_bf16_gemm.argtypes = [p, i64, i64, p, p, p, p, i64, i64, i]
+    for fn in (lib.rs_quantize_rows, lib.rs_w8a8_gemm, lib.rs_w8_gemm, lib.rs_w8_bf16_gemm):
+        fn.restype = None
+    return lib
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8 of ``weight`` [N, K] (any float dtype, CPU).
+
+    Returns:
+        packed: int8 [Np / 16, Kp / 4, 16, 4] (Np, Kp: N and K rounded up to 16 and 4,
+            zero-padded), the kernels' layout;
+        scale: fp32 [Np], ``max_k |w[n, k]| / 127`` (0 for padding and all-zero rows);
+        comp: int32 [Np], ``128 * sum_k q[n, k]``, what the u8 activation offset adds.
+    """
+    n, k = weight.shape
+    np_, kp = -(-n // 16) * 16, -(-k // 4) * 4
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1) / 127.0
+    q = torch.zeros(np_, kp, dtype=torch.int8)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q[:n, :k] = torch.round(w / safe[:, None]).clamp_(-127, 127).to(torch.int8)
+    scale_p = torch.zeros(np_, dtype=torch.float32)
+    scale_p[:n] = scale
+    comp = (q.to(torch.int32).sum(dim=1) * 128).to(torch.int32)
+    packed = q.view(np_ // 16, 16, kp // 4, 4).permute(0, 2, 1, 3).contiguous()
+    return packed, scale_p, comp
+
+
+def dequantize(packed: torch.Tensor, scale: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The fp32 [n, k] weight ``quantize_weight``'s outputs stand for (tests, quality checks)."""
+    np_, kp = packed.shape[0] * 16, packed.shape[1] * 4
+    q = packed.permute(0, 2, 1, 3).reshape(np_, kp)
+    return (q.float() * scale[:, None])[:n, :k]
+
+
+class Int8Linear(torch.nn.Module):
+    """``y = x @ W^T + b`` with W in int8 (``quantize_weight``), on the CPU.
+
+    Args:
+        weight: [out_features, in_features], float; quantized here (the caller drops it).
+        bias: [out_features] or None; kept in fp32.
+
+    Attributes:
+        kernels: ((min_rows, kernel), ...) ascending; a call of T rows runs the kernel of
+            the largest min_rows <= T (``choose_kernels`` fills it; default ``w8a8`` for all).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        packed, scale, comp = quantize_weight(weight)
+        self.register_buffer("packed", packed)
+        self.register_buffer("scale", scale)
+        self.register_buffer("comp", comp)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        self.k_padded = packed.shape[1] * 4
+        self.kernels: tuple[tuple[int, str], ...] = ((1, "w8a8"),)
+        self.out_dtype: torch.dtype | None = None  # None: x's; float32 for the LM head (see quantize_model)
+
+    @property
+    def shape_key(self) -> str:
+        return f"{self.out_features}x{self.in_features}"
+
+    def can_run(self, kernel: str, dtype: torch.dtype) -> bool:
+        """Whether ``kernel`` runs this linear on ``dtype`` activations here (``w8bf16``: bf16
+        activations, in_features a multiple of 4, a CPU with AVX-512-BF16)."""
+        if kernel != "w8bf16":
+            return kernel in KERNELS
+        return dtype == torch.bfloat16 and self.in_features == self.k_padded and bool(_lib().rs_w8_bf16_available())
+
+    def kernel_for(self, rows: int) -> str:
+        """The kernel a call of ``rows`` rows runs."""
+        chosen = self.kernels[0][1]
+        for min_rows, kernel in self.kernels:
+            if rows >= min_rows:
+                chosen = kernel
+        return chosen
+
+    def forward(self, x: torch.Tensor, kernel: str | None = None) -> torch.Tensor:
+        """x: [T, in_features] bf16 or fp32 -> [T, out_features] in x's dtype.
+
+        Args:
+            kernel: one of ``KERNELS`` (default: ``kernel_for(T)``; see ``can_run``).
+
+        Raises:
+            ValueError: x not 2-D with in_features columns, or not bf16/fp32.
+        """
+        if x.dim() != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"Int8Linear takes [T, {self.in_features}], got {list(x.shape)}")
+        if x.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"Int8Linear takes bf16 or fp32 activations, got {x.dtype}")
+        x = x.contiguous()
+        t = x.shape[0]
+        in_bf16 = int(x.dtype == torch.bfloat16)
+        out = torch.empty(t, self.out_features, dtype=self.out_dtype or x.dtype)
+        out_bf16 = int(out.dtype == torch.bfloat16)
+        if t == 0:
+            return out
+        bias = None if self.bias is None else self.bias.data_ptr()
+        lib = _lib()
+        kernel = kernel or self.kernel_for(t)
+        if kernel == "w8bf16" and in_bf16 and self.in_features == self.k_padded:
+            lib.rs_w8_bf16_gemm(x.data_ptr(), t, self.in_features, self.packed.data_ptr(), self.scale.data_ptr(), bias,
+                                out.data_ptr(), self.out_features, self.out_features, out_bf16)
+        elif kernel == "w8a8":
+            xq = torch.empty(t, self.k_padded, dtype=torch.uint8)
+            xs = torch.empty(t, dtype=torch.float32)
+            lib.rs_quantize_rows(x.data_ptr(), t, self.in_features, self.k_padded, xq.data_ptr(), xs.data_ptr(),
+                                 in_bf16)
+            lib.rs_w8a8_gemm(xq.data_ptr(), xs.data_ptr(), t, self.k_padded, self.packed.data_ptr(),
+                             self.scale.data_ptr(), self.comp.data_ptr(), bias, out.data_ptr(), self.out_features,
+                             self.out_features, out_bf16)
+        else:
+            lib.rs_w8_gemm(x.data_ptr(), t, self.in_features, self.k_padded, self.packed.data_ptr(),
+                           self.scale.data_ptr(), bias, out.data_ptr(), self.out_features, self.out_features, in_bf16,
+                           out_bf16)
+        return out
+
+
+def quantize_model(model: torch.nn.Module, method: str) -> int:
+    """Replace every ``nn.Linear`` / ``PackedLinear`` of ``model`` (decoder and LM head) by an
+    ``Int8Linear``, in place; the embedding (one row read per token) and the norms stay in
+    the model dtype, and so do stacked MoE experts (``layers.moe``, logged). ``int8wo``
+    runs only the weight-only kernels, ``int8`` any (``choose_kernels`` picks per batch size).
+
+    Returns:
+        How many linears were quantized.
+
+    Raises:
+        QuantizationError: see ``check_supported`` (the model's device).
+    """
+    device = next(model.parameters()).device
+    check_supported(method, device)
+    count = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, torch.nn.Linear):
+                weight, bias = child.weight, child.bias
+            elif isinstance(child, PackedLinear):
+                raise QuantizationError("quantize the model before packing its bf16 linears")
+            else:
+                continue
+            linear = Int8Linear(weight, bias)
+            if method == "int8wo":
+                linear.kernels = ((1, "w8"),)  # until choose_kernels picks among the weight-only ones
+            setattr(module, name, linear)
+            count += 1
+    left = sum(p.numel() for n, p in model.named_parameters() if "experts" in n)
+    if left:
+        log.warning("--quantization %s: %d expert weights stay %s (stacked MoE experts are not quantized)",
+                    method, left, next(model.parameters()).dtype)
+    return count
+
+
+def int8_linears(model: torch.nn.Module) -> list[Int8Linear]:
+    """Every ``Int8Linear`` of ``model``."""
+    return [m for m in model.modules() if isinstance(m, Int8Linear)]
+
+
+def _plan_cache_path():
+    """Where kernel timings persist: one JSON per kernel build (source, compiler, CPU) and torch."""
+    key = hashlib.sha256("\0".join([library_path().name, torch.__version__, cpu_flags()]).encode()).hexdigest()[:16]
+    return cache_dir() / f"int8-kernels-{key}.json"
+
+
+def measure_kernels(linear: Int8Linear, dtype: torch.dtype, repeats: int = 20) -> dict[int, dict[str, float]]:
+    """Median milliseconds of each kernel of ``KERNELS`` that can run (``Int8Linear.can_run``) on
+    ``linear`` at each of ``ROW_BUCKETS`` rows (random ``dtype`` activations, this thread's torch
+    thread count)."""
+    times: dict[int, dict[str, float]] = {}
+    for rows in ROW_BUCKETS:
+        x = torch.randn(rows, linear.in_features).to(dtype)
+        times[rows] = {}
+        for kernel in (k for k in KERNELS if linear.can_run(k, dtype)):
+            linear(x, kernel)  # warm: first touch of the weights
+            samples = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                linear(x, kernel)
+                samples.append((time.perf_counter() - t0) * 1e3)
+            times[rows][kernel] = sorted(samples)[len(samples) // 2]
+    return times
+
+
+def choose_kernels(model: torch.nn.Module, dtype: torch.dtype,
+                   allowed: tuple[str, ...] = KERNELS) -> dict[str, dict[int, dict[str, float]]]:
+    """Set each ``Int8Linear``'s ``kernels`` to the fastest of ``allowed`` per row bucket, from
+    timings of every kernel measured once per shape, dtype and thread count and kept in the
+    kernel cache (a few seconds for SmolLM2's five shapes).
+
+    Returns:
+        The timings used: {shape: {rows: {kernel: ms}}}.
+    """
+    threads = torch.get_num_threads()
+    path = _plan_cache_path()
+    known = load_json(path)
+    used: dict[str, dict[int, dict[str, float]]] = {}
+    changed = False
+    for linear in int8_linears(model):
+        key = f"{linear.shape_key} {dtype} threads={threads}"
+        if key not in known:
+            known[key] = {str(r): t for r, t in measure_kernels(linear, dtype).items()}
+            changed = True
+        timings = {int(r): t for r, t in known[key].items()}
+        used[linear.shape_key] = timings
+        linear.kernels = tuple((r, min((k for k in t if k in allowed), key=t.get)) for r, t in sorted(timings.items()))
+    if changed:
+        save_json(path, known, "int8 kernel timings")
+    return used
+
+
+def fix_kernels(model: torch.nn.Module) -> int:
+    """Deterministic inference: pin each ``Int8Linear`` to one kernel for every row count (the
+    one it chose for the most row buckets; on a tie the one of the fewest rows), so a row's
+    bits do not depend on its batch. Returns how many linears were pinned."""
+    linears = int8_linears(model)
+    for linear in linears:
+        chosen = [k for _, k in linear.kernels]
+        linear.kernels = ((1, max(chosen, key=chosen.count)),)  # max keeps the first of equal counts
+    return len(linears)
+
+
+def describe(model: torch.nn.Module) -> str:
+    """One line for the log: how many int8 linears run which kernel at 1 and 64 rows."""
+    linears = int8_linears(model)
+    parts = []
+    for rows in (1, 64):
+        kinds = [m.kernel_for(rows) for m in linears]
+        parts.append(f"at {rows} rows " + ", ".join(f"{kinds.count(k)} {k}" for k in KERNELS if k in kinds))
+    return f"{len(linears)} int8 linears ({'; '.join(parts)})"

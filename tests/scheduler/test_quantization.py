@@ -1,0 +1,202 @@
+"""int8 weights (``--quantization int8|int8wo``, ``layers.quant``): the kernels against a
+torch emulation, bit for bit where the arithmetic allows; batch invariance; the refusals;
+and the quality gate on 20,000 tokens of text shipped with Python (its licence and the
+language reference's topics in ``pydoc_data``): int8 perplexity within 2 % of bf16's and
+greedy next-token agreement with bf16 of at least 97 %, or bf16 stays the default.
+
+Measured (``bench/int8_quality.py``, bench/RESULTS.md): weight-only int8 (``int8wo``)
+passes the perplexity half (+0.8 %) and agrees on 95 % of the tokens; fp32 weights agree
+with bf16 on only 97.8 % (bf16 logits tie, and any other rounding breaks the ties
+differently), so the 97 % half is within 3 points of the metric's own noise and int8 misses
+it. The test holds both halves, the rule (default bf16 while the gate fails) and a floor of
+94 % under which a kernel change would be a regression, not noise."""
+
+from __future__ import annotations
+
+import math
+import os
+import sysconfig
+from dataclasses import replace
+from pathlib import Path
+
+import pydoc_data.topics
+import pytest
+import torch
+
+from services.scheduler.config import EngineConfig
+from services.scheduler.engine.engine import Engine, apply_quantization
+from services.scheduler.engine.req import ReqInput, SamplingParams
+from services.scheduler.layers import quant
+from services.scheduler.layers.quant import Int8Linear, QuantizationError, check_supported, dequantize, quantize_weight
+from services.scheduler.main import parse_args
+from services.scheduler.models import load_model
+
+CORPUS_TOKENS = 20_000
+WINDOW = 1_000  # tokens a request scores (its first has no prediction): 20 windows
+
+
+def corpus_text() -> str:
+    """Python's licence, then every topic of the language reference (``pydoc_data.topics``,
+    sorted by name): text no one wrote for this project, on every Python installation."""
+    licence = os.path.join(sysconfig.get_paths()["stdlib"], "LICENSE.txt")
+    with open(licence, encoding="utf-8") as f:
+        parts = [f.read()]
+    parts += [pydoc_data.topics.topics[name] for name in sorted(pydoc_data.topics.topics)]
+    return "\n\n".join(parts)
+
+
+def emulate_w8a8(x: torch.Tensor, linear: Int8Linear) -> torch.Tensor:
+    """What the W8A8 kernel computes, in torch, op for op in fp32 (the int32 sum exact in int64)."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=1)
+    # a true division (``127.0 / amax`` is reciprocal-then-multiply in torch: 1 ulp off)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0).div(amax), torch.zeros_like(amax))
+    q = torch.round(xf * inv[:, None]).to(torch.int64)  # half to even, as vcvtps2dq
+    xs = amax / 127.0
+    n, k = linear.out_features, linear.in_features
+    w = linear.packed.permute(0, 2, 1, 3).reshape(-1, linear.k_padded)[:n, :k].to(torch.int64)
+    acc = (q @ w.T).to(torch.float32)
+    y = acc * linear.scale[:n] * xs[:, None]
+    if linear.bias is not None:
+        y = y + linear.bias
+    return y.to(x.dtype)
+
+
+@pytest.fixture(scope="module")
+def linear() -> Int8Linear:
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(200, 300, generator=g) * 0.05  # N, K not multiples of 16 / 4 ... K is; N is not
+    weight[7] = 0.0  # an all-zero channel: scale 0
+    return Int8Linear(weight, torch.randn(200, generator=g))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_w8a8_kernel_equals_its_emulation_bit_for_bit(linear, dtype):
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(37, 300, generator=g) * 3).to(dtype)
+    x[5] = 0.0  # an all-zero row: scale 0, output the bias
+    out = linear(x, "w8a8")
+    assert out.dtype == dtype and out.shape == (37, 200)
+    assert torch.equal(out, emulate_w8a8(x, linear))
+    assert torch.equal(out[5], linear.bias.to(dtype))
+
+
+def test_quantize_weight_round_trip_and_padding():
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(33, 10, generator=g)
+    packed, scale, comp = quantize_weight(w)
+    assert packed.shape == (3, 3, 16, 4) and packed.dtype == torch.int8  # N 33 -> 48, K 10 -> 12
+    assert scale.shape == (48,) and torch.equal(scale[33:], torch.zeros(15))
+    back = dequantize(packed, scale, 33, 10)
+    assert torch.all((back - w).abs() <= scale[:33, None] / 2 + 1e-7)  # round to nearest: half a step
+    q = torch.round(back / torch.where(scale[:33] > 0, scale[:33], 1)[:, None])
+    assert torch.equal(comp[:33], (q.sum(dim=1) * 128).to(torch.int32))
+    assert q.abs().max().item() == 127  # each channel's largest weight maps to +-127
+
+
+def test_weight_only_kernel_matches_float64_reference(linear):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 300, generator=g)
+    out = linear(x, "w8")
+    ref = (x.double() @ dequantize(linear.packed, linear.scale, 200, 300).double().T + linear.bias.double())
+    assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_weight_only_kernels_agree_with_each_other(linear):
+    # w8bf16 widens the weights to bf16 exactly and sums exact products in fp32, as w8 does
+    # (in another order): equal up to fp32 rounding, then bf16's.
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(20, 300, generator=g).bfloat16()
+    assert linear.can_run("w8bf16", torch.bfloat16) and not linear.can_run("w8bf16", torch.float32)
+    a, b = linear(x, "w8").float(), linear(x, "w8bf16").float()
+    assert torch.allclose(a, b, rtol=2 ** -7, atol=1e-3)
+
+
+@pytest.mark.parametrize("kernel", ["w8a8", "w8", "w8bf16"])
+def test_a_rows_bits_do_not_depend_on_its_batch(linear, kernel):
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(64, 300, generator=g).bfloat16()
+    batched = linear(x, kernel)
+    for i in (0, 1, 2, 3, 4, 5, 63):
+        assert torch.equal(linear(x[i : i + 1], kernel), batched[i : i + 1])
+    assert torch.equal(linear(x[3:9], kernel), batched[3:9])
+
+
+def test_refusals_name_what_is_wrong(monkeypatch):
+    with pytest.raises(QuantizationError, match="unknown --quantization 'fp8'; supported: int8"):
+        check_supported("fp8", torch.device("cpu"))
+    with pytest.raises(QuantizationError, match="runs on the CPU only .* not on cuda:0"):
+        check_supported("int8", torch.device("cuda:0"))
+    monkeypatch.setattr(quant, "cpu_flags", lambda: "flags : fpu avx2 avx512f")
+    with pytest.raises(QuantizationError, match="needs a CPU with AVX-512-VNNI"):
+        check_supported("int8", torch.device("cpu"))
+
+
+def test_scheduler_flag(capsys, monkeypatch, smollm2_dir):
+    cfg = parse_args(["--model", str(smollm2_dir), "--quantization", "int8"])
+    assert cfg.engine.quantization == "int8"
+    assert parse_args(["--model", str(smollm2_dir)]).engine.quantization is None
+    monkeypatch.setattr(quant, "cpu_flags", lambda: "flags : fpu avx2")  # a CPU without VNNI: refused at parse
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--model", str(smollm2_dir), "--quantization", "int8"])
+    assert exc.value.code == 2
+    assert "error: --quantization int8 needs a CPU with AVX-512-VNNI" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def engines(smollm2_dir, tokenizer, make_engine):
+    """bf16, int8wo and int8 engines over three loads of SmolLM2-135M (cpu attention backend)."""
+    eos = make_engine().stops.eos_ids
+    cfg = EngineConfig(model=smollm2_dir, dtype="bfloat16", max_running_requests=32, max_total_tokens=24_000,
+                       seed=0, deterministic_inference=False)
+    out = {}
+    for name in ("bf16", "int8wo", "int8"):
+        model = load_model(smollm2_dir, torch.bfloat16, attention_backend="cpu")
+        c = replace(cfg, quantization=None if name == "bf16" else name)
+        apply_quantization(model, c)
+        out[name] = Engine(model, tokenizer, eos, c)
+    return out
+
+
+def _score(engine: Engine, windows: list[list[int]], run_all) -> tuple[list[float], list[int]]:
+    """Each window's prompt logprobs (its tokens 1..) and top-1 ids, concatenated in order."""
+    for i, ids in enumerate(windows):
+        engine.add_request(ReqInput(rid=f"w{i}", input_ids=ids, logprob_start_len=0, prompt_top_logprobs_num=1,
+                                    sampling=SamplingParams(temperature=0.0, max_new_tokens=1)))
+    results = run_all(engine)
+    logprobs, top = [], []
+    for i, ids in enumerate(windows):
+        r = results[f"w{i}"]
+        assert r.prompt_start == 1 and len(r.prompt_logprobs) == len(ids) - 1  # token 0 has no prediction
+        logprobs += r.prompt_logprobs
+        top += r.prompt_top_ids
+    return logprobs, top
+
+
+def test_int8_quality_gate_on_python_docs(engines, tokenizer, run_all):
+    ids = tokenizer.encode(corpus_text()).ids
+    assert len(ids) >= CORPUS_TOKENS
+    windows = [ids[i : i + WINDOW] for i in range(0, CORPUS_TOKENS, WINDOW)]
+    lp_bf16, top_bf16 = _score(engines["bf16"], windows, run_all)
+    lp_int8, top_int8 = _score(engines["int8wo"], windows, run_all)
+    n = len(lp_bf16)
+    assert n == len(lp_int8) == CORPUS_TOKENS - len(windows)
+    ppl_bf16 = math.exp(-sum(lp_bf16) / n)
+    ppl_int8 = math.exp(-sum(lp_int8) / n)
+    agree = sum(a == b for a, b in zip(top_bf16, top_int8)) / n
+    print(f"perplexity bf16 {ppl_bf16:.4f} int8wo {ppl_int8:.4f} ({ppl_int8 / ppl_bf16 - 1:+.2%}); "
+          f"greedy agreement {agree:.2%} over {n} tokens")
+    assert ppl_int8 <= 1.02 * ppl_bf16
+    assert agree >= 0.94  # the regression floor (see the module docstring)
+    passes = ppl_int8 <= 1.02 * ppl_bf16 and agree >= 0.97
+    assert EngineConfig(model=Path("m")).quantization == ("int8wo" if passes else None)
+
+
+def test_int8_engines_answer_the_readme_question(engines, chat_ids, tokenizer, run_all):
+    """Greedy through each engine (deterministic inference off, kernels per batch size)."""
+    texts = {}
+    for name, engine in engines.items():
+        engine.add_request(ReqInput(rid="q", input_ids=chat_ids("What is the capital of Japan?"),
+                                    sampling=SamplingParams(temperature=0.0, max_new_tokens=12)))
+        texts[name] = tokenizer.decode(run_all(engine)["q"].output_ids)
+    assert texts == dict.fromkeys(("bf16", "int8wo", "int8"), "The capital of Japan is Tokyo.")
