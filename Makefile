@@ -110,12 +110,19 @@ push-images:
 # llama-cpp-python sdist into $(CACHE_DIR)/llama-cpp: about 20 minutes on one core the first
 # time) side by side at concurrency 1, 8, 32, 64; shrink it with e.g.
 # BENCH_ARGS='--concurrency 1,8 --output-len 64'.
+# ringserve runs three times: bf16 (the default), --quantization int8 and int8wo;
+# llama-server twice: on the packaged Q4_1 and on its Q8_0 re-encoding (the same weights,
+# bench/baselines/requantize_gguf.py).
 BENCH_ARGS ?=
 LLAMA_GGUF ?= $(CACHE_DIR)/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
-bench: setup
+LLAMA_GGUF_Q8 ?= $(CACHE_DIR)/gguf/SmolLM2-135M-Instruct.Q8_0.gguf
+$(LLAMA_GGUF_Q8): | setup
+	$(PY) bench/baselines/requantize_gguf.py $(LLAMA_GGUF) $@
+bench: setup $(LLAMA_GGUF_Q8)
 	bin=$$(PIP=$(CURDIR)/$(VENV)/bin/pip bench/baselines/build_llama_server.sh $(CACHE_DIR)) && \
 	$(VENV)/bin/ringserve bench compare --model $(MODEL) --json bench/results/compare.json \
-		--llama-server-bin $$bin --llama-gguf $(LLAMA_GGUF) $(BENCH_ARGS)
+		--ringserve-variant 'int8:--quantization int8' --ringserve-variant 'int8wo:--quantization int8wo' \
+		--llama-server-bin $$bin --llama-gguf $(LLAMA_GGUF) --llama-gguf $(LLAMA_GGUF_Q8) $(BENCH_ARGS)
 
 # Deterministic inference (the default for bf16 on the CPU) against the same server with it
 # off, at concurrency 1 and 64, in one run: the table's rs/ringserve-nondeterministic

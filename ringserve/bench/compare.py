@@ -3,11 +3,13 @@
 Servers run one after another on the same machine, each fed the same random-ids prompts
 (``--input-len`` tokens, ``--output-len`` output tokens, ignore_eos) at each concurrency of
 ``--concurrency``: the transformers one-request-at-a-time server
-(``bench/baselines/hf_server.py``), ringserve (``ringserve launch``), and llama.cpp's
-``llama-server`` when ``--llama-server-bin`` and ``--llama-gguf`` are given. Prints medians
-per server and level, ringserve's ratios (also against ringserve variants, e.g. with
-deterministic inference off: ``--ringserve-variant NAME:FLAGS``), each process's peak RSS (VmHWM) and the
-memory-bandwidth floor of a decode step; ``--json`` keeps every figure.
+(``bench/baselines/hf_server.py``), ringserve (``ringserve launch``) and its variants
+(``--ringserve-variant NAME:FLAGS``, e.g. int8 weights), and llama.cpp's ``llama-server``
+once per ``--llama-gguf`` (e.g. Q4_1 and Q8_0) when ``--llama-server-bin`` is given. Prints
+medians per server and level, each ringserve's throughput ratio against every baseline (and
+the default's against its variants), each process's peak RSS (VmHWM) and the
+memory-bandwidth floor of a batch-1 decode step for each weight format; ``--json`` keeps
+every figure.
 
 A level runs ``max(--min-prompts, concurrency * --waves)`` prompts; the transformers server
 serializes requests, so its throughput does not depend on concurrency and it runs at most
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ringserve.bench.dataset import local_tokenizer_info, random_requests
-from ringserve.bench.floor import copy_bandwidth_gbps, decode_floor_ms
+from ringserve.bench.floor import BYTES_PER_ELEMENT, copy_bandwidth_gbps, decode_floor_ms
 from ringserve.bench.serve import ServeConfig, run_benchmark
 from ringserve.launch import free_port
 
@@ -117,12 +119,14 @@ def build_servers(args: argparse.Namespace) -> list[Server]:
     if args.llama_server_bin:
         if not args.llama_gguf:
             raise SystemExit("bench compare: --llama-server-bin needs --llama-gguf (the same model as a GGUF)")
-        port = free_port()
         ctx = args.llama_parallel * (args.input_len + args.output_len + 16)
-        servers.append(Server("llama-server", [
-            args.llama_server_bin, "-m", args.llama_gguf, "--host", "127.0.0.1", "--port", str(port),
-            "-np", str(args.llama_parallel), "-c", str(ctx), "-t", str(args.threads), "--no-repack",
-        ], port))
+        for gguf in args.llama_gguf:
+            port = free_port()
+            name = "llama-server" if len(args.llama_gguf) == 1 else f"llama-server-{gguf_format(gguf)}"
+            servers.append(Server(name, [
+                args.llama_server_bin, "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
+                "-np", str(args.llama_parallel), "-c", str(ctx), "-t", str(args.threads), "--no-repack",
+            ], port))
     def ringserve(name: str, extra: list[str]) -> Server:
         port = free_port()
         return Server(name, [py, "-m", "ringserve.cli", "launch", "--model", model, "--port", str(port),
@@ -136,6 +140,12 @@ def build_servers(args: argparse.Namespace) -> list[Server]:
         servers.append(ringserve(f"ringserve-{name}", flags.split()))
     servers.append(ringserve("ringserve", []))
     return servers
+
+
+def gguf_format(path: str) -> str:
+    """The weight format a GGUF's file name ends with ("x.Q8_0.gguf" -> "Q8_0"; else the stem)."""
+    stem = Path(path).name.removesuffix(".gguf")
+    return stem.rsplit(".", 1)[-1]
 
 
 def prompts_for(args: argparse.Namespace, server: str, concurrency: int) -> int:
@@ -167,14 +177,16 @@ def _ratio(a: float, b: float) -> str:
 
 
 def format_table(results: dict[str, dict[int, dict]], levels: list[int]) -> str:
-    """Markdown table: per level and server, completed/failed, output tok/s, medians (ms),
-    and ringserve's output-throughput ratio and median-ITL ratio against each baseline."""
-    baselines = [s for s in results if s != "ringserve"]
+    """Markdown table: per level and server, completed/failed, output tok/s, medians (ms), and
+    each ringserve's (the default's and every ``ringserve-NAME`` variant's) output-throughput
+    ratio against each baseline; the default's also against each variant."""
+    external = [s for s in results if not s.startswith("ringserve")]
+    variants = [s for s in results if s.startswith("ringserve-")]
+    baselines = external + variants
     head = ["conc", "server", "ok/failed", "out tok/s", "med TTFT ms", "med ITL ms", "med TPOT ms", "med E2E ms"]
     head += [f"rs/{b} tok/s" for b in baselines]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in levels:
-        rs = results.get("ringserve", {}).get(c)
         for name, by_level in results.items():
             s = by_level.get(c)
             if s is None:
@@ -184,7 +196,8 @@ def format_table(results: dict[str, dict[int, dict]], levels: list[int]) -> str:
                    f"{s['median_e2e_latency_ms']:.0f}"]
             for b in baselines:
                 base = results[b].get(c)
-                row.append(_ratio(rs["output_throughput"], base["output_throughput"]) if name == "ringserve" and rs and base else "")
+                ours = name == "ringserve" or (name.startswith("ringserve-") and b in external)
+                row.append(_ratio(s["output_throughput"], base["output_throughput"]) if ours and base else "")
             lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -205,7 +218,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--llama-server-bin", default=None, help="llama.cpp llama-server binary (issue 5 says how to build it)")
-    p.add_argument("--llama-gguf", default=None)
+    p.add_argument("--llama-gguf", action="append", default=[],
+                   help="a GGUF of the same model for llama-server (repeat: one server each, named by format)")
     p.add_argument("--llama-parallel", type=int, default=32, help="llama-server -np slots")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--ringserve-arg", action="append", default=[], help="extra flag for ringserve launch (repeat)")
@@ -224,18 +238,22 @@ def main(argv: list[str] | None = None) -> None:
         rss[server.name] = server.rss
     bandwidth = copy_bandwidth_gbps()
     floor = decode_floor_ms(args.model, args.dtype, bandwidth)
+    formats = [args.dtype] + [f for f in ("int8",) if any("--quantization" in v for v in args.ringserve_variant)]
+    formats += [f for f in map(gguf_format, args.llama_gguf) if f in BYTES_PER_ELEMENT]
+    floors = {f: decode_floor_ms(args.model, f, bandwidth) for f in dict.fromkeys(formats)}
 
     print(f"\n{args.model.name}, {args.dtype}, input {args.input_len}, output {args.output_len} tokens\n")
     print(format_table(results, args.concurrency))
     print("\npeak RSS (VmHWM, MiB): " + "; ".join(
         f"{srv}: " + ", ".join(f"{k} {v:.0f}" for k, v in procs.items()) for srv, procs in rss.items()))
-    print(f"decode-step floor at batch 1: {floor:.1f} ms ({args.dtype} weights / {bandwidth:.1f} GB/s copy bandwidth)")
+    print(f"decode-step floor at batch 1 (weight bytes / {bandwidth:.1f} GB/s copy bandwidth): "
+          + ", ".join(f"{f} {ms:.1f} ms" for f, ms in floors.items()))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                        "results": results, "peak_rss_mib": rss, "copy_bandwidth_gbps": bandwidth,
-                       "decode_floor_ms": floor}, f, indent=2)
+                       "decode_floor_ms": floor, "decode_floor_ms_by_format": floors}, f, indent=2)
 
 
 if __name__ == "__main__":

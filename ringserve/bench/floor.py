@@ -8,7 +8,10 @@ import struct
 import time
 from pathlib import Path
 
-BYTES_PER_ELEMENT = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Bytes a decode step reads per weight: the model dtypes; ringserve's int8 (per-channel
+# scales, 4 bytes per output channel, left out); llama.cpp's blocks of 32 weights (Q8_0:
+# 32 int8 and an fp16 scale; Q4_1: 32 nibbles, an fp16 scale and an fp16 minimum).
+BYTES_PER_ELEMENT = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "Q8_0": 34 / 32, "Q4_1": 20 / 32}
 
 
 def param_count(model_dir: Path) -> int:
@@ -43,7 +46,8 @@ def copy_bandwidth_gbps(size_mib: int = 256, repeats: int = 5) -> float:
 
 
 def decode_floor_ms(model_dir: Path, dtype: str, bandwidth_gbps: float) -> float:
-    """Lower bound (ms) of one batch-1 decode step: weight bytes in ``dtype`` / bandwidth.
+    """Lower bound (ms) of one batch-1 decode step: weight bytes in ``dtype`` (a key of
+    ``BYTES_PER_ELEMENT``: a model dtype or a weight format) / bandwidth.
 
     Tied embeddings are counted once: the LM head reads the whole matrix each step, the
     embedding lookup only one row.

@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from ringserve.bench.compare import build_servers, format_table, prompts_for, vm_hwm_mib
+from ringserve.bench.compare import build_servers, format_table, gguf_format, prompts_for, vm_hwm_mib
+from ringserve.bench.floor import BYTES_PER_ELEMENT
 
 
 def _summary(tok_s: float, itl_ms: float) -> dict:
@@ -26,6 +27,25 @@ def test_table_has_ringserve_ratios_per_baseline():
     assert lines[4] == "| 1 | ringserve | 8/0 | 40.0 | 100 | 25.0 | 25.0 | 1000 | 2.00x | 0.80x |"
     assert lines[7] == "| 8 | ringserve | 8/0 | 250.0 | 100 | 30.0 | 30.0 | 1000 | 12.50x | 2.50x |"
     assert lines[2].endswith("| 1000 |  |  |")  # baselines carry no ratio
+
+
+def test_every_ringserve_gets_ratios_against_each_llama_format():
+    results = {
+        "llama-server-Q4_1": {1: _summary(40.0, 25.0)},
+        "llama-server-Q8_0": {1: _summary(50.0, 20.0)},
+        "ringserve-int8": {1: _summary(75.0, 13.0)},
+        "ringserve": {1: _summary(30.0, 33.0)},
+    }
+    lines = format_table(results, [1]).splitlines()
+    assert lines[0].endswith("| rs/llama-server-Q4_1 tok/s | rs/llama-server-Q8_0 tok/s | rs/ringserve-int8 tok/s |")
+    assert lines[4].endswith("| 75.0 | 100 | 13.0 | 13.0 | 1000 | 1.88x | 1.50x |  |")  # the variant: baselines only
+    assert lines[5].endswith("| 30.0 | 100 | 33.0 | 33.0 | 1000 | 0.75x | 0.60x | 0.40x |")
+    assert gguf_format("/c/SmolLM2-135M-Instruct.Q8_0.gguf") == "Q8_0"
+
+
+def test_int8_and_gguf_floors():
+    assert BYTES_PER_ELEMENT["int8"] * 2 == BYTES_PER_ELEMENT["bfloat16"]
+    assert (BYTES_PER_ELEMENT["Q8_0"], BYTES_PER_ELEMENT["Q4_1"]) == (1.0625, 0.625)
 
 
 def test_prompts_per_level_and_baseline_cap():

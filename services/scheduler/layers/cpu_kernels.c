@@ -464,7 +464,7 @@ void rs_silu_and_mul(const void *gate_up, void *out, int64_t T, int64_t I, int i
 int rs_int8_available(void) { return HAVE_INT8; }
 
 #if HAVE_INT8
-#define MR_MAX 4
+#define MR_MAX 8
 #define NR_MAX 4
 /* Weights below this many bytes run on one thread (a parallel region costs more than reading them). */
 #ifndef INT8_PARALLEL_BYTES
@@ -569,16 +569,29 @@ void rs_w8a8_gemm(const uint8_t *xq, const float *xs, int64_t M, int64_t Kp, con
         for (int64_t nb = first; nb < last && nb < nbp; nb += NR_MAX) {
             const int nr = nbp - nb >= NR_MAX ? NR_MAX : (int)(nbp - nb);
             int64_t m = 0;
-            for (; m + 4 <= M; m += 4) {
-                if (nr == 4) w8a8_tile(xq, xs, Kp, m, wp, ws, comp, bias, out, ldo, nb, Kp, N, 4, 4, is_bf16);
-                else for (int j = 0; j < nr; j++) w8a8_tile(xq, xs, Kp, m, wp, ws, comp, bias, out, ldo, nb + j, Kp, N, 4, 1, is_bf16);
-            }
+            /* 8 rows x 2 blocks: 16 accumulators, and 2 x 16 x Kp weight bytes stay in L1 across row tiles */
+            for (; m + 8 <= M; m += 8)
+                for (int j = 0; j < nr; j += 2) {
+                    if (nr - j >= 2) w8a8_tile(xq, xs, Kp, m, wp, ws, comp, bias, out, ldo, nb + j, Kp, N, 8, 2, is_bf16);
+                    else w8a8_tile(xq, xs, Kp, m, wp, ws, comp, bias, out, ldo, nb + j, Kp, N, 8, 1, is_bf16);
+                }
             for (; m < M; m++) {
                 if (nr == 4) w8a8_tile(xq, xs, Kp, m, wp, ws, comp, bias, out, ldo, nb, Kp, N, 1, 4, is_bf16);
                 else for (int j = 0; j < nr; j++) w8a8_tile(xq, xs, Kp, m, wp, ws, comp, bias, out, ldo, nb + j, Kp, N, 1, 1, is_bf16);
             }
         }
     }
+}
+
+/* rs_quantize_rows then rs_w8a8_gemm in one call (one crossing from Python at batch 1). */
+void rs_w8a8_linear(const void *x, int64_t M, int64_t K, int64_t Kp, const int8_t *wp, const float *ws,
+                    const int32_t *comp, const float *bias, void *out, int64_t N, int in_bf16, int out_bf16) {
+    uint8_t *xq = malloc((size_t)(M * Kp));
+    float *xs = malloc(sizeof(float) * M);
+    rs_quantize_rows(x, M, K, Kp, xq, xs, in_bf16);
+    rs_w8a8_gemm(xq, xs, M, Kp, wp, ws, comp, bias, out, N, N, out_bf16);
+    free(xq);
+    free(xs);
 }
 
 /* Weight-only: out [M, N] = x [M, K] (bf16/fp32) . dequantized w^T (+ bias), fp32 FMAs in
@@ -693,4 +706,6 @@ void rs_w8a8_gemm(const uint8_t *xq, const float *xs, int64_t M, int64_t Kp, con
                   const int32_t *comp, const float *bias, void *out, int64_t N, int64_t ldo, int is_bf16) { abort(); }
 void rs_w8_gemm(const void *x, int64_t M, int64_t K, int64_t Kp, const int8_t *wp, const float *ws, const float *bias,
                 void *out, int64_t N, int64_t ldo, int in_bf16, int is_bf16) { abort(); }
+void rs_w8a8_linear(const void *x, int64_t M, int64_t K, int64_t Kp, const int8_t *wp, const float *ws,
+                    const int32_t *comp, const float *bias, void *out, int64_t N, int in_bf16, int out_bf16) { abort(); }
 #endif

@@ -85,7 +85,8 @@ def _lib() -> ctypes.CDLL:
     lib.rs_w8_gemm.argtypes = [p, i64, i64, i64, p, p, p, p, i64, i64, i, i]
     lib.rs_w8_bf16_available.argtypes, lib.rs_w8_bf16_available.restype = [], ctypes.c_int
     lib.rs_w8_bf16_gemm.argtypes = [p, i64, i64, p, p, p, p, i64, i64, i]
-    for fn in (lib.rs_quantize_rows, lib.rs_w8a8_gemm, lib.rs_w8_gemm, lib.rs_w8_bf16_gemm):
+    lib.rs_w8a8_linear.argtypes = [p, i64, i64, i64, p, p, p, p, p, i64, i, i]
+    for fn in (lib.rs_quantize_rows, lib.rs_w8a8_gemm, lib.rs_w8_gemm, lib.rs_w8_bf16_gemm, lib.rs_w8a8_linear):
         fn.restype = None
     return lib
 
@@ -190,13 +191,9 @@ class Int8Linear(torch.nn.Module):
             lib.rs_w8_bf16_gemm(x.data_ptr(), t, self.in_features, self.packed.data_ptr(), self.scale.data_ptr(), bias,
                                 out.data_ptr(), self.out_features, self.out_features, out_bf16)
         elif kernel == "w8a8":
-            xq = torch.empty(t, self.k_padded, dtype=torch.uint8)
-            xs = torch.empty(t, dtype=torch.float32)
-            lib.rs_quantize_rows(x.data_ptr(), t, self.in_features, self.k_padded, xq.data_ptr(), xs.data_ptr(),
-                                 in_bf16)
-            lib.rs_w8a8_gemm(xq.data_ptr(), xs.data_ptr(), t, self.k_padded, self.packed.data_ptr(),
-                             self.scale.data_ptr(), self.comp.data_ptr(), bias, out.data_ptr(), self.out_features,
-                             self.out_features, out_bf16)
+            lib.rs_w8a8_linear(x.data_ptr(), t, self.in_features, self.k_padded, self.packed.data_ptr(),
+                               self.scale.data_ptr(), self.comp.data_ptr(), bias, out.data_ptr(), self.out_features,
+                               in_bf16, out_bf16)
         else:
             lib.rs_w8_gemm(x.data_ptr(), t, self.in_features, self.k_padded, self.packed.data_ptr(),
                            self.scale.data_ptr(), bias, out.data_ptr(), self.out_features, self.out_features, in_bf16,
