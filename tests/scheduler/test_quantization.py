@@ -14,35 +14,24 @@ it. The test holds both halves, the rule (default bf16 while the gate fails) and
 from __future__ import annotations
 
 import math
-import os
-import sysconfig
 from dataclasses import replace
 from pathlib import Path
 
-import pydoc_data.topics
 import pytest
 import torch
 
+from ringserve.bench.corpus import python_docs_text
 from services.scheduler.config import EngineConfig
 from services.scheduler.engine.engine import Engine, apply_quantization
 from services.scheduler.engine.req import ReqInput, SamplingParams
 from services.scheduler.layers import quant
-from services.scheduler.layers.quant import Int8Linear, QuantizationError, check_supported, dequantize, quantize_weight
+from services.scheduler.layers.quant import (Int8Linear, QuantizationError, check_supported, dequantize, quantize_weight,
+                                             unpack)
 from services.scheduler.main import parse_args
 from services.scheduler.models import load_model
 
 CORPUS_TOKENS = 20_000
 WINDOW = 1_000  # tokens a request scores (its first has no prediction): 20 windows
-
-
-def corpus_text() -> str:
-    """Python's licence, then every topic of the language reference (``pydoc_data.topics``,
-    sorted by name): text no one wrote for this project, on every Python installation."""
-    licence = os.path.join(sysconfig.get_paths()["stdlib"], "LICENSE.txt")
-    with open(licence, encoding="utf-8") as f:
-        parts = [f.read()]
-    parts += [pydoc_data.topics.topics[name] for name in sorted(pydoc_data.topics.topics)]
-    return "\n\n".join(parts)
 
 
 def emulate_w8a8(x: torch.Tensor, linear: Int8Linear) -> torch.Tensor:
@@ -54,7 +43,7 @@ def emulate_w8a8(x: torch.Tensor, linear: Int8Linear) -> torch.Tensor:
     q = torch.round(xf * inv[:, None]).to(torch.int64)  # half to even, as vcvtps2dq
     xs = amax / 127.0
     n, k = linear.out_features, linear.in_features
-    w = linear.packed.permute(0, 2, 1, 3).reshape(-1, linear.k_padded)[:n, :k].to(torch.int64)
+    w = unpack(linear.packed)[:n, :k].to(torch.int64)
     acc = (q @ w.T).to(torch.float32)
     y = acc * linear.scale[:n] * xs[:, None]
     if linear.bias is not None:
@@ -65,7 +54,7 @@ def emulate_w8a8(x: torch.Tensor, linear: Int8Linear) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def linear() -> Int8Linear:
     g = torch.Generator().manual_seed(0)
-    weight = torch.randn(200, 300, generator=g) * 0.05  # N, K not multiples of 16 / 4 ... K is; N is not
+    weight = torch.randn(200, 300, generator=g) * 0.05  # N = 200: not a multiple of 16 (nor of 64)
     weight[7] = 0.0  # an all-zero channel: scale 0
     return Int8Linear(weight, torch.randn(200, generator=g))
 
@@ -85,8 +74,9 @@ def test_quantize_weight_round_trip_and_padding():
     g = torch.Generator().manual_seed(2)
     w = torch.randn(33, 10, generator=g)
     packed, scale, comp = quantize_weight(w)
-    assert packed.shape == (3, 3, 16, 4) and packed.dtype == torch.int8  # N 33 -> 48, K 10 -> 12
-    assert scale.shape == (48,) and torch.equal(scale[33:], torch.zeros(15))
+    assert packed.shape == (1, 3, 4, 16, 4) and packed.dtype == torch.int8  # N 33 -> 64, K 10 -> 12
+    assert scale.shape == (64,) and torch.equal(scale[33:], torch.zeros(31))
+    assert torch.equal(unpack(packed)[33:], torch.zeros(31, 12, dtype=torch.int8))
     back = dequantize(packed, scale, 33, 10)
     assert torch.all((back - w).abs() <= scale[:33, None] / 2 + 1e-7)  # round to nearest: half a step
     q = torch.round(back / torch.where(scale[:33] > 0, scale[:33], 1)[:, None])
@@ -174,7 +164,7 @@ def _score(engine: Engine, windows: list[list[int]], run_all) -> tuple[list[floa
 
 
 def test_int8_quality_gate_on_python_docs(engines, tokenizer, run_all):
-    ids = tokenizer.encode(corpus_text()).ids
+    ids = tokenizer.encode(python_docs_text()).ids
     assert len(ids) >= CORPUS_TOKENS
     windows = [ids[i : i + WINDOW] for i in range(0, CORPUS_TOKENS, WINDOW)]
     lp_bf16, top_bf16 = _score(engines["bf16"], windows, run_all)

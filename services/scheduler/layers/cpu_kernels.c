@@ -443,9 +443,10 @@ void rs_silu_and_mul(const void *gate_up, void *out, int64_t T, int64_t I, int i
  * int8 linears (layers/quant.py): per-output-channel symmetric int8 weights, run either as
  * W8A8 (activations quantized per token on the fly, VNNI u8 x s8 dot products summed
  * exactly in int32) or weight-only (int8 weights widened to fp32, fp32 FMAs against the
- * activations as they are). Both read one packed layout, VNNI's: for each block of 16
- * output channels, for each group of 4 input channels, 16 x 4 bytes (channel-major), i.e.
- * w_packed[Np/16][Kp/4][16][4], N and K zero-padded to multiples of 16 and 4.
+ * activations as they are). Both read one packed layout, VNNI's blocks interleaved by four:
+ * for each group of 64 output channels (4 blocks of 16), for each group of 4 input channels,
+ * the 4 blocks' 16 x 4 bytes (channel-major), i.e. w_packed[Np/64][Kp/4][4][16][4], N and K
+ * zero-padded to multiples of 64 and 4: a thread's weights are one sequential stream.
  *
  * W8A8 (the dynamic per-token scheme of LLM.int8()'s vector-wise quantization without the
  * outlier split, Dettmers et al. 2022; SmoothQuant's W8A8 kernels, Xiao et al. 2023): a row
@@ -471,15 +472,22 @@ int rs_int8_available(void) { return HAVE_INT8; }
 #define INT8_PARALLEL_BYTES 65536
 #endif
 
-/* acc[i][j] = sum over k of xq[i][k] * w block j, for MR rows and NR 16-channel blocks. */
+/* Block b's 64 bytes of input channels 0..3 (the next 4 are 256 bytes on). */
+static inline const int8_t *int8_block(const int8_t *wp, int64_t Kp, int64_t b) {
+    return wp + (b >> 2) * Kp * 64 + (b & 3) * 64;
+}
+
+/* acc[i][j] = sum over k of xq[i][k] * w block j, for MR rows and NR 16-channel blocks of
+ * one group (w: the first block's, ``int8_block``). */
 static inline __attribute__((always_inline)) void int8_tile(const uint8_t *xq, int64_t ldx, const int8_t *w,
-                                                           int64_t wstride, int64_t K4, const int MR, const int NR,
+                                                           int64_t K4, const int MR, const int NR,
                                                            __m512i acc[MR_MAX][NR_MAX]) {
     for (int i = 0; i < MR; i++)
         for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_si512();
     for (int64_t k = 0; k < K4; k++) {
         __m512i wv[NR_MAX];
-        for (int j = 0; j < NR; j++) wv[j] = _mm512_loadu_si512((const void *)(w + j * wstride + k * 64));
+        _mm_prefetch((const char *)(w + (k + 8) * 256), _MM_HINT_T0);
+        for (int j = 0; j < NR; j++) wv[j] = _mm512_loadu_si512((const void *)(w + j * 64 + k * 256));
         for (int i = 0; i < MR; i++) {
             int32_t a4;
             memcpy(&a4, xq + i * ldx + k * 4, 4);
@@ -512,7 +520,7 @@ static inline __attribute__((always_inline)) void w8a8_tile(const uint8_t *xq, c
                                                            const float *bias, void *out, int64_t ldo, int64_t nb0,
                                                            int64_t Kp, int64_t N, const int MR, const int NR, int is_bf16) {
     __m512i acc[MR_MAX][NR_MAX];
-    int8_tile(xq + m0 * ldx, ldx, wp + nb0 * 16 * Kp, 16 * Kp, Kp / 4, MR, NR, acc);
+    int8_tile(xq + m0 * ldx, ldx, int8_block(wp, Kp, nb0), Kp / 4, MR, NR, acc);
     for (int j = 0; j < NR; j++) {
         const int64_t n0 = (nb0 + j) * 16;
         if (n0 >= N) break;
@@ -604,7 +612,7 @@ static inline __attribute__((always_inline)) void w8_tile(const float *xf, int64
     for (int i = 0; i < MR; i++)
         for (int r = 0; r < 4; r++) acc[i][r] = _mm512_setzero_ps();
     for (int64_t k = 0; k < Kp; k += 4) {
-        const __m512i w4 = _mm512_loadu_si512((const void *)(wblk + k * 16));
+        const __m512i w4 = _mm512_loadu_si512((const void *)(wblk + k * 64));
         __m512 wf[4];
         for (int r = 0; r < 4; r++)  /* byte r of each channel's 4, sign-extended */
             wf[r] = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(w4, 24 - 8 * r), 24));
@@ -630,8 +638,9 @@ void rs_w8_gemm(const void *x, int64_t M, int64_t K, int64_t Kp, const int8_t *w
         INT8_THREAD_RANGE(nbp, first, last)
         for (int64_t nb = first; nb < last && nb < nbp; nb++) {
             int64_t m = 0;
-            for (; m + 4 <= M; m += 4) w8_tile(xf, Kp, m, 4, wp + nb * 16 * Kp, ws, bias, out, ldo, nb * 16, N, is_bf16);
-            for (; m < M; m++) w8_tile(xf, Kp, m, 1, wp + nb * 16 * Kp, ws, bias, out, ldo, nb * 16, N, is_bf16);
+            const int8_t *blk = int8_block(wp, Kp, nb);
+            for (; m + 4 <= M; m += 4) w8_tile(xf, Kp, m, 4, blk, ws, bias, out, ldo, nb * 16, N, is_bf16);
+            for (; m < M; m++) w8_tile(xf, Kp, m, 1, blk, ws, bias, out, ldo, nb * 16, N, is_bf16);
         }
     }
     free(xf);
@@ -677,9 +686,9 @@ void rs_w8_bf16_gemm(const bf16_t *x, int64_t M, int64_t K, const int8_t *wp, co
         INT8_THREAD_RANGE(nbp, first, last)
         __m512i *wb = aligned_alloc(64, sizeof(__m512i) * (K / 2));  /* one block, k-pair order */
         for (int64_t nb = first; nb < last && nb < nbp; nb++) {
-            const int8_t *blk = wp + nb * 16 * K;
+            const int8_t *blk = int8_block(wp, K, nb);
             for (int64_t k = 0; k < K; k += 4) {
-                const __m512i w4 = _mm512_loadu_si512((const void *)(blk + k * 16));
+                const __m512i w4 = _mm512_loadu_si512((const void *)(blk + k * 64));
                 wb[k / 2] = _mm512_or_si512(int8_lane_to_bf16(w4, 0), _mm512_slli_epi32(int8_lane_to_bf16(w4, 1), 16));
                 wb[k / 2 + 1] = _mm512_or_si512(int8_lane_to_bf16(w4, 2), _mm512_slli_epi32(int8_lane_to_bf16(w4, 3), 16));
             }

@@ -3,7 +3,8 @@
 Every linear of the decoder and the LM head is quantized at load, from the checkpoint's
 bf16/fp32 weights, to symmetric int8 with one fp32 scale per output channel
 (``scale[n] = max_k |w[n, k]| / 127``). Two C kernels (``cpu_kernels.c``) run them from one
-packed layout (VNNI's: 16 output channels x 4 input channels per 64-byte block):
+packed layout (VNNI's 16 output channels x 4 input channels per 64-byte block, four blocks
+interleaved so that a thread reads its weights as one sequential stream):
 
 - ``w8a8``: activations quantized per token on the fly (symmetric, ``amax / 127``), u8 x s8
   dot products summed exactly in int32 (AVX-512-VNNI ``vpdpbusd``), dequantized in fp32
@@ -95,13 +96,13 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     """Symmetric per-output-channel int8 of ``weight`` [N, K] (any float dtype, CPU).
 
     Returns:
-        packed: int8 [Np / 16, Kp / 4, 16, 4] (Np, Kp: N and K rounded up to 16 and 4,
-            zero-padded), the kernels' layout;
+        packed: int8 [Np / 64, Kp / 4, 4, 16, 4] (Np, Kp: N and K rounded up to 64 and 4,
+            zero-padded), the kernels' layout (``unpack`` inverts it);
         scale: fp32 [Np], ``max_k |w[n, k]| / 127`` (0 for padding and all-zero rows);
         comp: int32 [Np], ``128 * sum_k q[n, k]``, what the u8 activation offset adds.
     """
     n, k = weight.shape
-    np_, kp = -(-n // 16) * 16, -(-k // 4) * 4
+    np_, kp = -(-n // 64) * 64, -(-k // 4) * 4
     w = weight.detach().float()
     scale = w.abs().amax(dim=1) / 127.0
     q = torch.zeros(np_, kp, dtype=torch.int8)
@@ -110,15 +111,19 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     scale_p = torch.zeros(np_, dtype=torch.float32)
     scale_p[:n] = scale
     comp = (q.to(torch.int32).sum(dim=1) * 128).to(torch.int32)
-    packed = q.view(np_ // 16, 16, kp // 4, 4).permute(0, 2, 1, 3).contiguous()
+    packed = q.view(np_ // 64, 4, 16, kp // 4, 4).permute(0, 3, 1, 2, 4).contiguous()
     return packed, scale_p, comp
+
+
+def unpack(packed: torch.Tensor) -> torch.Tensor:
+    """``quantize_weight``'s packed int8 -> the padded [Np, Kp] int8 matrix."""
+    groups, k4 = packed.shape[:2]
+    return packed.permute(0, 2, 3, 1, 4).reshape(groups * 64, k4 * 4)
 
 
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """The fp32 [n, k] weight ``quantize_weight``'s outputs stand for (tests, quality checks)."""
-    np_, kp = packed.shape[0] * 16, packed.shape[1] * 4
-    q = packed.permute(0, 2, 1, 3).reshape(np_, kp)
-    return (q.float() * scale[:, None])[:n, :k]
+    return (unpack(packed).float() * scale[:, None])[:n, :k]
 
 
 class Int8Linear(torch.nn.Module):
