@@ -92,14 +92,24 @@ def test_weight_only_kernel_matches_float64_reference(linear):
     assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-5)
 
 
-def test_weight_only_kernels_agree_with_each_other(linear):
-    # w8bf16 widens the weights to bf16 exactly and sums exact products in fp32, as w8 does
-    # (in another order): equal up to fp32 rounding, then bf16's.
+def test_weight_only_kernels_give_each_others_bits(linear):
+    # w8 sums in vdpbf16ps's order (k+1, then k, per pair), one FMA chain an output
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(20, 300, generator=g).bfloat16()
     assert linear.can_run("w8bf16", torch.bfloat16) and not linear.can_run("w8bf16", torch.float32)
-    a, b = linear(x, "w8").float(), linear(x, "w8bf16").float()
-    assert torch.allclose(a, b, rtol=2 ** -7, atol=1e-3)
+    for rows in (1, 2, 3, 20):
+        x = torch.randn(rows, 300, generator=g).bfloat16()
+        assert torch.equal(linear(x, "w8"), linear(x, "w8bf16"))
+
+
+def test_fix_kernels_pins_only_a_w8a8_and_weight_only_mix(linear):
+    model = torch.nn.Sequential(linear)
+    try:
+        linear.kernels = ((1, "w8"), (16, "w8bf16"))
+        assert quant.fix_kernels(model) == 0 and linear.kernels == ((1, "w8"), (16, "w8bf16"))
+        linear.kernels = ((1, "w8"), (4, "w8"), (16, "w8a8"), (64, "w8a8"))
+        assert quant.fix_kernels(model) == 1 and linear.kernels == ((1, "w8"),)  # a tie: the fewest rows' kernel
+    finally:
+        linear.kernels = ((1, "w8a8"),)
 
 
 @pytest.mark.parametrize("kernel", ["w8a8", "w8", "w8bf16"])
@@ -190,3 +200,26 @@ def test_int8_engines_answer_the_readme_question(engines, chat_ids, tokenizer, r
                                     sampling=SamplingParams(temperature=0.0, max_new_tokens=12)))
         texts[name] = tokenizer.decode(run_all(engine)["q"].output_ids)
     assert texts == dict.fromkeys(("bf16", "int8wo", "int8"), "The capital of Japan is Tokyo.")
+
+
+@pytest.mark.parametrize("method", ["int8", "int8wo"])
+def test_fused_norm_and_silu_give_the_same_bits(engines, tokenizer, chat_ids, run_all, method):
+    """``_forward_fused_int8`` (RMSNorm and SiLU-and-mul inside the linears' C calls) against
+    the separate kernels: the same token ids and logprobs, alone and in a batch of 5 (no
+    prefix cache: a cache hit changes the prefill's row count, and int8wo's kernel with it)."""
+    shared = engines[method]
+    model = shared.runner.model
+    engine = Engine(model, tokenizer, shared.stops.eos_ids, replace(shared.cfg, disable_radix_cache=True))
+    assert model._int8_layers()
+    prompts = [chat_ids(q) for q in ("What is the capital of Japan?", "Name a prime.", "Say hi.", "Count to 3.",
+                                     "What is 2 + 2?")]
+    runs = {}
+    for fused in (True, False):
+        model.fuse_int8 = fused
+        for batch in (prompts[:1], prompts):
+            for i, ids in enumerate(batch):
+                engine.add_request(ReqInput(rid=f"{len(batch)}-{i}", input_ids=ids, return_logprob=True,
+                                            sampling=SamplingParams(temperature=0.0, max_new_tokens=8)))
+            runs[fused, len(batch)] = {rid: (r.output_ids, r.logprobs) for rid, r in run_all(engine).items()}
+    del model.fuse_int8  # back to the class default
+    assert runs[True, 1] == runs[False, 1] and runs[True, 5] == runs[False, 5]

@@ -602,28 +602,45 @@ void rs_w8a8_linear(const void *x, int64_t M, int64_t K, int64_t Kp, const int8_
     free(xs);
 }
 
-/* Weight-only: out [M, N] = x [M, K] (bf16/fp32) . dequantized w^T (+ bias), fp32 FMAs in
- * k order (per output: 4 interleaved partial sums, one per k mod 4, added in order). For a
- * few rows (M <= 4 a tile), where the step reads weights and does not compute. */
+/* Weight-only: out [M, N] = x [M, K] (bf16/fp32) . dequantized w^T (+ bias): one fp32 FMA
+ * chain per output, over k in vdpbf16ps's order (k+1 before k in each pair: its pseudo-code
+ * in the Intel SDM), so for bf16 activations this gives the bits of rs_w8_bf16_gemm (whose
+ * products are exact in fp32 as these are; only denormals, which vdpbf16ps flushes, could
+ * differ) and int8wo stays batch-invariant when the kernel changes with the batch size. A
+ * tile is MR rows x NR blocks of one group: the NR chains hide the FMA latency. For a few
+ * rows, where the step reads weights and does not compute. */
 static inline __attribute__((always_inline)) void w8_tile(const float *xf, int64_t Kp, int64_t m0, const int MR,
-                                                         const int8_t *wblk, const float *ws, const float *bias,
-                                                         void *out, int64_t ldo, int64_t n0, int64_t N, int is_bf16) {
-    __m512 acc[MR_MAX][4];
+                                                         const int NR, const int8_t *wblk, const float *ws,
+                                                         const float *bias, void *out, int64_t ldo, int64_t n0,
+                                                         int64_t N, int is_bf16) {
+    __m512 acc[2][NR_MAX];
     for (int i = 0; i < MR; i++)
-        for (int r = 0; r < 4; r++) acc[i][r] = _mm512_setzero_ps();
+        for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_ps();
     for (int64_t k = 0; k < Kp; k += 4) {
-        const __m512i w4 = _mm512_loadu_si512((const void *)(wblk + k * 64));
-        __m512 wf[4];
-        for (int r = 0; r < 4; r++)  /* byte r of each channel's 4, sign-extended */
-            wf[r] = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(w4, 24 - 8 * r), 24));
-        for (int i = 0; i < MR; i++)
-            for (int r = 0; r < 4; r++)
-                acc[i][r] = _mm512_fmadd_ps(_mm512_set1_ps(xf[(m0 + i) * Kp + k + r]), wf[r], acc[i][r]);
+        __m512 wf[NR_MAX][4];
+        _mm_prefetch((const char *)(wblk + (k + 32) * 64), _MM_HINT_T0);
+        for (int j = 0; j < NR; j++) {
+            const __m512i w4 = _mm512_loadu_si512((const void *)(wblk + j * 64 + k * 64));
+            for (int r = 0; r < 4; r++)  /* byte r of each channel's 4, sign-extended */
+                wf[j][r] = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(w4, 24 - 8 * r), 24));
+        }
+        for (int i = 0; i < MR; i++) {
+            const float *xr = xf + (m0 + i) * Kp + k;
+            const __m512 x0 = _mm512_set1_ps(xr[0]), x1 = _mm512_set1_ps(xr[1]);
+            const __m512 x2 = _mm512_set1_ps(xr[2]), x3 = _mm512_set1_ps(xr[3]);
+            for (int j = 0; j < NR; j++) {
+                acc[i][j] = _mm512_fmadd_ps(x1, wf[j][1], acc[i][j]);
+                acc[i][j] = _mm512_fmadd_ps(x0, wf[j][0], acc[i][j]);
+                acc[i][j] = _mm512_fmadd_ps(x3, wf[j][3], acc[i][j]);
+                acc[i][j] = _mm512_fmadd_ps(x2, wf[j][2], acc[i][j]);
+            }
+        }
     }
-    const __m512 s = _mm512_loadu_ps(ws + n0), b = load_bias(bias, n0, N);
-    for (int i = 0; i < MR; i++) {
-        const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]), _mm512_add_ps(acc[i][2], acc[i][3]));
-        int8_store(_mm512_add_ps(_mm512_mul_ps(sum, s), b), out, m0 + i, ldo, n0, N, is_bf16);
+    for (int j = 0; j < NR; j++) {
+        const int64_t n = n0 + 16 * j;
+        if (n >= N) break;
+        const __m512 s = _mm512_loadu_ps(ws + n), b = load_bias(bias, n, N);
+        for (int i = 0; i < MR; i++) int8_store(_mm512_add_ps(_mm512_mul_ps(acc[i][j], s), b), out, m0 + i, ldo, n, N, is_bf16);
     }
 }
 
@@ -636,11 +653,20 @@ void rs_w8_gemm(const void *x, int64_t M, int64_t K, int64_t Kp, const int8_t *w
 #pragma omp parallel if (N * Kp > INT8_PARALLEL_BYTES)
     {
         INT8_THREAD_RANGE(nbp, first, last)
-        for (int64_t nb = first; nb < last && nb < nbp; nb++) {
-            int64_t m = 0;
+        for (int64_t nb = first; nb < last && nb < nbp; nb += NR_MAX) {
             const int8_t *blk = int8_block(wp, Kp, nb);
-            for (; m + 4 <= M; m += 4) w8_tile(xf, Kp, m, 4, blk, ws, bias, out, ldo, nb * 16, N, is_bf16);
-            for (; m < M; m++) w8_tile(xf, Kp, m, 1, blk, ws, bias, out, ldo, nb * 16, N, is_bf16);
+            const int full = nbp - nb >= NR_MAX;
+            int64_t m = 0;
+            for (; m + 2 <= M; m += 2) {
+                if (full) w8_tile(xf, Kp, m, 2, NR_MAX, blk, ws, bias, out, ldo, nb * 16, N, is_bf16);
+                else for (int64_t j = 0; j < nbp - nb; j++)
+                    w8_tile(xf, Kp, m, 2, 1, blk + j * 64, ws, bias, out, ldo, (nb + j) * 16, N, is_bf16);
+            }
+            for (; m < M; m++) {
+                if (full) w8_tile(xf, Kp, m, 1, NR_MAX, blk, ws, bias, out, ldo, nb * 16, N, is_bf16);
+                else for (int64_t j = 0; j < nbp - nb; j++)
+                    w8_tile(xf, Kp, m, 1, 1, blk + j * 64, ws, bias, out, ldo, (nb + j) * 16, N, is_bf16);
+            }
         }
     }
     free(xf);
@@ -706,7 +732,33 @@ void rs_w8_bf16_gemm(const bf16_t *x, int64_t M, int64_t K, const int8_t *wp, co
                      void *out, int64_t N, int64_t ldo, int out_bf16) { abort(); }
 #endif
 int rs_w8_bf16_available(void) { return HAVE_W8_BF16; }
+
+/* One int8 linear with its input's producer fused in front (one call from Python instead of
+ * two at batch 1; the same bits as the two calls):
+ *   pre 0: x [M, K] as it is;
+ *   pre 1: RMSNorm of x, or with residual of residual + x (written back), weight norm_w
+ *          (rs_add_rms_norm);
+ *   pre 2: x is gate_up [M, 2K]: SiLU(gate) * up (rs_silu_and_mul).
+ * kernel 0: W8A8, 1: weight-only fp32, 2: weight-only bf16 (see above). */
+void rs_int8_linear(int kernel, int pre, const void *x, void *residual, const void *norm_w, float eps, int64_t M,
+                    int64_t K, int64_t Kp, const int8_t *wp, const float *ws, const int32_t *comp, const float *bias,
+                    void *out, int64_t N, int in_bf16, int out_bf16) {
+    void *tmp = NULL;
+    if (pre) {
+        tmp = malloc((size_t)(M * K * (in_bf16 ? 2 : 4)));
+        if (pre == 1) rs_add_rms_norm(x, residual, norm_w, tmp, M, K, eps, in_bf16);
+        else rs_silu_and_mul(x, tmp, M, K, in_bf16);
+        x = tmp;
+    }
+    if (kernel == 0) rs_w8a8_linear(x, M, K, Kp, wp, ws, comp, bias, out, N, in_bf16, out_bf16);
+    else if (kernel == 1) rs_w8_gemm(x, M, K, Kp, wp, ws, bias, out, N, N, in_bf16, out_bf16);
+    else rs_w8_bf16_gemm((const bf16_t *)x, M, K, wp, ws, bias, out, N, N, out_bf16);
+    free(tmp);
+}
 #else
+void rs_int8_linear(int kernel, int pre, const void *x, void *residual, const void *norm_w, float eps, int64_t M,
+                    int64_t K, int64_t Kp, const int8_t *wp, const float *ws, const int32_t *comp, const float *bias,
+                    void *out, int64_t N, int in_bf16, int out_bf16) { abort(); }
 int rs_w8_bf16_available(void) { return 0; }
 void rs_w8_bf16_gemm(const bf16_t *x, int64_t M, int64_t K, const int8_t *wp, const float *ws, const float *bias,
                      void *out, int64_t N, int64_t ldo, int out_bf16) { abort(); }

@@ -13,7 +13,8 @@ interleaved so that a thread reads its weights as one sequential stream):
 - ``w8``: weight-only; the int8 weights widened to fp32 and FMA'd against the activations
   as they are (more exact; for a few rows, where a step reads weights and computes little).
 - ``w8bf16``: weight-only for bf16 activations and many rows: each 16-channel block widened
-  once per call to bf16 (exact) and run with AVX-512-BF16 ``vdpbf16ps`` on every row.
+  once per call to bf16 (exact) and run with AVX-512-BF16 ``vdpbf16ps`` on every row. ``w8``
+  sums in ``vdpbf16ps``'s order, one FMA chain per output, so the two give the same bits.
 
 ``int8`` runs, per weight shape and per row-count bucket (``ROW_BUCKETS``), whichever kernel
 measured faster, once per CPU, thread count and kernel build, kept in the kernel cache
@@ -27,8 +28,9 @@ for weight-only) and bf16 oneDNN; the C kernels won every SmolLM2 shape at 1 and
 (``bench/int8_kernels.py``, ``bench/RESULTS.md``), so the runtime chooses between them only.
 
 Deterministic inference: ``w8a8`` is batch-invariant by construction (an exact int32 sum,
-per-row scales), ``w8`` sums each output in k order whatever the tile; switching kernels
-with the row count is not, so ``fix_kernels`` pins one kernel per shape.
+per-row scales), and so are ``w8``/``w8bf16`` (one order whatever the tile, the same bits as
+each other); switching between W8A8 and weight-only with the row count is not, so
+``fix_kernels`` pins one of the two per shape (``int8`` only).
 
 Needs AVX-512-VNNI (AMX-INT8 CPUs have it too): elsewhere ``check_supported`` raises.
 """
@@ -49,7 +51,7 @@ from services.scheduler.layers.linear import PackedLinear
 log = logging.getLogger(__name__)
 
 QUANTIZATION_METHODS = ("int8", "int8wo")
-KERNELS = ("w8a8", "w8", "w8bf16")
+KERNELS = ("w8a8", "w8", "w8bf16")  # rs_int8_linear's kernel ids, in order
 WEIGHT_ONLY = ("w8", "w8bf16")
 ROW_BUCKETS = (1, 4, 16, 64)  # a call of M rows runs the kernel measured for the largest bucket <= M
 
@@ -87,7 +89,9 @@ def _lib() -> ctypes.CDLL:
     lib.rs_w8_bf16_available.argtypes, lib.rs_w8_bf16_available.restype = [], ctypes.c_int
     lib.rs_w8_bf16_gemm.argtypes = [p, i64, i64, p, p, p, p, i64, i64, i]
     lib.rs_w8a8_linear.argtypes = [p, i64, i64, i64, p, p, p, p, p, i64, i, i]
-    for fn in (lib.rs_quantize_rows, lib.rs_w8a8_gemm, lib.rs_w8_gemm, lib.rs_w8_bf16_gemm, lib.rs_w8a8_linear):
+    lib.rs_int8_linear.argtypes = [i, i, p, p, p, ctypes.c_float, i64, i64, i64, p, p, p, p, p, i64, i, i]
+    for fn in (lib.rs_quantize_rows, lib.rs_w8a8_gemm, lib.rs_w8_gemm, lib.rs_w8_bf16_gemm, lib.rs_w8a8_linear,
+               lib.rs_int8_linear):
         fn.restype = None
     return lib
 
@@ -169,40 +173,46 @@ class Int8Linear(torch.nn.Module):
                 chosen = kernel
         return chosen
 
-    def forward(self, x: torch.Tensor, kernel: str | None = None) -> torch.Tensor:
-        """x: [T, in_features] bf16 or fp32 -> [T, out_features] in x's dtype.
+    def forward(self, x: torch.Tensor, kernel: str | None = None, norm: tuple | None = None,
+                silu_and_mul: bool = False) -> torch.Tensor:
+        """x: [T, in_features] bf16 or fp32 -> [T, out_features] in x's dtype (the LM head: ``out_dtype``).
 
         Args:
             kernel: one of ``KERNELS`` (default: ``kernel_for(T)``; see ``can_run``).
+            norm: (weight [in_features], eps, residual [T, in_features] or None): the input is
+                ``add_rms_norm(x, weight, eps, residual)`` (``layers.cpu_kernels``; the
+                residual updated in place), computed in the same C call.
+            silu_and_mul: x is gate_up [T, 2 * in_features] and the input is SiLU(gate) * up,
+                in the same C call.
 
         Raises:
-            ValueError: x not 2-D with in_features columns, or not bf16/fp32.
+            ValueError: x not 2-D with in_features (2 x with ``silu_and_mul``) columns, or not bf16/fp32.
         """
-        if x.dim() != 2 or x.shape[1] != self.in_features:
-            raise ValueError(f"Int8Linear takes [T, {self.in_features}], got {list(x.shape)}")
+        width = 2 * self.in_features if silu_and_mul else self.in_features
+        if x.dim() != 2 or x.shape[1] != width:
+            raise ValueError(f"Int8Linear takes [T, {width}], got {list(x.shape)}")
         if x.dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"Int8Linear takes bf16 or fp32 activations, got {x.dtype}")
         x = x.contiguous()
         t = x.shape[0]
         in_bf16 = int(x.dtype == torch.bfloat16)
         out = torch.empty(t, self.out_features, dtype=self.out_dtype or x.dtype)
-        out_bf16 = int(out.dtype == torch.bfloat16)
         if t == 0:
             return out
-        bias = None if self.bias is None else self.bias.data_ptr()
-        lib = _lib()
         kernel = kernel or self.kernel_for(t)
-        if kernel == "w8bf16" and in_bf16 and self.in_features == self.k_padded:
-            lib.rs_w8_bf16_gemm(x.data_ptr(), t, self.in_features, self.packed.data_ptr(), self.scale.data_ptr(), bias,
-                                out.data_ptr(), self.out_features, self.out_features, out_bf16)
-        elif kernel == "w8a8":
-            lib.rs_w8a8_linear(x.data_ptr(), t, self.in_features, self.k_padded, self.packed.data_ptr(),
-                               self.scale.data_ptr(), self.comp.data_ptr(), bias, out.data_ptr(), self.out_features,
-                               in_bf16, out_bf16)
-        else:
-            lib.rs_w8_gemm(x.data_ptr(), t, self.in_features, self.k_padded, self.packed.data_ptr(),
-                           self.scale.data_ptr(), bias, out.data_ptr(), self.out_features, self.out_features, in_bf16,
-                           out_bf16)
+        if kernel == "w8bf16" and not (in_bf16 and self.in_features == self.k_padded):
+            kernel = "w8"
+        pre, weight, eps, residual = 0, None, 0.0, None
+        if norm is not None:
+            pre, (weight, eps, residual) = 1, norm
+            weight = weight.data_ptr()
+            residual = None if residual is None else residual.data_ptr()
+        elif silu_and_mul:
+            pre = 2
+        _lib().rs_int8_linear(KERNELS.index(kernel), pre, x.data_ptr(), residual, weight, eps, t, self.in_features,
+                              self.k_padded, self.packed.data_ptr(), self.scale.data_ptr(), self.comp.data_ptr(),
+                              None if self.bias is None else self.bias.data_ptr(), out.data_ptr(), self.out_features,
+                              in_bf16, int(out.dtype == torch.bfloat16))
         return out
 
 
@@ -299,14 +309,17 @@ def choose_kernels(model: torch.nn.Module, dtype: torch.dtype,
 
 
 def fix_kernels(model: torch.nn.Module) -> int:
-    """Deterministic inference: pin each ``Int8Linear`` to one kernel for every row count (the
-    one it chose for the most row buckets; on a tie the one of the fewest rows), so a row's
-    bits do not depend on its batch. Returns how many linears were pinned."""
-    linears = int8_linears(model)
-    for linear in linears:
+    """Deterministic inference: pin each ``Int8Linear`` whose kernels mix W8A8 and weight-only
+    (``int8``) to one kernel for every row count (the one it chose for the most row buckets;
+    on a tie the one of the fewest rows), so a row's bits do not depend on its batch; the
+    weight-only kernels give each other's bits and stay as chosen. Returns how many were pinned."""
+    pinned = 0
+    for linear in int8_linears(model):
         chosen = [k for _, k in linear.kernels]
-        linear.kernels = ((1, max(chosen, key=chosen.count)),)  # max keeps the first of equal counts
-    return len(linears)
+        if "w8a8" in chosen and len(set(chosen)) > 1:
+            linear.kernels = ((1, max(chosen, key=chosen.count)),)  # max keeps the first of equal counts
+            pinned += 1
+    return pinned
 
 
 def describe(model: torch.nn.Module) -> str:
