@@ -90,6 +90,9 @@ class RequestMetrics:
         self._prompt_counted = False
         self._first_token_seen = False
         self._closed = False
+        # The per-output families' children, looked up once (a labels() call per token is not free).
+        self._generation_tokens = metrics.generation_tokens.labels(self._label)
+        self._itl = metrics.itl.labels(self._label)
         metrics.running.labels(self._label).inc()
 
     def on_output(self, out: tokenizer_pb2.GenerateOutput) -> None:
@@ -100,7 +103,7 @@ class RequestMetrics:
             self._prompt_counted = True
         new = out.completion_tokens - self._tokens.get(i, 0)
         if new > 0:
-            m.generation_tokens.labels(label).inc(new)
+            self._generation_tokens.inc(new)
             self._tokens[i] = out.completion_tokens
             if self._stream:
                 if not self._first_token_seen:
@@ -109,7 +112,7 @@ class RequestMetrics:
                 if i in self._last:
                     gap = (now - self._last[i]) / new
                     for _ in range(new):
-                        m.itl.labels(label).observe(gap)
+                        self._itl.observe(gap)
             self._last[i] = now
         kind = out.finish_reason.type
         if kind != common_pb2.FINISH_NONE and i not in self._finished:

@@ -52,9 +52,7 @@ def req_input_from_proto(msg: scheduler_pb2.TokenizedGenerateReqInput, tokenizer
     )
 
 
-def _finish_to_proto(fr: FinishReason | None) -> common_pb2.FinishReason:
-    if fr is None:
-        return common_pb2.FinishReason(type=common_pb2.FINISH_NONE)
+def _finish_to_proto(fr: FinishReason) -> common_pb2.FinishReason:
     msg = common_pb2.FinishReason(type=int(fr.type), message=fr.message, status=fr.status)
     if fr.matched_str is not None:
         msg.matched_str = fr.matched_str
@@ -63,24 +61,34 @@ def _finish_to_proto(fr: FinishReason | None) -> common_pb2.FinishReason:
     return msg
 
 
+# The StepOutput columns that map onto BatchTokenIDOutput fields of the same name as they are.
+_COLUMNS = tuple(f.name for f in fields(StepOutput) if f.name not in ("inits", "finish_reasons", "prompt_logprobs"))
+
+
 def step_output_to_proto(out: StepOutput) -> detokenizer_pb2.BatchTokenIDOutput:
-    """StepOutput -> BatchTokenIDOutput (same column names)."""
-    inits = [
-        detokenizer_pb2.RowInit(
+    """StepOutput -> BatchTokenIDOutput (same column names).
+
+    Runs in the engine thread once per step, so it stays cheap at batch 1: the columns
+    pass as lists, a running row's finish reason is an empty message (FINISH_NONE is 0),
+    and optional parts are built only when present.
+    """
+    msg = detokenizer_pb2.BatchTokenIDOutput(**{name: getattr(out, name) for name in _COLUMNS})
+    for i in out.inits:
+        msg.inits.add(
             row=i.row, prompt_tail_ids=i.prompt_tail_ids, stop=i.stop, skip_special_tokens=i.skip_special_tokens,
             spaces_between_special_tokens=i.spaces_between_special_tokens, no_stop_trim=i.no_stop_trim,
             top_logprobs_num=i.top_logprobs_num,
         )
-        for i in out.inits
-    ]
-    columns = {f.name: getattr(out, f.name) for f in fields(StepOutput)
-               if f.name not in ("inits", "finish_reasons", "prompt_logprobs")}
-    prompt = [common_pb2.PromptLogprobs(row=p.row, start=p.start, logprobs=p.logprobs, top_n=p.top_n,
-                                        top_ids=p.top_ids, top_vals=p.top_vals) for p in out.prompt_logprobs]
-    return detokenizer_pb2.BatchTokenIDOutput(
-        **columns, inits=inits, finish_reasons=[_finish_to_proto(f) for f in out.finish_reasons],
-        prompt_logprobs=prompt,
-    )
+    fins = msg.finish_reasons
+    for fr in out.finish_reasons:
+        if fr is None:
+            fins.add()
+        else:
+            fins.append(_finish_to_proto(fr))
+    for p in out.prompt_logprobs:
+        msg.prompt_logprobs.add(row=p.row, start=p.start, logprobs=p.logprobs, top_n=p.top_n,
+                                top_ids=p.top_ids, top_vals=p.top_vals)
+    return msg
 
 
 def load_to_proto(stats: LoadStats, instance_id: str, tp_size: int = 1) -> common_pb2.LoadReport:

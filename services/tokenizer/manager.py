@@ -438,8 +438,10 @@ class TokenizerManager:
         if prompt is not None and st.scored_ids is not None:
             prompt.token_ids.extend(st.scored_ids)  # from the requested start; logprobs are their tail
             st.prompt_logprobs = prompt
-        if stream:
-            text = "".join(r.text for r in rows) if len(rows) > 1 else last.text
+        if stream and len(rows) == 1:
+            text, ids, lps, tops = last.text, last.output_ids, last.logprobs, last.top_logprobs
+        elif stream:
+            text = "".join(r.text for r in rows)
             ids = [t for r in rows for t in r.output_ids]
             lps = [v for r in rows for v in r.logprobs]
             tops = [t for r in rows for t in r.top_logprobs]
@@ -453,8 +455,7 @@ class TokenizerManager:
                 return None
             text, ids, lps, tops = "".join(st.text_chunks), st.output_ids, st.logprobs, st.top_logprobs
             prompt = st.prompt_logprobs
-        return tokenizer_pb2.GenerateOutput(
-            prompt_logprobs=prompt,
+        out = tokenizer_pb2.GenerateOutput(
             rid=st.parent_rid,
             index=st.index,
             text=text,
@@ -463,9 +464,16 @@ class TokenizerManager:
             prompt_tokens=st.prompt_tokens,
             completion_tokens=st.completion_tokens,
             cached_tokens=st.cached_tokens,
-            output_token_logprobs=lps,
-            output_top_logprobs=tops,
         )
+        # Optional parts only when present: empty keyword arguments cost as much as the rest.
+        if lps:
+            out.output_token_logprobs.extend(lps)
+        if tops:
+            out.output_top_logprobs.extend(tops)
+        if prompt is not None:
+            out.prompt_logprobs.SetInParent()
+            out.prompt_logprobs.CopyFrom(prompt)
+        return out
 
     async def generate(self, req: tokenizer_pb2.GenerateReqInput) -> AsyncIterator[tokenizer_pb2.GenerateOutput]:
         """Serve one Generate call: yield GenerateOutputs until every choice finished.

@@ -35,38 +35,42 @@ class Row:
 
 
 def split_rows(batch: detokenizer_pb2.BatchStrOutput) -> list[Row]:
-    """The rows of a columnar BatchStrOutput (layout in detokenizer.proto)."""
+    """The rows of a columnar BatchStrOutput (layout in detokenizer.proto).
+
+    Called once per step: each column is read once (indexing a protobuf repeated field per
+    row costs more than one copy to a list), and the logprob columns only when the batch
+    carries logprobs.
+    """
+    rids = batch.rids
+    fins = batch.finish_reasons
+    prompt = {p.row: p for p in batch.prompt_logprobs} if batch.prompt_logprobs else {}
+    if len(rids) == 1 and not batch.output_token_logprobs:  # one row without logprobs (concurrency 1)
+        return [Row(rids[0], batch.texts[0], list(batch.output_ids), fins[0], batch.completion_tokens[0],
+                    batch.cached_tokens[0], [], [], prompt.get(0))]
+    texts = list(batch.texts)
+    completion = list(batch.completion_tokens)
+    cached = list(batch.cached_tokens)
+    ids = list(batch.output_ids)
+    lp_counts = list(batch.logprob_counts) if batch.output_token_logprobs else []
+    top_nums = list(batch.top_logprobs_nums) if batch.top_logprob_ids else []
     rows = []
-    prompt = {p.row: p for p in batch.prompt_logprobs}
     ids_at = lp_at = top_at = 0
-    for i, rid in enumerate(batch.rids):
-        n_ids = batch.new_token_counts[i]
-        n_lp = batch.logprob_counts[i] if batch.logprob_counts else 0
-        k = batch.top_logprobs_nums[i] if batch.top_logprobs_nums else 0
-        top = []
-        for j in range(n_lp * (k > 0)):
-            at = top_at + j * k
-            top.append(
-                tokenizer_pb2.TopLogprobs(
-                    token_ids=batch.top_logprob_ids[at : at + k], logprobs=batch.top_logprob_vals[at : at + k]
-                )
-            )
-        rows.append(
-            Row(
-                rid=rid,
-                text=batch.texts[i],
-                output_ids=list(batch.output_ids[ids_at : ids_at + n_ids]),
-                finish_reason=batch.finish_reasons[i],
-                completion_tokens=batch.completion_tokens[i],
-                cached_tokens=batch.cached_tokens[i],
-                logprobs=list(batch.output_token_logprobs[lp_at : lp_at + n_lp]),
-                top_logprobs=top,
-                prompt_logprobs=prompt.get(i),
-            )
-        )
+    for i, n_ids in enumerate(batch.new_token_counts):
+        logprobs: list[float] = []
+        top: list[tokenizer_pb2.TopLogprobs] = []
+        if lp_counts:
+            n_lp = lp_counts[i]
+            logprobs = list(batch.output_token_logprobs[lp_at:lp_at + n_lp])
+            lp_at += n_lp
+            k = top_nums[i] if top_nums else 0
+            if k > 0:
+                for at in range(top_at, top_at + n_lp * k, k):
+                    top.append(tokenizer_pb2.TopLogprobs(token_ids=batch.top_logprob_ids[at:at + k],
+                                                         logprobs=batch.top_logprob_vals[at:at + k]))
+                top_at += n_lp * k
+        rows.append(Row(rids[i], texts[i], ids[ids_at:ids_at + n_ids], fins[i], completion[i], cached[i],
+                        logprobs, top, prompt.get(i)))
         ids_at += n_ids
-        lp_at += n_lp
-        top_at += n_lp * k
     return rows
 
 
