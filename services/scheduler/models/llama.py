@@ -297,8 +297,11 @@ class LlamaForCausalLM(torch.nn.Module):
         """The layers with the cpu backend's fused kernels (``layers.cpu_kernels``): each residual
         add rides on the next RMSNorm, SiLU-and-mul is one kernel. The same roundings as
         ``LlamaDecoderLayer.forward``, in a third of the ops."""
-        if self.fuse_int8 and self._int8_layers():
-            return self._forward_fused_int8(h, rope, meta, kv)
+        if self.fuse_int8:
+            if self._int8_fusable is None:  # decided at the first forward: quantization happens at load
+                self._int8_fusable = self._int8_layers()
+            if self._int8_fusable:
+                return self._forward_fused_int8(h, rope, meta, kv)
         residual = h  # the embedding's fresh output, updated in place from here on
         norm = self.layers[0].input_layernorm
         x = ops.add_rms_norm(h, norm.weight, norm.eps)
@@ -313,6 +316,7 @@ class LlamaForCausalLM(torch.nn.Module):
         return residual.add_(mlp)
 
     fuse_int8 = True  # tests turn it off to compare
+    _int8_fusable: bool | None = None
 
     def _int8_layers(self) -> bool:
         """Whether every layer is the plain Llama block with int8 linears on one rank
