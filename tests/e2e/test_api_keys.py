@@ -196,6 +196,20 @@ def test_gateway_passes_the_key(ring):
     assert httpx.get(f"{ring.base_url}/health", timeout=30).status_code == 200
 
 
+def test_log_requests_opts_in(ring):
+    """With --log-requests (this ring has it) the gateway logs the request and its output text.
+    (The ring of tests/e2e/test_reliability_limits.py, launched without it, checks the opposite.)"""
+    marker = "quokka-marker-5d41402abc"
+    ask = [{"role": "user", "content": f"Repeat this word exactly: {marker}"}]
+    resp = httpx.post(f"{ring.base_url}/v1/chat/completions", json=chat(ring, ask, max_tokens=24),
+                      headers={"Authorization": f"Bearer {KEYS[0]}"}, timeout=60)
+    assert resp.status_code == 200, resp.text
+    content = resp.json()["choices"][0]["message"]["content"]
+    log = ring.log()
+    assert marker in log
+    assert repr(content) in log
+
+
 def test_keys_never_logged_nor_on_a_command_line(ring):
     """Runs last, after every other test has written to the log (plus one request of its own)."""
     r = httpx.post(f"{ring.base_url}/v1/chat/completions", json=chat(ring, max_tokens=4),
