@@ -6,12 +6,14 @@ choosing one per request by least outstanding work, then prefix affinity. Output
 single ring's; load spreads over both replicas; a shared prefix lands where it is cached
 (the second request's cached_tokens is the shared token count); SIGKILLing one replica's
 scheduler fails only its in-flight requests, within 2 s, and new requests go to the other;
-/get_load lists every instance.
+/get_load lists every instance; every instance's metrics export under the served name
+(``--served-model-name ringtest``) and their sums move exactly.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import time
 
@@ -22,6 +24,7 @@ import pytest
 from ringserve.v1 import common_pb2, scheduler_pb2_grpc
 from tests.ringstack import launched
 from .test_faults_kill import PARIS, read_stream, wait_until
+from .test_metrics_services import PROMPT
 from .test_reliability_endpaths import chat
 
 QUESTIONS = [
@@ -36,7 +39,8 @@ QUESTIONS = [
 def ring(smollm2_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("replicas") / "ring.log"
     with launched(smollm2_dir, "--tokenizers", "2", "--replicas", "2", "--max-total-tokens", "8192",
-                  "--restart-on-failure", log_path=log) as s:
+                  "--restart-on-failure", "--served-model-name", "ringtest", log_path=log) as s:
+        s.model_name = "ringtest"
         yield s
 
 
@@ -77,6 +81,70 @@ async def test_topology_in_get_load(ring):
         assert s["kv_total_tokens"] == 8192
         assert {"num_running_reqs", "num_waiting_reqs", "req_slots_used", "kv_used_tokens", "kv_cached_tokens"} <= set(s)
     assert all("req_states" in t for t in load["tokenizer"]) and all("decode_states" in d for d in load["detokenizer"])
+
+
+def test_every_instance_exports_under_the_served_name(ring):
+    """``--served-model-name``: the launcher prints a metrics URL per process; each exports
+    under the served name, and the sums over instances move exactly with 4 requests."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    deadline = time.monotonic() + 10  # the launcher prints the URLs just after the gateway is healthy
+    while len(urls := dict(re.findall(r"^ringserve: (\S+) metrics at (\S+)$", ring.log(), re.MULTILINE))) < 7:
+        assert time.monotonic() < deadline, urls
+        time.sleep(0.1)
+    assert sorted(urls) == ["detokenizer-0", "detokenizer-1", "gateway", "scheduler-0", "scheduler-1",
+                            "tokenizer-0", "tokenizer-1"]
+    assert len(set(urls.values())) == 7
+
+    def total(prefix: str, name: str) -> float:
+        out = 0.0
+        for process, url in urls.items():
+            if not process.startswith(prefix):
+                continue
+            for family in text_string_to_metric_families(httpx.get(url, timeout=10).text):
+                for s in family.samples:
+                    if s.name.startswith("ringserve:"):
+                        assert s.labels["model_name"] == "ringtest", (process, s.name)
+                    if s.name == name:
+                        out += s.value
+        return out
+
+    counters = [("scheduler", "ringserve:scheduler_prompt_tokens_total"),
+                ("scheduler", "ringserve:scheduler_generation_tokens_total"),
+                ("scheduler", "ringserve:scheduler_requests_finished_total"),
+                ("detokenizer", "ringserve:detokenize_step_time_seconds_count"),
+                *(("tokenizer", f"ringserve:request_{stage}_time_seconds_count")
+                  for stage in ("tokenize", "dispatch", "send")),
+                ("gateway", "ringserve:generation_tokens_total")]
+    ring.wait_idle()
+    before = {c: total(*c) for c in counters}
+
+    def moved(prefix: str, name: str) -> float:
+        return total(prefix, name) - before[(prefix, name)]
+
+    usages = []
+    for i in range(4):
+        body = {"model": "ringtest", "prompt": f"{PROMPT} ({i})", "max_tokens": 3, "temperature": 0,
+                "ignore_eos": True}
+        r = httpx.post(f"{ring.base_url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        usages.append(r.json()["usage"])
+
+    deadline = time.monotonic() + 10
+    held = ("tokenizer", "ringserve:req_states"), ("detokenizer", "ringserve:decode_states"), (
+        "scheduler", "ringserve:req_slots_used")
+    # The last states are dropped, and the last dispatch and send times observed, around the responses.
+    while any(total(*h) for h in held) or moved("tokenizer", "ringserve:request_send_time_seconds_count") < 4 \
+            or moved("tokenizer", "ringserve:request_dispatch_time_seconds_count") < 4:
+        assert time.monotonic() < deadline, [total(*h) for h in held]
+        time.sleep(0.05)
+    assert moved("scheduler", "ringserve:scheduler_prompt_tokens_total") == sum(u["prompt_tokens"] for u in usages)
+    assert moved("scheduler", "ringserve:scheduler_generation_tokens_total") == 12
+    assert moved("scheduler", "ringserve:scheduler_requests_finished_total") == 4
+    assert moved("detokenizer", "ringserve:detokenize_step_time_seconds_count") == 12
+    for stage in ("tokenize", "dispatch", "send"):
+        assert moved("tokenizer", f"ringserve:request_{stage}_time_seconds_count") == 4
+    assert moved("gateway", "ringserve:generation_tokens_total") == 12
 
 
 async def test_greedy_outputs_equal_the_single_ring(ring, stack):
