@@ -204,7 +204,7 @@ async def test_killing_one_replica_fails_only_its_requests(ring):
     ring.wait_idle()
     (sched0, _), (sched1, _) = ring.replicas()
     async with httpx.AsyncClient(base_url=ring.base_url, timeout=120) as client:
-        bodies = [ask(ring, f"Write a very long story about the number {i}.", max_tokens=400, stream=True,
+        bodies = [ask(ring, f"Write a very long story about the number {i}.", max_tokens=160, stream=True,
                       ignore_eos=True) for i in range(4)]
         streams = [asyncio.create_task(read_stream(client, b)) for b in bodies]
         await wait_until(lambda: [s.num_running_reqs for s in scheduler_loads(ring)] == [2, 2], 60, "2 + 2 running")
