@@ -12,7 +12,10 @@ median time of:
 
 Prints milliseconds and each kernel's ratio to bf16 (>1: faster).
 
-    .venv/bin/python bench/int8_kernels.py [--threads 2] [--rows 1 4 16 64]
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/int8_kernels.py [--threads 2] [--rows 1 4 16 64]
+
+(On a machine other processes keep busy, spinning OpenMP workers turn every timing into a
+wait for a core: use PASSIVE there, or --threads 1.)
 """
 
 from __future__ import annotations

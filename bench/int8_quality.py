@@ -1,9 +1,10 @@
-"""int8 quality against bf16 on text no one wrote for this project: perplexity and greedy
-next-token agreement of fp32 weights, ``--quantization int8wo`` and ``--quantization int8``,
-each against bf16, on the corpus of the quality gate (``ringserve.bench.corpus``: Python's
-licence and the language reference's topics; ``tests/scheduler/test_quantization.py``), through the engine's prompt
-logprobs. fp32's agreement with bf16 is the metric's own noise: bf16 logits tie, and any
-other rounding breaks the ties otherwise.
+"""Perplexity and greedy next-token agreement of fp32, int8wo and int8 weights against bf16.
+
+Measured on text no one wrote for this project, the quality gate's corpus
+(``ringserve.bench.corpus``: Python's licence and the language reference's topics; the gate
+is ``tests/scheduler/test_quantization.py``), through the engine's prompt logprobs. fp32's
+agreement with bf16 is the metric's own noise: bf16 logits tie, and any other rounding
+breaks the ties otherwise.
 
     .venv/bin/python bench/int8_quality.py [--tokens 20000] [--model DIR]
 """

@@ -461,12 +461,13 @@ def _make_deterministic(model: torch.nn.Module, cfg: EngineConfig, device: torch
             raise
         log.warning("deterministic inference off: %s", exc)
         return False
-    fix_kernels(model)  # int8 linears: one kernel per shape, whatever the batch
+    pinned = fix_kernels(model)  # int8 linears mixing W8A8 and weight-only: one kernel, whatever the batch
     tp = getattr(model, "tp", None)
     if tp is not None and tp.size > 1:
         tp.fixed_order = True  # every layer holds this one object
     log.info("deterministic inference on: extend attention through the %s decode kernel, %d linears padded to a "
-             "row floor%s", backend.name, len(wrapped), ", all-reduce in rank order" if tp and tp.size > 1 else "")
+             "row floor%s%s", backend.name, len(wrapped), ", all-reduce in rank order" if tp and tp.size > 1 else "",
+             f", {pinned} int8 linears pinned to one kernel ({describe(model)})" if pinned else "")
     return True
 
 
