@@ -2,7 +2,7 @@
 
 Every linear of the decoder and the LM head is quantized at load, from the checkpoint's
 bf16/fp32 weights, to symmetric int8 with one fp32 scale per output channel
-(``scale[n] = max_k |w[n, k]| / 127``). Two C kernels (``cpu_kernels.c``) run them from one
+(``scale[n] = max_k |w[n, k]| / 127``). Three C kernels (``cpu_kernels.c``) run them from one
 packed layout (VNNI's 16 output channels x 4 input channels per 64-byte block, four blocks
 interleaved so that a thread reads its weights as one sequential stream):
 
@@ -20,12 +20,14 @@ interleaved so that a thread reads its weights as one sequential stream):
 measured faster, once per CPU, thread count and kernel build, kept in the kernel cache
 (``choose_kernels``); ``int8wo`` (torchao's name for it) the faster weight-only one. Quality on
 20,000 tokens of Python's documentation (``tests/scheduler/test_quantization.py``,
-``bench/int8_quality.py``) against bf16, SmolLM2-135M: ``int8wo`` perplexity +0.8 %, greedy
-agreement 95 %; ``int8`` (W8A8 on this CPU) +5 %, 88 %. fp32 itself agrees with bf16 on
-97.8 % of the tokens: the near-ties of bf16 logits flip under any other rounding. On the EPYC (AVX-512-VNNI, no AMX) these were measured against
-oneDNN through torch (``torch._int_mm`` for W8A8, ``torch.ops.aten._weight_int8pack_mm``
-for weight-only) and bf16 oneDNN; the C kernels won every SmolLM2 shape at 1 and 64 rows
-(``bench/int8_kernels.py``, ``bench/RESULTS.md``), so the runtime chooses between them only.
+``bench/int8_quality.py``) against bf16, SmolLM2-135M: ``int8wo`` perplexity +0.3 %, greedy
+agreement 95 %; ``int8`` (W8A8 on this CPU) +4.5 %, 88 %. fp32 itself agrees with bf16 on
+97.5 % of the tokens: the near-ties of bf16 logits flip under any other rounding.
+
+On the EPYC (AVX-512-VNNI, no AMX) the kernels were measured against oneDNN through torch
+(``torch._int_mm`` for W8A8, ``torch.ops.aten._weight_int8pack_mm`` for weight-only) and
+bf16 oneDNN; W8A8 in C won every SmolLM2 shape at 1 and 64 rows (``bench/int8_kernels.py``,
+``bench/RESULTS.md``), so the runtime chooses between the C kernels only.
 
 Deterministic inference: ``w8a8`` is batch-invariant by construction (an exact int32 sum,
 per-row scales), and so are ``w8``/``w8bf16`` (one order whatever the tile, the same bits as
