@@ -544,7 +544,7 @@ static inline __attribute__((always_inline)) void w8a8_tile(const uint8_t *xq, c
 
 /* x [M, K] (bf16 or fp32) -> xq u8 [M, Kp] (q + 128, padding 128), xs fp32 [M] = amax / 127
  * (0 for an all-zero row). */
-void rs_quantize_rows(const void *x, int64_t M, int64_t K, int64_t Kp, uint8_t *xq, float *xs, int is_bf16) {
+static void rs_quantize_rows(const void *x, int64_t M, int64_t K, int64_t Kp, uint8_t *xq, float *xs, int is_bf16) {
 #pragma omp parallel for if (M > 16)
     for (int64_t m = 0; m < M; m++) {
         const char *row = (const char *)x + m * K * (is_bf16 ? 2 : 4);
@@ -568,7 +568,7 @@ void rs_quantize_rows(const void *x, int64_t M, int64_t K, int64_t Kp, uint8_t *
 }
 
 /* out [M, N] (row stride ldo; bf16 when is_bf16, else fp32) = dequantized (xq . w^T) (+ bias fp32 [N]). */
-void rs_w8a8_gemm(const uint8_t *xq, const float *xs, int64_t M, int64_t Kp, const int8_t *wp, const float *ws,
+static void rs_w8a8_gemm(const uint8_t *xq, const float *xs, int64_t M, int64_t Kp, const int8_t *wp, const float *ws,
                   const int32_t *comp, const float *bias, void *out, int64_t N, int64_t ldo, int is_bf16) {
     const int64_t nbp = (N + 15) / 16;
 #pragma omp parallel if (N * Kp > INT8_PARALLEL_BYTES)
@@ -592,7 +592,7 @@ void rs_w8a8_gemm(const uint8_t *xq, const float *xs, int64_t M, int64_t Kp, con
 }
 
 /* rs_quantize_rows then rs_w8a8_gemm in one call (one crossing from Python at batch 1). */
-void rs_w8a8_linear(const void *x, int64_t M, int64_t K, int64_t Kp, const int8_t *wp, const float *ws,
+static void rs_w8a8_linear(const void *x, int64_t M, int64_t K, int64_t Kp, const int8_t *wp, const float *ws,
                     const int32_t *comp, const float *bias, void *out, int64_t N, int in_bf16, int out_bf16) {
     uint8_t *xq = malloc((size_t)(M * Kp));
     float *xs = malloc(sizeof(float) * M);
@@ -644,7 +644,7 @@ static inline __attribute__((always_inline)) void w8_tile(const float *xf, int64
     }
 }
 
-void rs_w8_gemm(const void *x, int64_t M, int64_t K, int64_t Kp, const int8_t *wp, const float *ws, const float *bias,
+static void rs_w8_gemm(const void *x, int64_t M, int64_t K, int64_t Kp, const int8_t *wp, const float *ws, const float *bias,
                 void *out, int64_t N, int64_t ldo, int in_bf16, int is_bf16) {
     const int64_t nbp = (N + 15) / 16;
     float *xf = malloc(sizeof(float) * M * Kp);  /* the rows in fp32, zero-padded to Kp */
@@ -704,7 +704,7 @@ static inline __attribute__((always_inline)) __m512i int8_lane_to_bf16(__m512i w
     return _mm512_srli_epi32(_mm512_castps_si512(f), 16);
 }
 
-void rs_w8_bf16_gemm(const bf16_t *x, int64_t M, int64_t K, const int8_t *wp, const float *ws, const float *bias,
+static void rs_w8_bf16_gemm(const bf16_t *x, int64_t M, int64_t K, const int8_t *wp, const float *ws, const float *bias,
                      void *out, int64_t N, int64_t ldo, int out_bf16) {
     const int64_t nbp = (N + 15) / 16;
 #pragma omp parallel
@@ -728,7 +728,7 @@ void rs_w8_bf16_gemm(const bf16_t *x, int64_t M, int64_t K, const int8_t *wp, co
 }
 #else
 #define HAVE_W8_BF16 0
-void rs_w8_bf16_gemm(const bf16_t *x, int64_t M, int64_t K, const int8_t *wp, const float *ws, const float *bias,
+static void rs_w8_bf16_gemm(const bf16_t *x, int64_t M, int64_t K, const int8_t *wp, const float *ws, const float *bias,
                      void *out, int64_t N, int64_t ldo, int out_bf16) { abort(); }
 #endif
 int rs_w8_bf16_available(void) { return HAVE_W8_BF16; }
@@ -760,13 +760,4 @@ void rs_int8_linear(int kernel, int pre, const void *x, void *residual, const vo
                     int64_t K, int64_t Kp, const int8_t *wp, const float *ws, const int32_t *comp, const float *bias,
                     void *out, int64_t N, int in_bf16, int out_bf16) { abort(); }
 int rs_w8_bf16_available(void) { return 0; }
-void rs_w8_bf16_gemm(const bf16_t *x, int64_t M, int64_t K, const int8_t *wp, const float *ws, const float *bias,
-                     void *out, int64_t N, int64_t ldo, int out_bf16) { abort(); }
-void rs_quantize_rows(const void *x, int64_t M, int64_t K, int64_t Kp, uint8_t *xq, float *xs, int is_bf16) { abort(); }
-void rs_w8a8_gemm(const uint8_t *xq, const float *xs, int64_t M, int64_t Kp, const int8_t *wp, const float *ws,
-                  const int32_t *comp, const float *bias, void *out, int64_t N, int64_t ldo, int is_bf16) { abort(); }
-void rs_w8_gemm(const void *x, int64_t M, int64_t K, int64_t Kp, const int8_t *wp, const float *ws, const float *bias,
-                void *out, int64_t N, int64_t ldo, int in_bf16, int is_bf16) { abort(); }
-void rs_w8a8_linear(const void *x, int64_t M, int64_t K, int64_t Kp, const int8_t *wp, const float *ws,
-                    const int32_t *comp, const float *bias, void *out, int64_t N, int in_bf16, int out_bf16) { abort(); }
 #endif

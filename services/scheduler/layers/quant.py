@@ -85,16 +85,9 @@ def _lib() -> ctypes.CDLL:
     lib = library()
     p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.rs_int8_available.argtypes, lib.rs_int8_available.restype = [], ctypes.c_int
-    lib.rs_quantize_rows.argtypes = [p, i64, i64, i64, p, p, i]
-    lib.rs_w8a8_gemm.argtypes = [p, p, i64, i64, p, p, p, p, p, i64, i64, i]
-    lib.rs_w8_gemm.argtypes = [p, i64, i64, i64, p, p, p, p, i64, i64, i, i]
     lib.rs_w8_bf16_available.argtypes, lib.rs_w8_bf16_available.restype = [], ctypes.c_int
-    lib.rs_w8_bf16_gemm.argtypes = [p, i64, i64, p, p, p, p, i64, i64, i]
-    lib.rs_w8a8_linear.argtypes = [p, i64, i64, i64, p, p, p, p, p, i64, i, i]
     lib.rs_int8_linear.argtypes = [i, i, p, p, p, ctypes.c_float, i64, i64, i64, p, p, p, p, p, i64, i, i]
-    for fn in (lib.rs_quantize_rows, lib.rs_w8a8_gemm, lib.rs_w8_gemm, lib.rs_w8_bf16_gemm, lib.rs_w8a8_linear,
-               lib.rs_int8_linear):
-        fn.restype = None
+    lib.rs_int8_linear.restype = None
     return lib
 
 
