@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
         rss[server.name] = server.rss
     bandwidth = copy_bandwidth_gbps()
     floor = decode_floor_ms(args.model, args.dtype, bandwidth)
-    formats = [args.dtype] + [f for f in ("int8",) if any("--quantization" in v for v in args.ringserve_variant)]
+    formats = [args.dtype] + ["int8"] * any("--quantization" in v for v in args.ringserve_variant)
     formats += [f for f in map(gguf_format, args.llama_gguf) if f in BYTES_PER_ELEMENT]
     floors = {f: decode_floor_ms(args.model, f, bandwidth) for f in dict.fromkeys(formats)}
 
