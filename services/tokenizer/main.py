@@ -14,7 +14,9 @@ aborts them at their scheduler), pending aborts are flushed and the links closed
 With API keys (``--api-key``, ``--api-key-file``, ``$RINGSERVE_API_KEY``; see
 ``ringserve.apikeys``) every RPC of the ``Tokenizer`` service needs
 ``authorization: Bearer <key>`` metadata, else it ends UNAUTHENTICATED before any work;
-health and reflection stay open.
+health and reflection stay open. Its calls to the schedulers and detokenizers present the
+ring's internal credential (``ringserve.internal_auth``: ``$RINGSERVE_INTERNAL_TOKEN`` or
+``--internal-token-file``), a different secret.
 """
 
 from __future__ import annotations
@@ -25,12 +27,14 @@ import logging
 import os
 import signal
 import socket
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ringserve import grpcutil
 from ringserve.apikeys import ApiKeyInterceptor, ApiKeys, add_api_key_args, api_keys_from_args
 from ringserve.grpcutil import ServingServer, start_server
+from ringserve.internal_auth import InternalAuth, add_internal_auth_args, internal_auth_from_args
 from ringserve.metrics import ServiceMetrics, add_metrics_port_flag
 from ringserve.models import resolve_model
 from ringserve.v1 import tokenizer_pb2_grpc
@@ -48,7 +52,9 @@ ABORT_FLUSH_S = 0.5
 
 
 def default_instance_id() -> str:
-    return f"tok-{socket.gethostname()}-{os.getpid()}"
+    """``tok-<host>-<pid>-<12 hex digits>``: the random part keeps two instances apart even where
+    host and pid repeat (containers, where every process may be pid 1 on the same host name)."""
+    return f"tok-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,7 @@ class TokenizerConfig:
     metrics_port: int | None = None  # Prometheus /metrics on host:port; None = off, 0 = a free port
     transport: grpcutil.Transport = grpcutil.Transport()  # message size and TLS, server and both links
     api_keys: ApiKeys = ApiKeys()  # keys the Tokenizer service requires; empty: none
+    internal_auth: InternalAuth = InternalAuth()  # presented to the schedulers and detokenizers; empty: none
 
     @property
     def address(self) -> str:
@@ -98,7 +105,8 @@ class TokenizerService:
             allow_special_tokens_in_messages=config.allow_special_tokens_in_messages,
         )
         self.replicas = ReplicaSet([
-            Replica(address, config.instance_id, self.manager.handle_batch, self._on_link)
+            Replica(address, config.instance_id, self.manager.handle_batch, self._on_link,
+                    config.internal_auth.metadata())
             for address in config.replica_addresses
         ])
         self.manager.balancer = self.replicas
@@ -184,7 +192,9 @@ def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
     p.add_argument("--replica", action="append", default=[], metavar="SCHED_ADDR,DETOK_ADDR",
                    help="a model replica (a scheduler and its detokenizer); repeat for several; "
                         "given, it replaces --scheduler/--detokenizer")
-    p.add_argument("--instance-id", default=None, help="default: tok-<hostname>-<pid>")
+    p.add_argument("--instance-id", default=None,
+                   help="default: tok-<hostname>-<pid>-<random>; must be unique (schedulers and detokenizers "
+                        "refuse a second stream for a connected id)")
     p.add_argument("--served-model-name", default=None, help="default: the model directory's name")
     p.add_argument("--context-length", type=int, default=None, help="default: config.json max_position_embeddings")
     p.add_argument("--grace-period", type=float, default=TokenizerConfig.grace_period_s,
@@ -198,6 +208,7 @@ def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
     add_metrics_port_flag(p)
     grpcutil.add_transport_args(p)
     add_api_key_args(p, "every RPC of the Tokenizer service (health and reflection stay open)")
+    add_internal_auth_args(p)
     a = p.parse_args(argv)
     if a.chat_template is not None and not a.chat_template.is_file():
         p.error(f"--chat-template {a.chat_template}: no such file")
@@ -222,6 +233,7 @@ def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
         metrics_port=a.metrics_port,
         transport=grpcutil.transport_from_args(p, a),
         api_keys=api_keys_from_args(p, a),
+        internal_auth=internal_auth_from_args(p, a),
     )
 
 

@@ -45,6 +45,7 @@ class Replica:
     """One scheduler + detokenizer pair, named by its scheduler address (stable across instances).
 
     ``send_req``/``send_abort`` go to its scheduler stream (RequestError UNAVAILABLE when down).
+    Every call to either peer presents ``metadata`` (the ring's internal credential).
     """
 
     def __init__(
@@ -53,11 +54,12 @@ class Replica:
         instance_id: str,
         on_batch: Callable[[detokenizer_pb2.BatchStrOutput], None],
         on_change: Callable[[Link, bool], None],
+        metadata: Sequence[tuple[str, str]] = (),
     ):
         self.address = address
         self.name = address.scheduler
-        self.scheduler = SchedulerLink(address.scheduler, instance_id, on_change)
-        self.detokenizer = DetokenizerLink(address.detokenizer, instance_id, on_batch, on_change)
+        self.scheduler = SchedulerLink(address.scheduler, instance_id, on_change, metadata)
+        self.detokenizer = DetokenizerLink(address.detokenizer, instance_id, on_batch, on_change, metadata)
 
     @property
     def up(self) -> bool:
@@ -87,7 +89,7 @@ async def _get_load(link: Link, stub_cls: Callable) -> common_pb2.LoadReport | N
     if channel is None or not link.up:
         return None
     try:
-        return await stub_cls(channel).GetLoad(common_pb2.Empty(), timeout=LOAD_TIMEOUT_S)
+        return await stub_cls(channel).GetLoad(common_pb2.Empty(), timeout=LOAD_TIMEOUT_S, metadata=link.metadata)
     except grpc.aio.AioRpcError as exc:
         logger.warning("GetLoad on the %s at %s failed: %s", link.name, link.target, exc.code().name)
         return None

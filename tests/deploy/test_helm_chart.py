@@ -89,7 +89,7 @@ def test_cpu_single_replica(rendered: dict[str, list[dict]]) -> None:
     kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
     assert ("Ingress", f"{FULL}-gateway") not in kinds
     assert not any(d["kind"] == "ServiceMonitor" for d in docs)
-    assert not any(d["kind"] == "Secret" for d in docs)
+    assert [d["metadata"]["name"] for d in docs if d["kind"] == "Secret"] == [f"{FULL}-internal-token"]
     assert ("HorizontalPodAutoscaler", f"{FULL}-gateway") not in kinds
 
     cm = by(docs, "ConfigMap", f"{FULL}-config")["data"]
@@ -326,9 +326,9 @@ def test_scheduler_omp_wait_policy_is_set_only_when_asked(helm: Path, rendered) 
         pod = by(docs, "StatefulSet", f"{FULL}-replica")["spec"]["template"]["spec"]
         return container(pod, "scheduler")["env"]
 
-    assert [e["name"] for e in sched_env(rendered["cpu-single"])] == ["POD_NAME"]
+    assert [e["name"] for e in sched_env(rendered["cpu-single"])] == ["POD_NAME", "RINGSERVE_INTERNAL_TOKEN"]
     docs = render(helm, "cpu-single", "--set", "replica.scheduler.ompWaitPolicy=PASSIVE")
-    assert sched_env(docs)[1:] == [{"name": "OMP_WAIT_POLICY", "value": "PASSIVE"}]
+    assert sched_env(docs)[1] == {"name": "OMP_WAIT_POLICY", "value": "PASSIVE"}
     sched = container(by(docs, "StatefulSet", f"{FULL}-replica")["spec"]["template"]["spec"], "scheduler")
     assert sched["resources"]["requests"]["cpu"] == sched["resources"]["limits"]["cpu"] == "4"
 
@@ -394,7 +394,7 @@ def test_grpc_api_without_tls(rendered: dict[str, list[dict]], helm: Path) -> No
     for kind, name in (("gateway", "gateway"), ("tokenizer", "tokenizer")):
         c = container(by(docs, "Deployment", f"{FULL}-{kind}")["spec"]["template"]["spec"], name)
         assert {e["name"]: e.get("valueFrom") for e in c["env"]}["RINGSERVE_API_KEY"] == ref
-    assert not any(d["kind"] == "Secret" for d in docs)
+    assert [d["metadata"]["name"] for d in docs if d["kind"] == "Secret"] == [f"{FULL}-internal-token"]
 
     assert ('grpcurl -plaintext -H "authorization: Bearer $API_KEY" grpc.ringserve.test:80 '
             'ringserve.v1.Tokenizer/GetModelInfo') in render_notes(helm, "grpc-api")

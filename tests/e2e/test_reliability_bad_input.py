@@ -146,13 +146,14 @@ class FakeTokenizer:
         self._detok_ch = grpc.insecure_channel(stack.detokenizer)
         self.rows: queue.Queue[tuple[str, common_pb2.FinishReason, int]] = queue.Queue()
         self._sub = detokenizer_pb2_grpc.DetokenizerStub(self._detok_ch).Subscribe(
-            detokenizer_pb2.SubscribeRequest(tokenizer_id=self.id))
+            detokenizer_pb2.SubscribeRequest(tokenizer_id=self.id), metadata=stack.internal_metadata)
         self._sub.initial_metadata()  # registered
         threading.Thread(target=self._read, daemon=True).start()
         self._out: queue.Queue[scheduler_pb2.SchedulerInput | None] = queue.Queue()
         hello = scheduler_pb2.AbortReq(rid="", tokenizer_id=self.id)
         self._out.put(scheduler_pb2.SchedulerInput(abort=hello))
-        self._connect = scheduler_pb2_grpc.SchedulerStub(self._sched_ch).Connect(iter(self._out.get, None))
+        self._connect = scheduler_pb2_grpc.SchedulerStub(self._sched_ch).Connect(iter(self._out.get, None),
+                                                                                  metadata=stack.internal_metadata)
         next(self._connect)  # the first LoadReport: the stream is open
 
     def _read(self) -> None:
@@ -207,7 +208,8 @@ def test_scheduler_refuses_bad_requests_and_keeps_serving(stack):
 def test_scheduler_refuses_a_stream_without_hello(stack):
     with grpc.insecure_channel(stack.scheduler) as ch:
         req = scheduler_pb2.TokenizedGenerateReqInput(rid="x", input_ids=[1], sampling_params=resolved())
-        call = scheduler_pb2_grpc.SchedulerStub(ch).Connect(iter([scheduler_pb2.SchedulerInput(req=req)]))
+        call = scheduler_pb2_grpc.SchedulerStub(ch).Connect(iter([scheduler_pb2.SchedulerInput(req=req)]),
+                                                            metadata=stack.internal_metadata)
         try:
             list(call)
         except grpc.RpcError as exc:
@@ -245,7 +247,8 @@ def malformed_batch(draw) -> detokenizer_pb2.BatchTokenIDOutput:
 def test_detokenizer_refuses_malformed_batches(stack, batch):
     with grpc.insecure_channel(stack.detokenizer) as ch:
         try:
-            list(detokenizer_pb2_grpc.DetokenizerStub(ch).Stream(iter([batch]), timeout=10))
+            list(detokenizer_pb2_grpc.DetokenizerStub(ch).Stream(iter([batch]), timeout=10,
+                                                                 metadata=stack.internal_metadata))
         except grpc.RpcError as exc:
             assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, (exc.code(), exc.details())
             assert "malformed" in exc.details()

@@ -75,6 +75,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
                 self._run(msg.req)
             elif not msg.abort.rid:
                 self.hellos.append(msg.abort)
+                await context.send_initial_metadata(())  # accepted, as a real scheduler's first event says
             else:
                 self.aborts.append(msg.abort)
                 if msg.abort.rid in self.running:
