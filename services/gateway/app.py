@@ -300,7 +300,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def get_load(request: Request) -> Response:
         return sse.json_response(cluster_load_json(await client_of(request).cluster_load()))
 
-    @app.get("/health", responses=schemas.ok(schemas.HealthResponse))
+    @app.get("/health", responses={**schemas.ok(schemas.HealthResponse), 503: {
+        "model": schemas.HealthNotReadyResponse, "description": "No replica can move a token (Retry-After)"}})
     async def health(request: Request) -> Response:
         """Readiness: 200 while a token can get through the ring, 503 with the reasons otherwise."""
         return health_response(await client_of(request).readiness())

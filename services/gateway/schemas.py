@@ -137,6 +137,12 @@ class HealthResponse(BaseModel):
     not_ready: list[NotReady]
 
 
+class HealthNotReadyResponse(ErrorResponse):
+    status: str  # "not_ready"
+    replicas: int
+    not_ready: list[NotReady]
+
+
 class HealthGenerateResponse(BaseModel):
     status: str
     text: str
