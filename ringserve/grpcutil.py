@@ -3,7 +3,8 @@
 Every ringserve service registers the standard gRPC health service
 (``grpc.health.v1.Health``) and server reflection next to its own servicers.
 Health starts as NOT_SERVING and a service flips itself to SERVING once its
-model or tokenizer is loaded and its upstream connections are up.
+model or tokenizer is loaded and its upstream connections are up. The service name
+``liveness`` is SERVING from start to shutdown, for liveness probes.
 
 Transport (``Transport``, one per process, set by each service's ``main`` through
 ``configure``): the largest message sent or received (a bigger one ends the call with
@@ -32,6 +33,10 @@ from .grpc_decode import DecodeErrorInterceptor
 
 # Large enough for a BatchTokenIDOutput of a full batch with logprobs.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+# The health service name that is SERVING from start to shutdown whatever the peers do:
+# liveness probes ask for it, so a stalled peer turns a service unready without restarting it.
+LIVENESS = "liveness"
 
 
 @dataclass(frozen=True)
@@ -187,7 +192,8 @@ async def start_server(
             ``ringserve.grpc_auth``).
 
     Returns:
-        The started server; health reports NOT_SERVING until ``set_serving()``.
+        The started server; health reports NOT_SERVING until ``set_serving()``, and
+        SERVING for ``LIVENESS`` until it stops.
 
     Raises:
         RuntimeError: the address could not be bound.
@@ -215,6 +221,7 @@ async def start_server(
     await server.start()
     serving = ServingServer(server, health_servicer, tuple(names), port)
     await serving.set_serving(False)
+    await health_servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
     return serving
 
 

@@ -164,12 +164,12 @@ def service_pid(launcher_pid: int, name: str) -> int:
     raise LookupError(f"no running {name} under launcher {launcher_pid}")
 
 
-def grpc_serving(address: str, transport: grpcutil.Transport, timeout_s: float = 1.0) -> bool:
-    """Whether the gRPC health service at ``address`` reports SERVING (for the whole server)."""
+def grpc_serving(address: str, transport: grpcutil.Transport, timeout_s: float = 1.0, service: str = "") -> bool:
+    """Whether the gRPC health service at ``address`` reports SERVING for ``service`` ("": the whole server)."""
     with grpcutil.sync_channel(address, transport) as channel:
         try:
             resp = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
             )
         except grpc.RpcError:
             return False

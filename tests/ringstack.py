@@ -165,6 +165,28 @@ class OwnStack(Stack):
 
 
 @contextmanager
+def launched_gateway(tokenizer: str, *flags: str, log_path: Path | None = None) -> Iterator[str]:
+    """A second gateway process (``ringserve gateway FLAGS``) on a ring's tokenizer at
+    ``tokenizer``, until the block ends; yields its base URL once ``/health`` is 200. A gateway
+    holds no state, so a flag of its own needs no ring of its own. With ``log_path`` its output
+    goes to that file."""
+    port = free_port()
+    log = open(log_path, "w") if log_path is not None else None  # noqa: SIM115 (closed below)
+    proc = subprocess.Popen([sys.executable, "-m", "ringserve.cli", "gateway", "--port", str(port),
+                             "--tokenizer", tokenizer, *flags],
+                            stdout=log, stderr=subprocess.STDOUT if log else None)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(proc, f"{base}/health", timeout_s=60)
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        if log is not None:
+            log.close()
+
+
+@contextmanager
 def launched(model_dir: Path, *extra: str, log_path: Path | None = None) -> Iterator[OwnStack]:
     """Launch a ring with ``extra`` launcher flags; stop it (SIGTERM, then SIGKILL) at the end.
 

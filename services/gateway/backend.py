@@ -219,9 +219,19 @@ class TokenizerClient:
             )
         return card.served_model_name
 
-    async def serving(self) -> bool:
-        """True when the tokenizer's gRPC health says SERVING (it does only with its peers up)."""
-        return await grpcutil.wait_serving(self._channel, "", self._config.health_timeout_s)
+    async def readiness(self) -> tokenizer_pb2.Readiness:
+        """The tokenizer's ``GetReadiness``: whether it can move a token, and why not.
+
+        A tokenizer that does not answer within ``health_timeout_s`` is reported as not
+        ready, with the reason ``tokenizer_unavailable`` (never raises).
+        """
+        try:
+            return await self.stub.GetReadiness(common_pb2.Empty(), timeout=self._config.health_timeout_s,
+                                                metadata=self._metadata)
+        except grpc.aio.AioRpcError as exc:
+            message = f"the tokenizer at {self._config.tokenizer} did not answer ({exc.code().name}: {exc.details()})"
+            return tokenizer_pb2.Readiness(ready=False, not_ready=[
+                tokenizer_pb2.NotReady(reason="tokenizer_unavailable", message=message)])
 
     async def unary(self, method: str, request: object) -> object:
         """Call a unary Tokenizer RPC by name, mapping gRPC errors to GatewayError."""

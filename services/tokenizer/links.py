@@ -211,6 +211,7 @@ class DetokenizerLink(Link):
         super().__init__("detokenizer", target, on_change, metadata)
         self.instance_id = instance_id
         self.on_batch = on_batch
+        self.last_batch_at = 0.0  # time.monotonic() of the latest BatchStrOutput (readiness's stall check)
 
     async def _open(self, channel: grpc.aio.Channel) -> grpc.aio.Call:
         call = detokenizer_pb2_grpc.DetokenizerStub(channel).Subscribe(
@@ -222,6 +223,7 @@ class DetokenizerLink(Link):
     async def _pump(self, call: grpc.aio.Call) -> None:
         try:
             async for batch in call:
+                self.last_batch_at = time.monotonic()
                 self.on_batch(batch)
         finally:
             call.cancel()

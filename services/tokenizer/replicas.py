@@ -3,7 +3,8 @@
 A ``Replica`` pairs one ``SchedulerLink`` (it is the manager's ``Dispatcher`` for the
 requests sent there) with one ``DetokenizerLink``; it can take requests only while both
 are up. ``ReplicaSet`` is the manager's ``Balancer``: it asks the ``Router`` (least
-outstanding work, then prefix affinity) among the replicas that are up.
+outstanding work, then prefix affinity) among the replicas that are up, those that can
+move a token first (``services.tokenizer.readiness``).
 """
 
 from __future__ import annotations
@@ -106,16 +107,21 @@ class ReplicaSet:
             raise ValueError(f"a scheduler address is given twice: {names}")
         self.replicas = tuple(replicas)
         self.router = router or Router()
+        # Whether a replica can move a token (services.tokenizer.readiness); set by the service.
+        self.can_move_tokens: Callable[[Replica], bool] = lambda replica: True
 
     def pick(self, input_ids: Sequence[int], outstanding: Mapping[object, int]) -> Replica:
-        """The replica for a prompt among those with both links up; the choice is recorded.
+        """The replica for a prompt among those with both links up, preferring those that
+        can move a token (a stalled one gets requests only when no other is up); the
+        choice is recorded.
 
         Raises:
             RequestError: UNAVAILABLE when no replica is up.
         """
-        eligible = {r.name: r for r in self.replicas if r.up}
-        if not eligible:
+        up = [r for r in self.replicas if r.up]
+        if not up:
             raise unavailable(_none_up(self.replicas))
+        eligible = {r.name: r for r in up if self.can_move_tokens(r)} or {r.name: r for r in up}
         name = self.router.choose(input_ids, {n: outstanding.get(r, 0) for n, r in eligible.items()})
         self.router.record(input_ids, name)
         return eligible[name]
@@ -123,10 +129,6 @@ class ReplicaSet:
     def of(self, link: Link) -> Replica:
         """The replica that owns ``link``."""
         return next(r for r in self.replicas if link in (r.scheduler, r.detokenizer))
-
-    @property
-    def any_up(self) -> bool:
-        return any(r.up for r in self.replicas)
 
 
 def _none_up(replicas: Sequence[Replica]) -> str:

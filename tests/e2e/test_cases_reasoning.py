@@ -10,38 +10,18 @@ enough to check where the text lands and that streamed and whole responses agree
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import time
-
 import httpx
 import pytest
 
-from ringserve.launch import free_port
+from tests.ringstack import launched_gateway
 
 from .structured_helpers import chat, chat_body, error_of
 
 
 @pytest.fixture(scope="module")
 def gateway(tools_ring):
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "ringserve.cli", "gateway", "--port", str(port),
-                             "--tokenizer", tools_ring.tokenizer, "--reasoning-parser", "deepseek_r1"])
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the reasoning gateway did not come up"
-            time.sleep(0.2)
+    with launched_gateway(tools_ring.tokenizer, "--reasoning-parser", "deepseek_r1") as base:
         yield base
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 @pytest.fixture

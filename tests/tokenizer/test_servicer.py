@@ -117,6 +117,7 @@ class Ring:
         else:
             reg = (scheduler_pb2_grpc.add_SchedulerServicer_to_server, self.sched, "ringserve.v1.Scheduler")
         self.servers[name] = await start_server(f"127.0.0.1:{port}", [reg])
+        await self.servers[name].set_serving(True)  # as the real services do once started
 
     async def start(self) -> None:
         await self.start_peer("detokenizer")

@@ -104,7 +104,8 @@ scheduler's default tag carries its variant: <tag>-cpu or <tag>-cuda. */}}
 {{- end -}}
 
 {{/* The probe action on a service's gRPC health: Kubernetes' gRPC probe, or under grpcTls
-(which that probe cannot speak) `ringserve health` with the TLS flags. Takes (dict "ctx" $ "port" N). */}}
+(which that probe cannot speak) `ringserve health` with the TLS flags. Takes (dict "ctx" $ "port" N),
+and "service" "liveness" for the health service that stays SERVING while the process lives. */}}
 {{- define "ringserve.grpcProbe" -}}
 {{- if .ctx.Values.grpcTls.enabled }}
 exec:
@@ -112,10 +113,16 @@ exec:
     - ringserve
     - health
     - localhost:{{ .port }}
+    {{- with .service }}
+    - --service={{ . }}
+    {{- end }}
     {{- include "ringserve.grpcTlsArgs" .ctx | nindent 4 }}
 {{- else }}
 grpc:
   port: {{ .port }}
+  {{- with .service }}
+  service: {{ . }}
+  {{- end }}
 {{- end }}
 {{- end -}}
 
