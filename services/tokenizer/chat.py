@@ -33,6 +33,7 @@ from typing import Any
 import jinja2
 import orjson
 
+from ringserve import limits
 from ringserve.v1 import tokenizer_pb2
 from services.tokenizer.errors import (
     CHAT_TEMPLATE_ERROR,
@@ -40,6 +41,7 @@ from services.tokenizer.errors import (
     UNSUPPORTED_CONTENT_TYPE,
     RequestError,
     invalid,
+    over_limit,
 )
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -66,8 +68,12 @@ def message_content(msg: tokenizer_pb2.ChatMessage, i: int) -> str | None:
     return "".join(part.text for part in msg.content_parts)
 
 
-def _tool_call(call: tokenizer_pb2.ToolCall) -> dict[str, Any]:
+def _tool_call(call: tokenizer_pb2.ToolCall, where: str) -> dict[str, Any]:
     arguments: Any = call.function_arguments
+    try:
+        limits.check_json_text(arguments, f"{where}.function_arguments", "messages")
+    except limits.LimitExceeded as exc:
+        raise over_limit(exc) from None
     try:
         parsed = orjson.loads(arguments) if arguments else {}
     except orjson.JSONDecodeError:
@@ -109,7 +115,7 @@ def messages_to_dicts(chat: tokenizer_pb2.ChatInput) -> list[dict[str, Any]]:
         if msg.tool_calls:
             if msg.role != "assistant":
                 raise invalid(f"messages[{i}] ({msg.role}) cannot carry tool_calls", "messages")
-            d["tool_calls"] = [_tool_call(c) for c in msg.tool_calls]
+            d["tool_calls"] = [_tool_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(msg.tool_calls)]
         if msg.HasField("reasoning_content"):
             d["reasoning_content"] = msg.reasoning_content
         out.append(d)
@@ -117,6 +123,10 @@ def messages_to_dicts(chat: tokenizer_pb2.ChatInput) -> list[dict[str, Any]]:
 
 
 def _json_field(text: str, kind: type, name: str) -> Any:
+    try:
+        limits.check_json_text(text, name)
+    except limits.LimitExceeded as exc:
+        raise over_limit(exc) from None
     try:
         value = orjson.loads(text)
     except orjson.JSONDecodeError as exc:

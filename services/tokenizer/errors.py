@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import grpc
 
+from ringserve.limits import LimitExceeded
+
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 INVALID_VALUE = "invalid_value"
 UNSUPPORTED_CONTENT_TYPE = "unsupported_content_type"
@@ -60,3 +62,8 @@ def invalid(message: str, param: str | None = None, code: str = INVALID_VALUE) -
 def unavailable(message: str) -> RequestError:
     """An UNAVAILABLE RequestError (a peer of the ring is down)."""
     return RequestError(message, grpc.StatusCode.UNAVAILABLE, SERVICE_UNAVAILABLE)
+
+
+def over_limit(exc: LimitExceeded) -> RequestError:
+    """The INVALID_ARGUMENT RequestError of a document over ``ringserve.limits``' limits."""
+    return RequestError(exc.message, grpc.StatusCode.INVALID_ARGUMENT, INVALID_VALUE, exc.param)
