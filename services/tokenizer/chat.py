@@ -9,6 +9,8 @@ Rules, following vLLM's and SGLang's OpenAI serving layers:
   part gives exactly the string form. Any part whose type is not "text" is
   rejected: this service serves text-only models.
 - Absent content (an assistant with tool calls) is passed to the template as "".
+- ``tool_call_id`` belongs to tool messages, ``tool_calls`` and ``reasoning_content`` to
+  assistant messages: on any other role they are refused, not ignored.
 - A tool call's ``function_arguments`` is passed as a dict when it is a JSON
   object (what Hugging Face templates expect, e.g. ``arguments | tojson``),
   otherwise as the string the model wrote.
@@ -112,6 +114,11 @@ def messages_to_dicts(chat: tokenizer_pb2.ChatInput) -> list[dict[str, Any]]:
             if not msg.tool_call_id:
                 raise invalid(f"messages[{i}] (tool) needs tool_call_id", "messages")
             d["tool_call_id"] = msg.tool_call_id
+        elif msg.tool_call_id:
+            raise invalid(f"messages[{i}] ({msg.role}) cannot carry tool_call_id (only role tool has it)", "messages")
+        if msg.HasField("reasoning_content") and msg.role != "assistant":
+            raise invalid(f"messages[{i}] ({msg.role}) cannot carry reasoning_content (only role assistant has it)",
+                          "messages")
         if msg.tool_calls:
             if msg.role != "assistant":
                 raise invalid(f"messages[{i}] ({msg.role}) cannot carry tool_calls", "messages")

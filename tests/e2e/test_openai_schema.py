@@ -13,8 +13,9 @@ Two adjustments keep the run short and make positive cases produce real generati
 - positive bodies are repaired for the rules a JSON schema cannot state (content required
   for non-assistant roles, tool_call_id on tool messages, ids inside the vocabulary,
   min_tokens <= max_tokens, stream_options only with stream, top_logprobs only with
-  logprobs, non-empty stop strings, logit_bias keyed by token ids, top_k never 0). Each of
-  those rules has its own 400 test in tests/gateway/test_gateway_errors.py.
+  logprobs, non-empty stop strings, logit_bias keyed by token ids, top_k never 0, keys only
+  on the variant that has them). Each of those rules has its own 400 test in
+  tests/gateway/test_gateway_errors.py and tests/gateway/test_gateway_variants.py.
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ def _repair_sampling(params: dict, model: str) -> None:
     if params.get("stop") == "":
         del params["stop"]
     params.pop("logit_bias", None)
+    rf = params.get("response_format")
+    if isinstance(rf, dict) and rf.get("type") != "json_schema":
+        rf.pop("json_schema", None)
     if params.get("top_k") == 0:
         params["top_k"] = -1
     if isinstance(params.get("top_p"), float) and params["top_p"] < 1e-3:
@@ -100,6 +104,11 @@ def _repair_messages(body: dict) -> None:
             m["content"] = "ok"
         if m.get("role") == "tool" and not m.get("tool_call_id"):
             m["tool_call_id"] = "call_0"
+        if m.get("role") != "tool":
+            m.pop("tool_call_id", None)
+        if m.get("role") != "assistant":
+            m.pop("tool_calls", None)
+            m.pop("reasoning_content", None)
     if body.get("top_logprobs") is not None:
         body["logprobs"] = True
     if body.get("continue_final_message") and (body.get("add_generation_prompt") or not messages
