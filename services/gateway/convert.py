@@ -26,6 +26,10 @@ from .protocol import (
     Tool,
 )
 
+# Prompts in one completions batch: each is its own Generate call, and the gateway's memory
+# for a batch grows with it (a 16 MiB body holds millions of one-character prompts).
+MAX_BATCH_PROMPTS = 2048
+
 # Fields copied one to one from a request onto SamplingParams when the client set them.
 _PLAIN_FIELDS = (
     "temperature",
@@ -268,13 +272,21 @@ def prompt_top_logprobs(req: CompletionRequest) -> int | None:
 
 
 def completion_prompts(prompt: str | list[int] | list[list[int]] | list[str]) -> list[str | list[int]]:
-    """The prompts of a completions request: one string, one id list, or a batch of either."""
+    """The prompts of a completions request: one string, one id list, or a batch of either.
+
+    Raises:
+        GatewayError(400): an empty prompt or id list, or a batch of more than
+            MAX_BATCH_PROMPTS prompts (checked before any request is built for it).
+    """
     if isinstance(prompt, str):
         return [prompt]
     if not prompt:
         raise invalid("prompt must not be empty", "prompt")
     if isinstance(prompt[0], int):
         return [list(prompt)]  # type: ignore[arg-type]
+    if len(prompt) > MAX_BATCH_PROMPTS:
+        raise invalid(f"prompt: a batch holds at most {MAX_BATCH_PROMPTS} prompts, got {len(prompt)}; "
+                      "split it into several requests", "prompt")
     prompts: list[str | list[int]] = list(prompt)  # type: ignore[arg-type]
     if any(isinstance(p, list) and not p for p in prompts):
         raise invalid("prompt token lists must not be empty", "prompt")
