@@ -22,8 +22,9 @@ Schemathesis draws whole bodies and rarely reaches what breaks a server. The sec
 (``test_every_field_...``, hypothesis over ``bad_values``) puts one dangerous value at a time
 (nesting past the limits, 300 KiB strings, JSON text 10,000 deep, wrong types, numbers out
 of every range, unknown keys, empty and 10,000-long lists) into an otherwise valid body, at
-every field of chat, completions and ``/generate`` that the schema has: never a 5xx, never a
-hang, every service's ``/get_load`` back to zero, and no traceback in any service's log.
+every field of chat, completions, ``/generate``, ``/v1/tokenize`` and ``/v1/detokenize`` that
+the schema has: never a 5xx, never a hang, every service's ``/get_load`` back to zero, and no
+traceback in any service's log.
 """
 
 from __future__ import annotations
@@ -190,6 +191,8 @@ BASES = {
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
     "/v1/completions": {"prompt": "hi", "max_tokens": 1},
     "/generate": {"text": "hi", "sampling_params": {"max_new_tokens": 1}},
+    "/v1/tokenize": {"messages": [{"role": "user", "content": "hi"}]},  # renders the chat template too
+    "/v1/detokenize": {"tokens": [504]},
 }
 FIELDS = [(path, steps) for path in BASES for steps in json_fields(API, path)]
 
@@ -222,7 +225,7 @@ def idle_by_get_load(stack, timeout_s: float = 10.0) -> None:
 def post_bad(client: httpx.Client, stack, path: str, steps, value) -> httpx.Response:
     marker = "\x00raw\x00"
     body = set_json(API, copy.deepcopy(BASES[path]), steps, marker if isinstance(value, Raw) else value)
-    if path != "/generate":
+    if path.startswith("/v1/"):
         body.setdefault("model", stack.model_name)
     raw = value if isinstance(value, Raw) else None
     r = client.post(stack.base_url + path, content=dump_body(body, raw, marker), timeout=60,  # a hang fails here
