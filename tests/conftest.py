@@ -38,9 +38,10 @@ def smollm2_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def stack(smollm2_dir: Path):
-    """The whole ring serving SmolLM2 in fp32, launched once per test session (tests/ringstack.py)."""
+def stack(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """The whole ring serving SmolLM2 in fp32, launched once per test session (tests/ringstack.py);
+    its services write to a file (``stack.log()``), so tests can check what bad input logs."""
     from tests.ringstack import launched
 
-    with launched(smollm2_dir) as ring:
+    with launched(smollm2_dir, log_path=tmp_path_factory.mktemp("stack") / "ring.log") as ring:
         yield ring

@@ -12,10 +12,10 @@ call; the tokenizer checks the rest (see services/tokenizer/constraints.py).
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Sequence
 
+from ringserve import limits
 from ringserve.v1 import common_pb2
 
 from .errors import invalid
@@ -25,17 +25,20 @@ TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function nam
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
-def _schema_text(schema: object, param: str) -> str:
+def _schema_text(schema: object, name: str, param: str) -> str:
     if isinstance(schema, str):
-        return schema  # vLLM accepts the schema as JSON text; the tokenizer parses it
-    return json.dumps(schema)
+        return schema  # vLLM accepts the schema as JSON text; the tokenizer parses it (checked in _one)
+    return limits.dump_json(schema, name, param)
 
 
 def _one(found: list[tuple[str, common_pb2.Constraint]]) -> common_pb2.Constraint | None:
     if len(found) > 1:
         names = " and ".join(p for p, _ in found)
         raise invalid(f"give at most one output constraint, got {names}", found[1][0])
-    return found[0][1] if found else None
+    if not found:
+        return None
+    limits.check_constraint(found[0][1])
+    return found[0][1]
 
 
 def request_constraint(req: SamplingFields) -> common_pb2.Constraint | None:
@@ -43,6 +46,7 @@ def request_constraint(req: SamplingFields) -> common_pb2.Constraint | None:
 
     Raises:
         GatewayError(400): a json_schema format without its schema, or two constraints.
+        LimitExceeded: a schema or grammar over the limits of ``ringserve.limits``.
     """
     found: list[tuple[str, common_pb2.Constraint]] = []
     rf = req.response_format
@@ -53,7 +57,7 @@ def request_constraint(req: SamplingFields) -> common_pb2.Constraint | None:
             raise invalid("response_format of type json_schema needs a json_schema object", "response_format")
         if rf.json_schema.schema_ is None:
             raise invalid("response_format.json_schema.schema is required", "response_format")
-        text = _schema_text(rf.json_schema.schema_, "response_format")
+        text = _schema_text(rf.json_schema.schema_, "response_format.json_schema.schema", "response_format")
         found.append(("response_format", common_pb2.Constraint(json_schema=text, param="response_format")))
     so = req.structured_outputs
     if so is not None:
@@ -67,7 +71,7 @@ def request_constraint(req: SamplingFields) -> common_pb2.Constraint | None:
         param = f"structured_outputs.{key}"
         c = common_pb2.Constraint(param=param)
         if key == "json":
-            c.json_schema = _schema_text(value, param)
+            c.json_schema = _schema_text(value, param, param)
         elif key == "json_object":
             c.json_object = True
         elif key == "regex":
@@ -81,7 +85,12 @@ def request_constraint(req: SamplingFields) -> common_pb2.Constraint | None:
 
 
 def native_constraint(req: GenerateRequest) -> common_pb2.Constraint | None:
-    """SGLang's json_schema / regex / ebnf, at the top level of /generate or in its sampling_params."""
+    """SGLang's json_schema / regex / ebnf, at the top level of /generate or in its sampling_params.
+
+    Raises:
+        GatewayError(400): two constraints.
+        LimitExceeded: a schema or grammar over the limits of ``ringserve.limits``.
+    """
     found = []
     for where, holder in (("", req), ("sampling_params.", req.sampling_params)):
         for key in ("json_schema", "regex", "ebnf"):
@@ -146,5 +155,13 @@ def forced_tools(req: ChatCompletionRequest) -> list[Tool] | None:
 
 
 def forced_tool_constraint(req: ChatCompletionRequest, tools: list[Tool]) -> common_pb2.Constraint:
+    """The forced call's constraint; its schema follows the limits of any other schema.
+
+    Raises:
+        LimitExceeded: the schema built from the tools is over the limits (it nests each
+            tool's parameters two levels deeper than ``tools`` does).
+    """
     parallel = req.parallel_tool_calls is not False and req.tool_choice == "required"
-    return common_pb2.Constraint(json_schema=json.dumps(tool_calls_schema(tools, parallel)), param="tool_choice")
+    schema = limits.dump_json(tool_calls_schema(tools, parallel), "the tool-call schema built from tools",
+                              "tool_choice")
+    return common_pb2.Constraint(json_schema=schema, param="tool_choice")

@@ -4,7 +4,7 @@ The scheduler's grammar backend is the authority on what compiles (an unknown ``
 regex its engine rejects, an unenforceable keyword: FINISH_ABORT / INVALID_ARGUMENT from
 there); here go the checks that need no grammar engine, so that most mistakes are a 400
 before dispatch: a schema that is not JSON or fails the JSON Schema 2020-12 meta-schema,
-an empty regex, grammar or choice list, a constraint larger or deeper than the limits.
+an empty regex, grammar or choice list, a constraint over the limits of ``ringserve.limits``.
 A choice list becomes a GBNF grammar of string literals and ``json_object`` the schema
 ``{"type": "object"}``: the scheduler sees only json_schema, regex and ebnf.
 """
@@ -15,21 +15,12 @@ import json
 
 import jsonschema
 
+from ringserve import limits
 from ringserve.v1 import common_pb2
-from services.tokenizer.errors import invalid
+from services.tokenizer.errors import invalid, over_limit
 
-MAX_CONSTRAINT_BYTES = 256 * 1024
-MAX_SCHEMA_DEPTH = 32  # nested objects/arrays in the schema document
 DEFAULT_PARAM = {"json_schema": "response_format", "json_object": "response_format", "regex": "regex",
                  "ebnf": "ebnf", "choice": "choice"}
-
-
-def _depth(value: object) -> int:
-    if isinstance(value, dict):
-        return 1 + max((_depth(v) for v in value.values()), default=0)
-    if isinstance(value, list):
-        return 1 + max((_depth(v) for v in value), default=0)
-    return 0
 
 
 def _gbnf_literal(text: str) -> str:
@@ -59,8 +50,6 @@ def _check_schema(text: str, param: str) -> str:
         return "{}"
     if not isinstance(schema, dict):
         raise invalid(f"{param}: a JSON schema must be an object (or true), got {type(schema).__name__}", param)
-    if _depth(schema) > MAX_SCHEMA_DEPTH:
-        raise invalid(f"{param}: the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} levels", param)
     try:
         jsonschema.Draft202012Validator.check_schema(schema)
     except jsonschema.SchemaError as exc:
@@ -80,8 +69,10 @@ def resolve_constraint(c: common_pb2.Constraint) -> common_pb2.Constraint:
         raise invalid("the constraint names no kind (json_schema, json_object, regex, ebnf or choice)",
                       c.param or "response_format")
     param = c.param or DEFAULT_PARAM[kind]
-    if c.ByteSize() > MAX_CONSTRAINT_BYTES:
-        raise invalid(f"{param}: the constraint is larger than {MAX_CONSTRAINT_BYTES} bytes", param)
+    try:
+        limits.check_constraint(c, param)  # before parsing: the parsers and jsonschema recurse
+    except limits.LimitExceeded as exc:
+        raise over_limit(exc) from None
     out = common_pb2.Constraint(param=param, starts_after=c.starts_after)
     if kind == "json_object":
         out.json_schema = '{"type": "object"}'

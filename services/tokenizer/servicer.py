@@ -21,7 +21,7 @@ SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name
 
 
 async def _fail(context: grpc.aio.ServicerContext, err: RequestError) -> NoReturn:
-    await context.abort(err.status, err.message, trailing_metadata=err.trailing_metadata())
+    await context.abort(err.status, err.details(), trailing_metadata=err.trailing_metadata())
     raise AssertionError("context.abort returned")
 
 

@@ -56,7 +56,7 @@ def test_json_object_and_choice_become_what_the_scheduler_compiles():
     (common_pb2.Constraint(choice=common_pb2.ChoiceList(choices=["a", ""]), param="structured_outputs.choice"),
      "structured_outputs.choice: a choice is an empty string"),
     (common_pb2.Constraint(json_schema=json.dumps({"type": "object", "default": nested(40)}), param="response_format"),
-     "response_format: the JSON schema nests deeper than 32 levels"),
+     "response_format: nests deeper than 32 levels of objects and arrays"),
 ])
 def test_bad_constraints_are_refused_naming_the_field(constraint, message):
     error = refused(constraint)
