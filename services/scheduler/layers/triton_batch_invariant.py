@@ -25,7 +25,10 @@ from services.scheduler.layers.norm import RMSNorm
 BLOCK_M, BLOCK_N, BLOCK_K = 32, 64, 64
 
 
-@triton.jit
+# M, the step's token count, is not specialized on: the JIT would otherwise compile a kernel for
+# M == 1 and for M % 16 == 0 beside the general one (the first time each occurs, mid-serving),
+# and M only bounds the row masks.
+@triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(X, W, B, OUT, M, N, K, stride_xm, stride_wn, stride_om,
                    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
