@@ -27,6 +27,13 @@ for dtype in (torch.float32, torch.bfloat16):
     out[str(dtype)] = [list(full.shape), str(full.dtype), (full.float() - ref).abs().max().item() / ref.abs().max().item(),
                        rows, (got.float() - norm(x).float()).abs().max().item(),
                        all(torch.equal(batch_invariant_rms_norm(x[i:i + 1], norm.weight, 1e-5), got[i:i + 1]) for i in (0, 3, 69))]
+# Qwen3's q/k norms hand the norm [T, heads, head_dim]: each head a row.
+heads = torch.randn(5, 3, 32).to(torch.bfloat16)
+qk_norm = RMSNorm(32, 1e-6)
+qk_norm.weight = torch.nn.Parameter(torch.rand(32).to(torch.bfloat16), requires_grad=False)
+got = TritonRMSNorm.of(qk_norm)(heads)
+out["heads"] = [list(got.shape), (got.float() - qk_norm(heads).float()).abs().max().item(),
+                torch.equal(got[2:3], TritonRMSNorm.of(qk_norm)(heads[2:3]))]
 model = torch.nn.Sequential(torch.nn.Linear(96, 64), RMSNorm(64, 1e-6))
 swapped = _use_triton(model)
 out["swapped"] = [sorted(swapped), type(model[0]).__name__, type(model[1]).__name__, model[0].weight is not None]
@@ -36,6 +43,8 @@ print(json.dumps(out))
 
 def test_triton_gemm_and_rms_norm_are_batch_invariant():
     got = run_interpreted(CHECK)
+    shape, norm_err, row_equal = got["heads"]  # [T, heads, head_dim] in bf16: one rounding
+    assert shape == [5, 3, 32] and norm_err <= 2**-5 and row_equal
     shape, dtype, rel_err, rows_equal, norm_err, norm_rows_equal = got["torch.float32"]
     assert shape == [70, 130] and dtype == "torch.float32" and rel_err < 1e-6 and norm_err < 1e-6
     assert rows_equal and norm_rows_equal

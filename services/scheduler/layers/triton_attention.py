@@ -11,6 +11,11 @@ products run through ``tl.dot``: TF32 on GPUs for a float32 cache; float32 under
 interpreter, whose ``tl.dot`` cannot multiply 16-bit floats). Checked against the
 torch reference under ``TRITON_INTERPRET=1`` on CPU tensors.
 
+The GQA group size (both kernels) and the decode kernel's window are runtime arguments, not
+constexprs: each is one scalar operation per program, so models that differ only there share
+a compiled kernel. The extend kernel's window is a constexpr (``WINDOWED``: a mask in its
+inner loop), as soft-capping is in both.
+
 Sliding window (``window`` W > 0, a per-layer launch argument): the query at position p
 sees keys p - W < j <= p; decode starts its walk at key ``seq_len - W`` and extend at the
 first key its block of queries can see, so a windowed layer reads O(W) keys per query.
@@ -43,6 +48,26 @@ def _check_head_dim(d: int) -> None:
         raise ValueError(f"the Triton attention kernels need head_dim a power of two >= 16 (tl.arange, tl.dot); got {d}")
 
 
+def num_warps(head_dim: int, dtype: torch.dtype) -> int:
+    """Warps per program of both kernels: 8 for rows of 1 KiB or more (head_dim 256 in float32),
+    else 4 (Triton's default).
+
+    A program holds [BLOCK, head_dim] tiles spread over its threads. Compiled for sm_80 and
+    sm_90 (``services.scheduler.triton_aot``): at head_dim 256 in float32 four warps need more
+    than the 255 registers a thread has (the extend kernel spilled, the decode kernel used
+    250), eight use 160; in 16-bit floats four fit (under 200) and eight spill (ptxas then
+    holds each thread to 128 registers).
+    """
+    return 8 if head_dim * dtype.itemsize >= 1024 else 4
+
+
+def _rows(req_slots: torch.Tensor | None, b: int, device: torch.device) -> torch.Tensor:
+    """Each request's row of ``kv_indices``: ``req_slots``, or 0..b-1 without them. The kernels
+    always read a row index (the engine always passes slots), so there is one variant to compile
+    per GPU, not one per form."""
+    return torch.arange(b, device=device) if req_slots is None else req_slots
+
+
 @triton.jit
 def _softcap(s, cap):
     """cap * tanh(s / cap), with tanh(x) = 1 - 2 / (exp(2x) + 1) (exact limits at +-inf)."""
@@ -51,27 +76,22 @@ def _softcap(s, cap):
 
 @triton.jit
 def _decode_kernel(
-    Q, K, V, KV_INDICES, ROWS, SEQ_LENS, OUT, scale, window, softcap,
+    Q, K, V, KV_INDICES, ROWS, SEQ_LENS, OUT, scale, group, window, softcap,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_ib, stride_ob, stride_oh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ROWS: tl.constexpr,
-    WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    kv_head = h // GROUP  # query heads h*G..h*G+G-1 share KV head h (repeat_kv order)
+    kv_head = h // group  # query heads h*G..h*G+G-1 share KV head h (repeat_kv order)
     seq_len = tl.load(SEQ_LENS + b)
-    if HAS_ROWS:
-        row = tl.load(ROWS + b).to(tl.int64)
-    else:
-        row = b.to(tl.int64)
+    row = tl.load(ROWS + b).to(tl.int64)
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(Q + b * stride_qb + h * stride_qh + d).to(tl.float32)
     m_i = -float("inf")
     l_i = 0.0
     acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
-    first = 0
-    if WINDOWED:
-        first = tl.maximum(seq_len - window, 0)  # the query at seq_len - 1 sees its last `window` keys
+    # The query at seq_len - 1 sees its last `window` keys (window 0: all of them).
+    first = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
     for start in range(first, seq_len, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         valid = n < seq_len
@@ -122,30 +142,26 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     kv_indices = kv_indices.contiguous()
     if out is None:
         out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
-    rows = seq_lens if req_slots is None else req_slots  # unread without req_slots
+    rows = _rows(req_slots, b, q.device)
     _decode_kernel[(b, hq)](
-        q, k_buf, v_buf, kv_indices, rows, seq_lens.to(torch.int32).contiguous(), out, scale, window, softcap,
-        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), kv_indices.stride(0), out.stride(0), out.stride(1),
-        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_N=block_n, HAS_ROWS=req_slots is not None, WINDOWED=window > 0,
-        SOFTCAP=softcap > 0,
+        q, k_buf, v_buf, kv_indices, rows, seq_lens.to(torch.int32).contiguous(), out, scale, hq // hkv, window,
+        softcap, q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), kv_indices.stride(0), out.stride(0),
+        out.stride(1), HEAD_DIM=d, BLOCK_N=block_n, SOFTCAP=softcap > 0, num_warps=num_warps(d, k_buf.dtype),
     )
     return out.view(b, hq * d)
 
 
 @triton.jit
 def _extend_kernel(
-    Q, K, V, KV_INDICES, ROWS, Q_STARTS, PREFIX_LENS, EXTEND_LENS, OUT, scale, window, softcap,
+    Q, K, V, KV_INDICES, ROWS, Q_STARTS, PREFIX_LENS, EXTEND_LENS, OUT, scale, group, window, softcap,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_ib, stride_ot, stride_oh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr, HAS_ROWS: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    kv_head = h // GROUP
-    if HAS_ROWS:
-        row = tl.load(ROWS + b).to(tl.int64)
-    else:
-        row = b.to(tl.int64)
+    kv_head = h // group
+    row = tl.load(ROWS + b).to(tl.int64)
     q_start = tl.load(Q_STARTS + b)
     prefix = tl.load(PREFIX_LENS + b)
     ext = tl.load(EXTEND_LENS + b)
@@ -235,15 +251,15 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     if out is None:
         out = torch.empty(t, hq, d, dtype=q.dtype, device=q.device)
     grid = (ext.numel(), hq, triton.cdiv(max_extend_len, block_m))
-    rows = ext if req_slots is None else req_slots  # unread without req_slots
+    rows = _rows(req_slots, ext.numel(), q.device)
     _extend_kernel[grid](
         q, k_buf, v_buf, kv_indices, rows, starts, prefix_lens.to(torch.int32).contiguous(), ext.contiguous(), out, scale,
-        window, softcap,
+        hq // hkv, window, softcap,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), kv_indices.stride(0), out.stride(0), out.stride(1),
-        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
+        HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
         # Triton's interpreter multiplies 16-bit floats in tl.dot as their raw bits (numpy
         # has no bfloat16; triton 3.9's create_dot converts only 8-bit floats): fp32 there.
-        UPCAST=interpreted() and q.dtype != torch.float32, HAS_ROWS=req_slots is not None, WINDOWED=window > 0,
-        SOFTCAP=softcap > 0,
+        UPCAST=interpreted() and q.dtype != torch.float32, WINDOWED=window > 0, SOFTCAP=softcap > 0,
+        num_warps=num_warps(d, k_buf.dtype),
     )
     return out.view(t, hq * d)

@@ -25,7 +25,10 @@ from services.scheduler.layers.norm import RMSNorm
 BLOCK_M, BLOCK_N, BLOCK_K = 32, 64, 64
 
 
-@triton.jit
+# M, the step's token count, is not specialized on: the JIT would otherwise compile a kernel for
+# M == 1 and for M % 16 == 0 beside the general one (the first time each occurs, mid-serving),
+# and M only bounds the row masks.
+@triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(X, W, B, OUT, M, N, K, stride_xm, stride_wn, stride_om,
                    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -101,13 +104,14 @@ def _rms_norm_kernel(X, W, OUT, H, stride_x, stride_o, eps, BLOCK_H: tl.constexp
 
 
 def batch_invariant_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``layers.norm.RMSNorm`` with one program per row: x [T, H] -> [T, H] in x's dtype."""
-    t, hidden = x.shape
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    _rms_norm_kernel[(t,)](x, weight, out, hidden, x.stride(0), out.stride(0), eps,
-                           BLOCK_H=triton.next_power_of_2(hidden))
-    return out
+    """``layers.norm.RMSNorm`` with one program per row: x [..., H] -> the same shape in x's
+    dtype (leading dims flattened into rows: Qwen3's q/k norms pass [T, heads, head_dim])."""
+    hidden = x.shape[-1]
+    rows = x.reshape(-1, hidden).contiguous()
+    out = torch.empty_like(rows)
+    _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, hidden, rows.stride(0), out.stride(0), eps,
+                                       BLOCK_H=triton.next_power_of_2(hidden))
+    return out.view(x.shape)
 
 
 class TritonRMSNorm(RMSNorm):

@@ -30,7 +30,9 @@ def interpreted() -> bool:
     return isinstance(_grouped_gemm_kernel, InterpretedFunction)
 
 
-@triton.jit
+# num_pairs (T * K) changes every step and only bounds the row mask: not specialized on (see
+# ``layers.triton_batch_invariant``'s GEMM).
+@triton.jit(do_not_specialize=["num_pairs"])
 def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, w_ptr, sorted_ptr, expert_ptr, num_rows_ptr, N, K, num_pairs,
                          stride_am, stride_be, stride_bn, stride_cm,
                          TOP_K: tl.constexpr, MUL_WEIGHT: tl.constexpr, UPCAST: tl.constexpr,
