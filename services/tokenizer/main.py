@@ -41,6 +41,7 @@ from services.tokenizer.metrics import install_tokenizer_metrics
 from services.tokenizer.replicas import Replica, ReplicaAddress, ReplicaSet
 from services.tokenizer.model import load_tokenizer, model_facts
 from services.tokenizer.servicer import SERVICE_NAME, TokenizerServicer
+from services.tokenizer.workers import Workers, default_workers, thread_pool
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,8 @@ class TokenizerConfig:
     metrics_port: int | None = None  # Prometheus /metrics on host:port; None = off, 0 = a free port
     transport: grpcutil.Transport = grpcutil.Transport()  # message size and TLS, server and both links
     api_keys: ApiKeys = ApiKeys()  # keys the Tokenizer service requires; empty: none
+    # threads that render and tokenize, off the event loop (services/tokenizer/workers.py)
+    tokenize_workers: int = field(default_factory=default_workers)
 
     @property
     def address(self) -> str:
@@ -96,6 +99,7 @@ class TokenizerService:
         self.manager = TokenizerManager(
             tokenizer, facts, config.instance_id,
             allow_special_tokens_in_messages=config.allow_special_tokens_in_messages,
+            workers=Workers(thread_pool(config.tokenize_workers)),
         )
         self.replicas = ReplicaSet([
             Replica(address, config.instance_id, self.manager.handle_batch, self._on_link)
@@ -161,6 +165,9 @@ class TokenizerService:
         logger.info("tokenizer %s listening on %s:%d, replicas %s, %s", self.config.instance_id, self.config.host,
                     self.port, ", ".join(f"{r.address.scheduler}+{r.address.detokenizer}" for r in self.replicas.replicas),
                     f"API key required ({len(self.config.api_keys.keys)} valid)" if self.config.api_keys else "no API key")
+        bounds = self.manager.bounds
+        logger.info("%d tokenize workers; prompts over %s characters or %d messages are refused before tokenizing",
+                    self.config.tokenize_workers, bounds.max_prompt_chars or "(no bound)", bounds.max_prompt_tokens)
 
     async def stop(self) -> None:
         if self.server is not None:
@@ -170,6 +177,7 @@ class TokenizerService:
         for replica in self.replicas.replicas:
             await replica.detokenizer.stop()
             await replica.scheduler.stop()
+        self.manager.workers.shutdown()
         self.metrics.stop()
 
 
@@ -195,10 +203,15 @@ def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
     p.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
                    help="Jinja chat template replacing the model's (e.g. ringserve/templates/chatml_tools.jinja "
                         "to call tools with a ChatML model whose template cannot render them)")
+    p.add_argument("--tokenize-workers", type=int, default=None, metavar="N",
+                   help="threads that render chat templates and tokenize, off the event loop "
+                        f"(default: the usable cores, at most 4: {default_workers()} here)")
     add_metrics_port_flag(p)
     grpcutil.add_transport_args(p)
     add_api_key_args(p, "every RPC of the Tokenizer service (health and reflection stay open)")
     a = p.parse_args(argv)
+    if a.tokenize_workers is not None and a.tokenize_workers < 1:
+        p.error(f"--tokenize-workers must be at least 1, got {a.tokenize_workers}")
     if a.chat_template is not None and not a.chat_template.is_file():
         p.error(f"--chat-template {a.chat_template}: no such file")
     for spec in a.replica:
@@ -222,6 +235,7 @@ def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
         metrics_port=a.metrics_port,
         transport=grpcutil.transport_from_args(p, a),
         api_keys=api_keys_from_args(p, a),
+        tokenize_workers=a.tokenize_workers or default_workers(),
     )
 
 

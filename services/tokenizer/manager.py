@@ -8,8 +8,10 @@ whole life cycle is testable without a network.
 
 Life cycle of one request (DESIGN.md, invariants 2 and 4):
 
-1. ``prepare`` (``services.tokenizer.prepare``): render/tokenize, validate, expand
-   ``n`` into sub-requests (sub-rid ``f"{rid}-{i}"`` when n > 1, else the rid itself).
+1. ``prepare`` (``services.tokenizer.prepare``): the input bounds (``services.tokenizer.
+   bounds``) on the loop, then render/tokenize, validate, expand ``n`` into sub-requests
+   (sub-rid ``f"{rid}-{i}"`` when n > 1, else the rid itself) on a worker thread
+   (``services.tokenizer.workers``).
 2. register: a rid or sub-rid already in flight -> ALREADY_EXISTS, nothing sent.
 3. dispatch every sub-request (``dispatched``); a down scheduler -> UNAVAILABLE.
 4. rows arrive (``handle_batch``); a row with a finish reason marks the state
@@ -35,6 +37,7 @@ import grpc
 
 from ringserve.metrics import ignore_seconds
 from ringserve.v1 import common_pb2, detokenizer_pb2, scheduler_pb2, tokenizer_pb2
+from services.tokenizer.bounds import InputBounds
 from services.tokenizer.errors import (
     DUPLICATE_REQUEST_ID,
     INTERNAL_ERROR,
@@ -47,6 +50,7 @@ from services.tokenizer.errors import (
 from services.tokenizer.model import ModelFacts
 from services.tokenizer.prepare import Prepared, Preparer
 from services.tokenizer.state import ReqState, Row, split_rows
+from services.tokenizer.workers import Workers
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +107,8 @@ class TokenizerManager:
         allow_special_tokens_in_messages: parse control tokens that chat message text
             spells (``<|im_end|>``) as those tokens; by default they stay text (see
             ``services.tokenizer.special``).
+        workers: where rendering and tokenization run; default: on the loop (tests).
+        bounds: the input bounds; default: derived from ``tokenizer`` and ``facts``.
     """
 
     def __init__(
@@ -114,8 +120,17 @@ class TokenizerManager:
         outputs_up: bool = True,
         allow_special_tokens_in_messages: bool = False,
         balancer: Balancer | None = None,
+        workers: Workers | None = None,
+        bounds: InputBounds | None = None,
     ):
         self.preparer = Preparer(tokenizer, facts, instance_id, allow_special_tokens_in_messages)
+        self.workers = workers or Workers()
+        if bounds is None:
+            bounds, unbounded = InputBounds.of(tokenizer, facts)
+            if unbounded:
+                logger.warning("no character bound on prompts: %s; long prompts are tokenized before "
+                               "their context-length check", unbounded)
+        self.bounds = bounds
         self.tokenizer = tokenizer
         self.facts = facts
         self.instance_id = instance_id
@@ -339,7 +354,8 @@ class TokenizerManager:
         Cancelling or closing the generator before the end aborts every dispatched choice.
         """
         started = time.perf_counter()
-        prepared = self.prepare(req)
+        self.bounds.check_generate(req)
+        prepared = await self.workers.run(self.preparer.prepare, req)
         self.observe_tokenize(time.perf_counter() - started)
         replica = self._choose(prepared)
         states = self.register(prepared)
@@ -387,14 +403,20 @@ class TokenizerManager:
 
     # --- unary helpers -----------------------------------------------------------------------
 
-    def tokenize(self, req: tokenizer_pb2.TokenizeRequest) -> tokenizer_pb2.TokenizeResponse:
-        return self.preparer.tokenize(req)
+    # Each checks its input bound on the loop, then runs ``Preparer``'s method of that name
+    # (which documents it) through ``workers``. Raises RequestError (INVALID_ARGUMENT).
 
-    def detokenize(self, req: tokenizer_pb2.DetokenizeRequest) -> tokenizer_pb2.DetokenizeResponse:
-        return self.preparer.detokenize(req)
+    async def tokenize(self, req: tokenizer_pb2.TokenizeRequest) -> tokenizer_pb2.TokenizeResponse:
+        self.bounds.check_tokenize(req)
+        return await self.workers.run(self.preparer.tokenize, req)
 
-    def token_pieces(self, req: tokenizer_pb2.TokenIds) -> tokenizer_pb2.TokenPiecesResponse:
-        return self.preparer.token_pieces(req)
+    async def detokenize(self, req: tokenizer_pb2.DetokenizeRequest) -> tokenizer_pb2.DetokenizeResponse:
+        self.bounds.check_detokenize(req)
+        return await self.workers.run(self.preparer.detokenize, req)
+
+    async def token_pieces(self, req: tokenizer_pb2.TokenIds) -> tokenizer_pb2.TokenPiecesResponse:
+        self.bounds.check_token_pieces(req)
+        return await self.workers.run(self.preparer.token_pieces, req)
 
     def model_info(self) -> tokenizer_pb2.ModelInfo:
         f = self.facts

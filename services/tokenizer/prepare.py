@@ -86,6 +86,10 @@ class Preparer:
         self.guard = None if allow_special_tokens_in_messages else SpecialTokenGuard(tokenizer)
         self.facts = facts
         self.instance_id = instance_id
+        # transformers' encode clears truncation and padding a tokenizer.json sets, and puts
+        # split_special_tokens back, on the Rust tokenizer: once here, not in the first
+        # requests while other threads tokenize with it.
+        tokenizer.encode("a", add_special_tokens=False)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
