@@ -38,30 +38,13 @@ import grpc
 from ringserve.metrics import ignore_seconds
 from ringserve.v1 import common_pb2, detokenizer_pb2, scheduler_pb2, tokenizer_pb2
 from services.tokenizer.bounds import InputBounds
-from services.tokenizer.errors import (
-    DUPLICATE_REQUEST_ID,
-    INTERNAL_ERROR,
-    INVALID_REQUEST,
-    SERVER_OVERLOADED,
-    SERVICE_UNAVAILABLE,
-    RequestError,
-    unavailable,
-)
+from services.tokenizer.errors import DUPLICATE_REQUEST_ID, RequestError, unavailable
 from services.tokenizer.model import ModelFacts
 from services.tokenizer.prepare import Prepared, Preparer
-from services.tokenizer.state import ReqState, Row, split_rows
+from services.tokenizer.state import ERROR_STATUS_CODES, ReqState, absorb, split_rows
 from services.tokenizer.workers import Workers
 
 logger = logging.getLogger(__name__)
-
-# Scheduler abort statuses that end the Generate call with that gRPC status
-# instead of a FINISH_ABORT output (CANCELLED is a normal abort).
-_ERROR_STATUS_CODES = {
-    "INVALID_ARGUMENT": INVALID_REQUEST,
-    "RESOURCE_EXHAUSTED": SERVER_OVERLOADED,
-    "UNAVAILABLE": SERVICE_UNAVAILABLE,
-    "INTERNAL": INTERNAL_ERROR,
-}
 
 
 class Dispatcher(Protocol):
@@ -275,7 +258,7 @@ class TokenizerManager:
                 continue
             if row.finished:
                 fr = row.finish_reason
-                if fr.type == common_pb2.FINISH_ABORT and fr.status in _ERROR_STATUS_CODES:
+                if fr.type == common_pb2.FINISH_ABORT and fr.status in ERROR_STATUS_CODES:
                     # An error row may come from the detokenizer while the scheduler still
                     # runs the request; an abort for a rid it already dropped is a no-op.
                     self._send_abort(st, f"output path failed: {fr.message}")
@@ -288,58 +271,6 @@ class TokenizerManager:
             st.event.set()
 
     # --- Generate ---------------------------------------------------------------------------
-
-    def _absorb(self, st: ReqState, rows: list[Row], stream: bool) -> tokenizer_pb2.GenerateOutput | None:
-        """Fold ``rows`` into ``st``; return the output to send now (stream: one merged delta)."""
-        last = rows[-1]
-        st.completion_tokens = last.completion_tokens
-        st.cached_tokens = last.cached_tokens
-        fr = last.finish_reason
-        if fr.type == common_pb2.FINISH_ABORT and fr.status in _ERROR_STATUS_CODES:
-            status = grpc.StatusCode[fr.status]
-            # INVALID_ARGUMENT after dispatch is the scheduler refusing the constraint.
-            param = st.constraint_param if fr.status == "INVALID_ARGUMENT" else None
-            raise RequestError(fr.message or fr.status.lower(), status, _ERROR_STATUS_CODES[fr.status], param)
-        prompt = next((r.prompt_logprobs for r in rows if r.prompt_logprobs is not None), None)
-        if prompt is not None and st.scored_ids is not None:
-            prompt.token_ids.extend(st.scored_ids)  # from the requested start; logprobs are their tail
-            st.prompt_logprobs = prompt
-        if stream and len(rows) == 1:
-            text, ids, lps, tops = last.text, last.output_ids, last.logprobs, last.top_logprobs
-        elif stream:
-            text = "".join(r.text for r in rows)
-            ids = [t for r in rows for t in r.output_ids]
-            lps = [v for r in rows for v in r.logprobs]
-            tops = [t for r in rows for t in r.top_logprobs]
-        else:
-            for r in rows:
-                st.text_chunks.append(r.text)
-                st.output_ids.extend(r.output_ids)
-                st.logprobs.extend(r.logprobs)
-                st.top_logprobs.extend(r.top_logprobs)
-            if not last.finished:
-                return None
-            text, ids, lps, tops = "".join(st.text_chunks), st.output_ids, st.logprobs, st.top_logprobs
-            prompt = st.prompt_logprobs
-        out = tokenizer_pb2.GenerateOutput(
-            rid=st.parent_rid,
-            index=st.index,
-            text=text,
-            output_ids=ids,
-            finish_reason=fr,
-            prompt_tokens=st.prompt_tokens,
-            completion_tokens=st.completion_tokens,
-            cached_tokens=st.cached_tokens,
-        )
-        # Optional parts only when present: empty keyword arguments cost as much as the rest.
-        if lps:
-            out.output_token_logprobs.extend(lps)
-        if tops:
-            out.output_top_logprobs.extend(tops)
-        if prompt is not None:
-            out.prompt_logprobs.SetInParent()
-            out.prompt_logprobs.CopyFrom(prompt)
-        return out
 
     async def generate(self, req: tokenizer_pb2.GenerateReqInput) -> AsyncIterator[tokenizer_pb2.GenerateOutput]:
         """Serve one Generate call: yield GenerateOutputs until every choice finished.
@@ -378,7 +309,7 @@ class TokenizerManager:
                     if not st.out_list:
                         continue
                     rows, st.out_list = st.out_list, []
-                    out = self._absorb(st, rows, req.stream)
+                    out = absorb(st, rows, req.stream)
                     if rows[-1].finished:
                         pending.remove(st)
                     if out is not None:

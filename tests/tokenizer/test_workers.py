@@ -35,7 +35,8 @@ def test_small_work_runs_on_the_loop_and_large_work_on_a_worker():
 
 
 def test_the_loop_keeps_answering_while_a_large_prompt_is_tokenized(manager):
-    """The loop's largest lag stays far below the work's duration (inline, lag == duration)."""
+    """The loop's largest lag stays far below the work's duration (inline, lag == duration). Not an
+    absolute bound: on 2 cores shared with a load of 8, a starved process lagged 0.4 s once."""
     workers = Workers(thread_pool(1))
     req = tokenizer_pb2.TokenizeRequest(text=("word " * 120_000))
 
@@ -62,7 +63,7 @@ def test_the_loop_keeps_answering_while_a_large_prompt_is_tokenized(manager):
         took, worst = asyncio.run(run())
     finally:
         workers.shutdown()
-    assert worst < min(0.1, took / 3), (took, worst)
+    assert worst < took / 4, (took, worst)
 
 
 def test_threads_share_the_tokenizer_without_crossing_settings(manager):
