@@ -11,7 +11,6 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers
 
 from ringserve.v1 import tokenizer_pb2
-from services.tokenizer.bounds import InputBounds, NoBound, chars_per_token
 from services.tokenizer.errors import RequestError
 from services.tokenizer.manager import TokenizerManager
 from services.tokenizer.model import model_facts
@@ -36,6 +35,8 @@ async def first(manager: TokenizerManager, req: tokenizer_pb2.GenerateReqInput) 
 
 
 def test_smollm2_bound_is_its_longest_token_times_the_prompt_tokens(smollm2_bounds):
+    from services.tokenizer.bounds import InputBounds
+
     assert smollm2_bounds == InputBounds(context_length=8192, vocab_size=49152, chars_per_token=81)
     assert (smollm2_bounds.max_prompt_chars, smollm2_bounds.max_prompt_tokens) == (8191 * 81, 8191)
 
@@ -120,6 +121,8 @@ def bpe(normalizer=None, pre=None, **model) -> Tokenizer:
 
 
 def test_derivation_rules():
+    from services.tokenizer.bounds import NoBound, chars_per_token
+
     assert chars_per_token(bpe()) == 5  # "<unk>"
     assert chars_per_token(bpe(normalizers.NFC())) == 20
     assert chars_per_token(bpe(normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()]))) == 90

@@ -9,7 +9,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from ringserve.v1 import tokenizer_pb2
-from services.tokenizer.workers import INLINE_BYTES, Workers, thread_pool, work_bytes
+from tests.loop_lag import worst_lag_during
 
 
 def text_req(chars: int) -> tokenizer_pb2.GenerateReqInput:
@@ -17,6 +17,8 @@ def text_req(chars: int) -> tokenizer_pb2.GenerateReqInput:
 
 
 def test_small_work_runs_on_the_loop_and_large_work_on_a_worker():
+    from services.tokenizer.workers import INLINE_BYTES, Workers, thread_pool, work_bytes
+
     workers = Workers(thread_pool(2))
     where = lambda _req: threading.current_thread().name  # noqa: E731
     small, large = text_req(INLINE_BYTES - 3), text_req(INLINE_BYTES)  # 3 bytes of field header
@@ -37,27 +39,16 @@ def test_small_work_runs_on_the_loop_and_large_work_on_a_worker():
 def test_the_loop_keeps_answering_while_a_large_prompt_is_tokenized(manager):
     """The loop's largest lag stays far below the work's duration (inline, lag == duration). Not an
     absolute bound: on 2 cores shared with a load of 8, a starved process lagged 0.4 s once."""
+    from services.tokenizer.workers import Workers, thread_pool
+
     workers = Workers(thread_pool(1))
     req = tokenizer_pb2.TokenizeRequest(text=("word " * 120_000))
 
     async def run() -> tuple[float, float]:
-        lags: list[float] = []
-        done = False
-
-        async def tick() -> None:
-            while not done:
-                started = time.perf_counter()
-                await asyncio.sleep(0.001)
-                lags.append(time.perf_counter() - started - 0.001)
-
-        ticker = asyncio.ensure_future(tick())
         started = time.perf_counter()
-        resp = await workers.run(manager.preparer.tokenize, req)
-        took = time.perf_counter() - started
-        done = True
-        await ticker
+        resp, worst = await worst_lag_during(workers.run(manager.preparer.tokenize, req))
         assert resp.count == 120_001
-        return took, max(lags)
+        return time.perf_counter() - started, worst
 
     try:
         took, worst = asyncio.run(run())
