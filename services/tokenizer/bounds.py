@@ -1,12 +1,7 @@
-"""Input bounds that refuse an oversized request before any rendering or tokenization.
+"""The tokenizer's input bounds (``ringserve.prompt_bounds``), derived from the loaded vocabulary.
 
-A prompt must leave room for one completion token, so it may hold at most
-``context_length - 1`` tokens. One token of a vocabulary stands for at most
-``chars_per_token`` characters of the client's text (derived below), so a text of more than
-``(context_length - 1) * chars_per_token`` characters has more tokens than that whatever it
-holds: it is refused at once, in O(1), with the ``context_length_exceeded`` error the
-tokenizer gives after tokenizing (gRPC INVALID_ARGUMENT, HTTP 400), naming the bound.
-
+A text of more than ``(context_length - 1) * chars_per_token`` characters cannot fit; this
+module derives ``chars_per_token``, the most characters of client text one token stands for.
 Derivation of ``chars_per_token`` from the loaded ``tokenizer.json`` (HF ``tokenizers``
 pipeline: added-token split, normalizer, pre-tokenizer, model; the post-processor only adds):
 
@@ -33,13 +28,6 @@ message-count and id-count bounds apply and a warning at start-up says why. For 
 (byte-level BPE, no normalizer) it is 81 (a newline and 80 spaces): 8191 * 81 = 663,471
 characters.
 
-Chat: the bound applies to the text of every message (content, text parts, reasoning,
-tool-call arguments), which a chat template writes into the prompt; a template that drops
-some of it (earlier turns' reasoning) may see a chat refused that would fit once dropped.
-Every message costs at least one token of its own (a role header or separator), so more
-than ``context_length - 1`` messages cannot fit either. Ids: a prompt of ``context_length``
-input ids or more, a Detokenize of more than ``context_length`` ids, and a TokenPieces of
-more ids than the vocabulary holds (each id once is the whole vocabulary) are refused.
 """
 
 from __future__ import annotations
@@ -48,10 +36,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from ringserve.v1 import tokenizer_pb2
-from services.tokenizer.errors import CONTEXT_LENGTH_EXCEEDED, INVALID_VALUE, RequestError, invalid
+from ringserve.prompt_bounds import PromptBounds
 from services.tokenizer.model import ModelFacts
-from services.tokenizer.sampling import context_overflow_message
 
 # Normalizers that never return fewer characters than they read, and the most characters one
 # output character of the composing ones can stand for (see the module docstring).
@@ -134,29 +120,9 @@ def chars_per_token(backend: Any) -> int:
     return _normalizer_factor(_state(backend.normalizer)) * longest
 
 
-def chat_text_chars(chat: tokenizer_pb2.ChatInput) -> int:
-    """Characters of message text in ``chat``: content, text parts, reasoning, tool-call arguments."""
-    total = 0
-    for msg in chat.messages:
-        total += len(msg.content) + len(msg.reasoning_content)
-        total += sum(len(part.text) for part in msg.content_parts)
-        total += sum(len(call.function_arguments) for call in msg.tool_calls)
-    return total
-
-
 @dataclass(frozen=True)
-class InputBounds:
-    """The bounds of one model (see the module docstring); each check raises ``RequestError``.
-
-    Attributes:
-        context_length: the model's context window, in tokens.
-        vocab_size: ids are in [0, vocab_size).
-        chars_per_token: the most characters one token stands for; None: no character bound.
-    """
-
-    context_length: int
-    vocab_size: int
-    chars_per_token: int | None
+class InputBounds(PromptBounds):
+    """``PromptBounds`` derived from a tokenizer; its checks raise ``BoundExceeded``."""
 
     @classmethod
     def of(cls, tokenizer: Any, facts: ModelFacts) -> tuple[InputBounds, str | None]:
@@ -165,55 +131,3 @@ class InputBounds:
             return cls(facts.context_length, facts.vocab_size, chars_per_token(tokenizer.backend_tokenizer)), None
         except NoBound as exc:
             return cls(facts.context_length, facts.vocab_size, None), str(exc)
-
-    @property
-    def max_prompt_tokens(self) -> int:
-        return self.context_length - 1
-
-    @property
-    def max_prompt_chars(self) -> int | None:
-        """Characters beyond which no text fits, or None."""
-        return None if self.chars_per_token is None else self.max_prompt_tokens * self.chars_per_token
-
-    def _chars(self, chars: int, what: str, param: str) -> None:
-        bound = self.max_prompt_chars
-        if bound is not None and chars > bound:
-            raise invalid(
-                f"This model's maximum context length is {self.context_length} tokens. However, your {what} "
-                f"{chars} characters, and more than {bound} characters cannot fit ({self.max_prompt_tokens} "
-                f"tokens of at most {self.chars_per_token} characters each). Please reduce the length of the "
-                f"{param}.", param, CONTEXT_LENGTH_EXCEEDED)
-
-    def _chat(self, chat: tokenizer_pb2.ChatInput) -> None:
-        count = len(chat.messages)
-        if count > self.max_prompt_tokens:
-            raise invalid(
-                f"This model's maximum context length is {self.context_length} tokens. However, you sent {count} "
-                f"messages, and more than {self.max_prompt_tokens} messages cannot fit (each takes at least one "
-                "token). Please reduce the number of messages.", "messages", CONTEXT_LENGTH_EXCEEDED)
-        self._chars(chat_text_chars(chat), "messages have", "messages")
-
-    def check_generate(self, req: tokenizer_pb2.GenerateReqInput) -> None:
-        """Text, chat or input ids of a Generate request (the tokenizer checks the rest)."""
-        if req.WhichOneof("input") == "input_ids" and len(req.input_ids.ids) > self.max_prompt_tokens:
-            raise invalid(context_overflow_message(self.context_length, len(req.input_ids.ids), None, "prompt"),
-                          "prompt", CONTEXT_LENGTH_EXCEEDED)
-        self.check_tokenize(req)
-
-    def check_tokenize(self, req: tokenizer_pb2.TokenizeRequest | tokenizer_pb2.GenerateReqInput) -> None:
-        """Text or chat of a Tokenize (or Generate) request."""
-        which = req.WhichOneof("input")
-        if which == "text":
-            self._chars(len(req.text), "prompt has", "prompt")
-        elif which == "chat":
-            self._chat(req.chat)
-
-    def check_detokenize(self, req: tokenizer_pb2.DetokenizeRequest) -> None:
-        if len(req.ids) > self.context_length:
-            raise invalid(f"ids: {len(req.ids)} ids are more than this model's maximum context length of "
-                          f"{self.context_length} tokens", "ids", CONTEXT_LENGTH_EXCEEDED)
-
-    def check_token_pieces(self, req: tokenizer_pb2.TokenIds) -> None:
-        if len(req.ids) > self.vocab_size:
-            raise RequestError(f"ids: {len(req.ids)} ids are more than the vocabulary's {self.vocab_size} "
-                               "(each id once is the whole vocabulary)", code=INVALID_VALUE, param="ids")

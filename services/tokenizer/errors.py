@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import grpc
 
-CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
-INVALID_VALUE = "invalid_value"
+from ringserve.prompt_bounds import CONTEXT_LENGTH_EXCEEDED, INVALID_VALUE
+
 UNSUPPORTED_CONTENT_TYPE = "unsupported_content_type"
 CHAT_TEMPLATE_ERROR = "chat_template_error"
 INVALID_REQUEST = "invalid_request"

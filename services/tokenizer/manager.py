@@ -30,15 +30,16 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import grpc
 
 from ringserve.metrics import ignore_seconds
+from ringserve.prompt_bounds import BoundExceeded
 from ringserve.v1 import common_pb2, detokenizer_pb2, scheduler_pb2, tokenizer_pb2
 from services.tokenizer.bounds import InputBounds
-from services.tokenizer.errors import DUPLICATE_REQUEST_ID, RequestError, unavailable
+from services.tokenizer.errors import DUPLICATE_REQUEST_ID, RequestError, invalid, unavailable
 from services.tokenizer.model import ModelFacts
 from services.tokenizer.prepare import Prepared, Preparer
 from services.tokenizer.state import ERROR_STATUS_CODES, ReqState, absorb, split_rows
@@ -69,6 +70,14 @@ class Balancer(Protocol):
             RequestError: UNAVAILABLE when no replica has both links up.
         """
         ...
+
+
+def _bounded(check: Callable[[Any], None], req: Any) -> None:
+    """``check(req)``, a ``BoundExceeded`` raised as RequestError (INVALID_ARGUMENT, its code and param)."""
+    try:
+        check(req)
+    except BoundExceeded as exc:
+        raise invalid(exc.message, exc.param, exc.code) from None
 
 
 def _scored_ids(sub: scheduler_pb2.TokenizedGenerateReqInput) -> list[int] | None:
@@ -285,7 +294,7 @@ class TokenizerManager:
         Cancelling or closing the generator before the end aborts every dispatched choice.
         """
         started = time.perf_counter()
-        self.bounds.check_generate(req)
+        _bounded(self.bounds.check_generate, req)
         prepared = await self.workers.run(self.preparer.prepare, req)
         self.observe_tokenize(time.perf_counter() - started)
         replica = self._choose(prepared)
@@ -338,15 +347,15 @@ class TokenizerManager:
     # (which documents it) through ``workers``. Raises RequestError (INVALID_ARGUMENT).
 
     async def tokenize(self, req: tokenizer_pb2.TokenizeRequest) -> tokenizer_pb2.TokenizeResponse:
-        self.bounds.check_tokenize(req)
+        _bounded(self.bounds.check_tokenize, req)
         return await self.workers.run(self.preparer.tokenize, req)
 
     async def detokenize(self, req: tokenizer_pb2.DetokenizeRequest) -> tokenizer_pb2.DetokenizeResponse:
-        self.bounds.check_detokenize(req)
+        _bounded(self.bounds.check_detokenize, req)
         return await self.workers.run(self.preparer.detokenize, req)
 
     async def token_pieces(self, req: tokenizer_pb2.TokenIds) -> tokenizer_pb2.TokenPiecesResponse:
-        self.bounds.check_token_pieces(req)
+        _bounded(self.bounds.check_token_pieces, req)
         return await self.workers.run(self.preparer.token_pieces, req)
 
     def model_info(self) -> tokenizer_pb2.ModelInfo:
@@ -358,6 +367,7 @@ class TokenizerManager:
             vocab_size=f.vocab_size,
             has_chat_template=f.has_chat_template,
             eos_token_ids=f.eos_token_ids,
+            chars_per_token=self.bounds.chars_per_token or 0,
         )
 
     def load(self) -> common_pb2.LoadReport:

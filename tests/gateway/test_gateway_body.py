@@ -10,8 +10,6 @@ import pytest
 
 from tests.loop_lag import worst_lag_during
 
-pytestmark = pytest.mark.asyncio(loop_scope="session")
-
 # The loop's work for 50,000 messages is ~50 ms of parsing (2.5 s on main, validating and
 # converting them); the margin is for 2 cores shared with other work.
 LAG_BOUND_S = 0.25
@@ -43,12 +41,20 @@ async def test_a_chat_of_50000_messages_is_refused_before_validation(stack, path
     assert stack.fake.requests == [] and lag < LAG_BOUND_S, lag
 
 
-async def test_2048_messages_are_served(stack):
+async def test_messages_up_to_the_context_bound_are_served(stack):
+    """The fake serves a 2048-token context: 2047 messages fit the bound, 2048 do not."""
     stack.fake.reset(stack.out("ok", finish="stop"))
-    raw = chat_body(stack, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}] * 1024)
-    resp, lag = await worst_lag_during(post(stack, "/v1/chat/completions", raw))
+    pair = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    resp, lag = await worst_lag_during(post(stack, "/v1/chat/completions", chat_body(stack, pair * 1023 + pair[:1])))
     assert resp.status_code == 200, resp.text
-    assert len(stack.fake.requests[0].chat.messages) == 2048 and lag < LAG_BOUND_S, lag
+    assert len(stack.fake.requests[0].chat.messages) == 2047 and lag < LAG_BOUND_S, lag
+    stack.fake.reset(stack.out("ok", finish="stop"))
+    resp = await post(stack, "/v1/chat/completions", chat_body(stack, pair * 1024))
+    assert resp.status_code == 400 and stack.fake.requests == []
+    assert resp.json()["error"] == {
+        "message": "This model's maximum context length is 2048 tokens. However, you sent 2048 messages, and more "
+                   "than 2047 messages cannot fit (each takes at least one token). Please reduce the number of "
+                   "messages.", "type": "invalid_request_error", "param": "messages", "code": "context_length_exceeded"}
 
 
 async def test_a_15_mb_prompt_reaches_the_tokenizer_whole(stack):
@@ -90,3 +96,20 @@ async def test_malformed_bodies_raise_json_loads_error(raw):
     with pytest.raises(json.JSONDecodeError) as theirs:
         json.loads(raw)
     assert (ours.value.msg, ours.value.pos) == (theirs.value.msg, theirs.value.pos)
+
+
+def test_the_model_cards_character_bound():
+    from ringserve.prompt_bounds import BoundExceeded
+    from ringserve.v1 import tokenizer_pb2
+    from services.gateway.backend import ModelCard
+
+    info = tokenizer_pb2.ModelInfo(context_length=101, vocab_size=10, chars_per_token=3)
+    bounds = ModelCard("m", "/m", 101, info).bounds
+    bounds.check_tokenize(tokenizer_pb2.TokenizeRequest(text="x" * 300))
+    with pytest.raises(BoundExceeded) as info_:
+        bounds.check_generate(tokenizer_pb2.GenerateReqInput(text="x" * 301))
+    assert (info_.value.param, info_.value.code, info_.value.message) == ("prompt", "context_length_exceeded", (
+        "This model's maximum context length is 101 tokens. However, your prompt has 301 characters, and more than "
+        "300 characters cannot fit (100 tokens of at most 3 characters each). Please reduce the length of the "
+        "prompt."))
+    assert ModelCard("m", "/m", 101, tokenizer_pb2.ModelInfo(context_length=101)).bounds.max_prompt_chars is None

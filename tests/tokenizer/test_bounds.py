@@ -10,6 +10,7 @@ import grpc
 import pytest
 from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers
 
+from ringserve.prompt_bounds import BoundExceeded
 from ringserve.v1 import tokenizer_pb2
 from services.tokenizer.errors import RequestError
 from services.tokenizer.manager import TokenizerManager
@@ -153,5 +154,5 @@ def test_without_a_character_bound_only_the_counts_apply(small):
     unbounded = dataclasses.replace(small.bounds, chars_per_token=None)
     assert unbounded.max_prompt_chars is None
     unbounded.check_generate(tokenizer_pb2.GenerateReqInput(text="x" * 10**6))
-    with pytest.raises(RequestError):
+    with pytest.raises(BoundExceeded):
         unbounded.check_generate(tokenizer_pb2.GenerateReqInput(chat=chat(101)))
