@@ -8,7 +8,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from ringserve.v1 import tokenizer_pb2
+from ringserve.v1 import common_pb2, tokenizer_pb2
 from tests.loop_lag import worst_lag_during
 
 
@@ -72,3 +72,29 @@ def test_threads_share_the_tokenizer_without_crossing_settings(manager):
     with ThreadPoolExecutor(4) as pool:
         wrong = list(pool.map(hammer, [forged, plain, forged, plain]))
     assert wrong == [0, 0, 0, 0]
+
+
+def test_a_call_cancelled_while_its_prompt_is_tokenized_leaves_nothing(smollm2_tokenizer, smollm2_dir, smollm2_bounds,
+                                                                       dispatcher):
+    from services.tokenizer.manager import TokenizerManager
+    from services.tokenizer.model import model_facts
+    from services.tokenizer.workers import Workers, thread_pool
+
+    workers = Workers(thread_pool(1))
+    manager = TokenizerManager(smollm2_tokenizer, model_facts(smollm2_dir, smollm2_tokenizer), "tok-test", dispatcher,
+                               workers=workers, bounds=smollm2_bounds)
+    req = tokenizer_pb2.GenerateReqInput(rid="gone", text="word " * 12_000,
+                                         sampling_params=common_pb2.SamplingParams(max_new_tokens=2))
+
+    async def run() -> None:
+        call = asyncio.ensure_future(manager.generate(req).__anext__())
+        await asyncio.sleep(0.001)  # the prompt is on the worker now
+        call.cancel()
+        await asyncio.gather(call, return_exceptions=True)
+        await asyncio.get_running_loop().run_in_executor(workers.executor, lambda: None)  # the worker is done
+
+    try:
+        asyncio.run(run())
+    finally:
+        workers.shutdown()
+    assert (dispatcher.reqs, manager.load().req_states, manager.rid_to_state) == ([], 0, {})
