@@ -6,7 +6,9 @@ pair ``--scheduler``/``--detokenizer``) and picks one per request
 (``services.tokenizer.router``). Health reports SERVING once the tokenizer is
 loaded and at least one replica has both its scheduler stream and its detokenizer
 subscription up, and NOT_SERVING while none has. Losing one replica's link fails
-only the requests dispatched to that replica. SIGTERM and SIGINT turn health
+only the requests dispatched to that replica. Chat rendering and tokenization run on
+``--tokenize-workers`` threads, so health and every other call keep being answered while a
+large prompt is tokenized (``services.tokenizer.workers``). SIGTERM and SIGINT turn health
 NOT_SERVING and stop accepting calls; in-flight calls get ``--grace-period``
 seconds to finish (the links stay up meanwhile), then the rest are cancelled (which
 aborts them at their scheduler), pending aborts are flushed and the links closed.

@@ -4,9 +4,12 @@ shared by the worker threads without their settings crossing."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+
+import pytest
 
 from ringserve.v1 import common_pb2, tokenizer_pb2
 from tests.loop_lag import worst_lag_during
@@ -98,3 +101,13 @@ def test_a_call_cancelled_while_its_prompt_is_tokenized_leaves_nothing(smollm2_t
     finally:
         workers.shutdown()
     assert (dispatcher.reqs, manager.load().req_states, manager.rid_to_state) == ([], 0, {})
+
+
+def test_tokenize_workers_flag(smollm2_dir, capsys):
+    from services.tokenizer.main import parse_args
+
+    assert parse_args(["--model", str(smollm2_dir)]).tokenize_workers == min(4, len(os.sched_getaffinity(0)))
+    assert parse_args(["--model", str(smollm2_dir), "--tokenize-workers", "3"]).tokenize_workers == 3
+    with pytest.raises(SystemExit):
+        parse_args(["--model", str(smollm2_dir), "--tokenize-workers", "0"])
+    assert "--tokenize-workers must be at least 1, got 0" in capsys.readouterr().err
