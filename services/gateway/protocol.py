@@ -94,6 +94,9 @@ class Body(Strict):
 
 # Token counts and ids travel as proto int32: a larger number is a 400 here, not a 500 later.
 INT32_MAX = 2**31 - 1
+# Messages per chat request (Azure OpenAI's limit): what bounds the gateway's validation
+# work on the event loop (services/gateway/body.py).
+MAX_CHAT_MESSAGES = 2048
 
 
 def _integral(value: Any) -> Any:
@@ -238,7 +241,7 @@ class SamplingFields(Body):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_CHAT_MESSAGES)
     max_completion_tokens: JsonInt | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: JsonInt | None = Field(None, ge=0, le=20)
@@ -310,7 +313,7 @@ class TokenizeRequest(Body):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, max_length=MAX_CHAT_MESSAGES)
     add_special_tokens: bool = True
     add_generation_prompt: bool | None = None
     continue_final_message: bool = False

@@ -23,13 +23,12 @@ from __future__ import annotations
 import grpc
 
 from ringserve.limits import LimitExceeded
+from ringserve.prompt_bounds import CONTEXT_LENGTH_EXCEEDED, INVALID_VALUE
 
 # Status details as UTF-8 (gRPC percent-encodes them: at most 3x on the wire) and the param.
 MAX_DETAILS_BYTES = 2048
 MAX_PARAM_CHARS = 128
 
-CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
-INVALID_VALUE = "invalid_value"
 UNSUPPORTED_CONTENT_TYPE = "unsupported_content_type"
 CHAT_TEMPLATE_ERROR = "chat_template_error"
 INVALID_REQUEST = "invalid_request"

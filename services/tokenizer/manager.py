@@ -8,8 +8,10 @@ whole life cycle is testable without a network.
 
 Life cycle of one request (DESIGN.md, invariants 2 and 4):
 
-1. ``prepare``: render/tokenize, validate, expand ``n`` into sub-requests
-   (sub-rid ``f"{rid}-{i}"`` when n > 1, else the rid itself).
+1. ``prepare`` (``services.tokenizer.prepare``): the input bounds (``services.tokenizer.
+   bounds``) on the loop, then render/tokenize, validate, expand ``n`` into sub-requests
+   (sub-rid ``f"{rid}-{i}"`` when n > 1, else the rid itself) on a worker thread
+   (``services.tokenizer.workers``).
 2. register: a rid or sub-rid already in flight -> ALREADY_EXISTS, nothing sent.
 3. dispatch every sub-request (``dispatched``); a down scheduler -> UNAVAILABLE.
 4. rows arrive (``handle_batch``); a row with a finish reason marks the state
@@ -27,74 +29,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import grpc
 
 from ringserve.metrics import ignore_seconds
+from ringserve.prompt_bounds import BoundExceeded
 from ringserve.v1 import common_pb2, detokenizer_pb2, scheduler_pb2, tokenizer_pb2
-from services.tokenizer.chat import render_chat
-from services.tokenizer.errors import (
-    DUPLICATE_REQUEST_ID,
-    INTERNAL_ERROR,
-    INVALID_REQUEST,
-    SERVER_OVERLOADED,
-    SERVICE_UNAVAILABLE,
-    RequestError,
-    invalid,
-    unavailable,
-)
+from services.tokenizer.bounds import InputBounds
+from services.tokenizer.errors import DUPLICATE_REQUEST_ID, RequestError, invalid, unavailable
 from services.tokenizer.model import ModelFacts
-from services.tokenizer.special import SpecialTokenGuard
-from services.tokenizer.sampling import (
-    check_prompt_logprobs,
-    check_top_logprobs_num,
-    resolve_sampling_params,
-    seed_for_choice,
-)
-from services.tokenizer.state import ReqState, Row, split_rows
+from services.tokenizer.prepare import Prepared, Preparer
+from services.tokenizer.state import ERROR_STATUS_CODES, ReqState, absorb, split_rows
+from services.tokenizer.workers import Workers
 
 logger = logging.getLogger(__name__)
-
-# Scheduler abort statuses that end the Generate call with that gRPC status
-# instead of a FINISH_ABORT output (CANCELLED is a normal abort).
-_ERROR_STATUS_CODES = {
-    "INVALID_ARGUMENT": INVALID_REQUEST,
-    "RESOURCE_EXHAUSTED": SERVER_OVERLOADED,
-    "UNAVAILABLE": SERVICE_UNAVAILABLE,
-    "INTERNAL": INTERNAL_ERROR,
-}
-
-
-def _gpt2_byte_of_char() -> dict[str, int]:
-    """Inverse of GPT-2's byte -> printable character map (openai/gpt-2 encoder.py)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    chars = [chr(b) for b in bs]
-    extra = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            chars.append(chr(256 + extra))
-            extra += 1
-    return dict(zip(chars, bs))
-
-
-_BYTE_OF_CHAR = _gpt2_byte_of_char()
-
-
-def _token_bytes(text: str, piece: str) -> bytes:
-    """The raw bytes of one token: ``text`` when it decoded cleanly, else from its piece."""
-    if "\ufffd" not in text:
-        return text.encode()
-    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-        return bytes([int(piece[3:5], 16)])
-    if all(c in _BYTE_OF_CHAR for c in piece):
-        return bytes(_BYTE_OF_CHAR[c] for c in piece)
-    return text.encode()
 
 
 class Dispatcher(Protocol):
@@ -121,17 +72,12 @@ class Balancer(Protocol):
         ...
 
 
-@dataclass(frozen=True)
-class Prepared:
-    """A validated request: its parent rid and one TokenizedGenerateReqInput per choice."""
-
-    rid: str
-    prompt: str | None  # rendered chat prompt or the text; None for input_ids
-    subs: tuple[scheduler_pb2.TokenizedGenerateReqInput, ...]
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.subs[0].input_ids)
+def _bounded(check: Callable[[Any], None], req: Any) -> None:
+    """``check(req)``, a ``BoundExceeded`` raised as RequestError (INVALID_ARGUMENT, its code and param)."""
+    try:
+        check(req)
+    except BoundExceeded as exc:
+        raise invalid(exc.message, exc.param, exc.code) from None
 
 
 def _scored_ids(sub: scheduler_pb2.TokenizedGenerateReqInput) -> list[int] | None:
@@ -153,6 +99,8 @@ class TokenizerManager:
         allow_special_tokens_in_messages: parse control tokens that chat message text
             spells (``<|im_end|>``) as those tokens; by default they stay text (see
             ``services.tokenizer.special``).
+        workers: where rendering and tokenization run; default: on the loop (tests).
+        bounds: the input bounds; default: derived from ``tokenizer`` and ``facts``.
     """
 
     def __init__(
@@ -164,9 +112,18 @@ class TokenizerManager:
         outputs_up: bool = True,
         allow_special_tokens_in_messages: bool = False,
         balancer: Balancer | None = None,
+        workers: Workers | None = None,
+        bounds: InputBounds | None = None,
     ):
+        self.preparer = Preparer(tokenizer, facts, instance_id, allow_special_tokens_in_messages)
+        self.workers = workers or Workers()
+        if bounds is None:
+            bounds, unbounded = InputBounds.of(tokenizer, facts)
+            if unbounded:
+                logger.warning("no character bound on prompts: %s; long prompts are tokenized before "
+                               "their context-length check", unbounded)
+        self.bounds = bounds
         self.tokenizer = tokenizer
-        self.guard = None if allow_special_tokens_in_messages else SpecialTokenGuard(tokenizer)
         self.facts = facts
         self.instance_id = instance_id
         self.dispatcher = dispatcher
@@ -183,112 +140,13 @@ class TokenizerManager:
     def attach(self, dispatcher: Dispatcher) -> None:
         self.dispatcher = dispatcher
 
-    # --- tokenization and validation -------------------------------------------------
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-    def check_ids(self, ids: Any, param: str) -> list[int]:
-        """``ids`` as a list, after checking it is non-empty and inside [0, vocab_size).
-
-        Raises:
-            RequestError: INVALID_ARGUMENT.
-        """
-        ids = list(ids)
-        if not ids:
-            raise invalid(f"{param} must not be empty", param)
-        vocab = self.facts.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise invalid(f"{param}: token id {bad} is outside the vocabulary [0, {vocab})", param)
-        return ids
-
-    def _added_special_tokens(self) -> tuple[list[int], list[int]]:
-        """The ids ``encode(add_special_tokens=True)`` puts before and after a text (BOS, EOS)."""
-        plain = self.encode("a", add_special_tokens=False)
-        full = self.encode("a", add_special_tokens=True)
-        at = next(i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain)
-        return full[:at], full[at + len(plain) :]
+    def prepare(self, req: tokenizer_pb2.GenerateReqInput) -> Prepared:
+        """``Preparer.prepare`` on this thread."""
+        return self.preparer.prepare(req)
 
     def render_chat_ids(self, chat: tokenizer_pb2.ChatInput) -> tuple[str, list[int]]:
-        """(rendered prompt, its ids without added special tokens); control tokens that the
-        messages spell stay text unless ``allow_special_tokens_in_messages``.
-
-        Raises:
-            RequestError: INVALID_ARGUMENT (see ``render_chat``).
-        """
-        if self.guard is None:
-            prompt = render_chat(self.tokenizer, chat)
-            return prompt, self.encode(prompt, add_special_tokens=False)
-        masked, nonce, found = self.guard.mask(chat)
-        return self.guard.encode(render_chat(self.tokenizer, masked), nonce, found)
-
-    def prompt_ids(self, req: tokenizer_pb2.GenerateReqInput) -> tuple[list[int], str | None, str]:
-        """(input ids, prompt text or None, OpenAI param name) of a GenerateReqInput.
-
-        Text is tokenized with the tokenizer's default special tokens; a rendered chat
-        prompt without (the template already holds them); input_ids are taken as they are.
-
-        Raises:
-            RequestError: INVALID_ARGUMENT (no input, empty prompt, bad ids, chat errors).
-        """
-        which = req.WhichOneof("input")
-        if which == "text":
-            ids = self.encode(req.text)
-            if not ids:
-                raise invalid("the prompt is empty (0 tokens)", "prompt")
-            return ids, req.text, "prompt"
-        if which == "input_ids":
-            return self.check_ids(req.input_ids.ids, "input_ids"), None, "prompt"
-        if which == "chat":
-            prompt, ids = self.render_chat_ids(req.chat)
-            if not ids:
-                raise invalid("the rendered chat prompt is empty (0 tokens)", "messages")
-            return ids, prompt, "messages"
-        raise invalid("one of text, input_ids or chat is required", "prompt", INVALID_REQUEST)
-
-    def prepare(self, req: tokenizer_pb2.GenerateReqInput) -> Prepared:
-        """Tokenize and validate ``req``; expand n > 1 into sub-requests sharing the prompt.
-
-        Makes a rid (uuid4 hex) when ``req.rid`` is empty. Sub-rids are ``f"{rid}-{i}"``
-        when n > 1 (seeds ``seed + i`` when seeded), else the rid itself.
-
-        Raises:
-            RequestError: INVALID_ARGUMENT (see ``prompt_ids`` and ``resolve_sampling_params``).
-        """
-        ids, prompt, param = self.prompt_ids(req)
-        check_top_logprobs_num(req.top_logprobs_num)
-        check_prompt_logprobs(req, len(ids))
-        resolved = resolve_sampling_params(
-            req.sampling_params, len(ids), self.facts.context_length, self.facts.vocab_size, param,
-            score_only_ok=req.HasField("logprob_start_len"),
-        )
-        constraint = resolved.params.constraint
-        if resolved.params.HasField("constraint") and constraint.starts_after:
-            # The grammar starts after the reasoning's end tag: the scheduler matches its ids.
-            constraint.starts_after_ids[:] = self.encode(constraint.starts_after, add_special_tokens=False)
-        rid = req.rid or uuid.uuid4().hex
-        subs = []
-        for i in range(resolved.n):
-            params = resolved.params
-            if resolved.n > 1 and params.HasField("seed"):
-                params = common_pb2.ResolvedSamplingParams()
-                params.CopyFrom(resolved.params)
-                params.seed = seed_for_choice(resolved.params.seed, i)
-            subs.append(
-                scheduler_pb2.TokenizedGenerateReqInput(
-                    rid=f"{rid}-{i}" if resolved.n > 1 else rid,
-                    input_ids=ids,
-                    sampling_params=params,
-                    return_logprob=req.return_logprob,
-                    top_logprobs_num=req.top_logprobs_num,
-                    tokenizer_id=self.instance_id,
-                    stream=req.stream,
-                    logprob_start_len=req.logprob_start_len if req.HasField("logprob_start_len") else None,
-                    prompt_top_logprobs_num=req.prompt_top_logprobs_num,
-                )
-            )
-        return Prepared(rid, prompt, tuple(subs))
+        """``Preparer.render_chat_ids`` on this thread."""
+        return self.preparer.render_chat_ids(chat)
 
     # --- ReqState bookkeeping ------------------------------------------------------------
 
@@ -409,7 +267,7 @@ class TokenizerManager:
                 continue
             if row.finished:
                 fr = row.finish_reason
-                if fr.type == common_pb2.FINISH_ABORT and fr.status in _ERROR_STATUS_CODES:
+                if fr.type == common_pb2.FINISH_ABORT and fr.status in ERROR_STATUS_CODES:
                     # An error row may come from the detokenizer while the scheduler still
                     # runs the request; an abort for a rid it already dropped is a no-op.
                     self._send_abort(st, f"output path failed: {fr.message}")
@@ -422,58 +280,6 @@ class TokenizerManager:
             st.event.set()
 
     # --- Generate ---------------------------------------------------------------------------
-
-    def _absorb(self, st: ReqState, rows: list[Row], stream: bool) -> tokenizer_pb2.GenerateOutput | None:
-        """Fold ``rows`` into ``st``; return the output to send now (stream: one merged delta)."""
-        last = rows[-1]
-        st.completion_tokens = last.completion_tokens
-        st.cached_tokens = last.cached_tokens
-        fr = last.finish_reason
-        if fr.type == common_pb2.FINISH_ABORT and fr.status in _ERROR_STATUS_CODES:
-            status = grpc.StatusCode[fr.status]
-            # INVALID_ARGUMENT after dispatch is the scheduler refusing the constraint.
-            param = st.constraint_param if fr.status == "INVALID_ARGUMENT" else None
-            raise RequestError(fr.message or fr.status.lower(), status, _ERROR_STATUS_CODES[fr.status], param)
-        prompt = next((r.prompt_logprobs for r in rows if r.prompt_logprobs is not None), None)
-        if prompt is not None and st.scored_ids is not None:
-            prompt.token_ids.extend(st.scored_ids)  # from the requested start; logprobs are their tail
-            st.prompt_logprobs = prompt
-        if stream and len(rows) == 1:
-            text, ids, lps, tops = last.text, last.output_ids, last.logprobs, last.top_logprobs
-        elif stream:
-            text = "".join(r.text for r in rows)
-            ids = [t for r in rows for t in r.output_ids]
-            lps = [v for r in rows for v in r.logprobs]
-            tops = [t for r in rows for t in r.top_logprobs]
-        else:
-            for r in rows:
-                st.text_chunks.append(r.text)
-                st.output_ids.extend(r.output_ids)
-                st.logprobs.extend(r.logprobs)
-                st.top_logprobs.extend(r.top_logprobs)
-            if not last.finished:
-                return None
-            text, ids, lps, tops = "".join(st.text_chunks), st.output_ids, st.logprobs, st.top_logprobs
-            prompt = st.prompt_logprobs
-        out = tokenizer_pb2.GenerateOutput(
-            rid=st.parent_rid,
-            index=st.index,
-            text=text,
-            output_ids=ids,
-            finish_reason=fr,
-            prompt_tokens=st.prompt_tokens,
-            completion_tokens=st.completion_tokens,
-            cached_tokens=st.cached_tokens,
-        )
-        # Optional parts only when present: empty keyword arguments cost as much as the rest.
-        if lps:
-            out.output_token_logprobs.extend(lps)
-        if tops:
-            out.output_top_logprobs.extend(tops)
-        if prompt is not None:
-            out.prompt_logprobs.SetInParent()
-            out.prompt_logprobs.CopyFrom(prompt)
-        return out
 
     async def generate(self, req: tokenizer_pb2.GenerateReqInput) -> AsyncIterator[tokenizer_pb2.GenerateOutput]:
         """Serve one Generate call: yield GenerateOutputs until every choice finished.
@@ -488,7 +294,8 @@ class TokenizerManager:
         Cancelling or closing the generator before the end aborts every dispatched choice.
         """
         started = time.perf_counter()
-        prepared = self.prepare(req)
+        _bounded(self.bounds.check_generate, req)
+        prepared = await self.workers.run(self.preparer.prepare, req)
         self.observe_tokenize(time.perf_counter() - started)
         replica = self._choose(prepared)
         states = self.register(prepared)
@@ -511,7 +318,7 @@ class TokenizerManager:
                     if not st.out_list:
                         continue
                     rows, st.out_list = st.out_list, []
-                    out = self._absorb(st, rows, req.stream)
+                    out = absorb(st, rows, req.stream)
                     if rows[-1].finished:
                         pending.remove(st)
                     if out is not None:
@@ -536,52 +343,20 @@ class TokenizerManager:
 
     # --- unary helpers -----------------------------------------------------------------------
 
-    def tokenize(self, req: tokenizer_pb2.TokenizeRequest) -> tokenizer_pb2.TokenizeResponse:
-        """Text or chat -> ids, with special tokens added only if ``add_special_tokens``.
+    # Each checks its input bound on the loop, then runs ``Preparer``'s method of that name
+    # (which documents it) through ``workers``. Raises RequestError (INVALID_ARGUMENT).
 
-        Raises:
-            RequestError: INVALID_ARGUMENT (no input, chat errors).
-        """
-        which = req.WhichOneof("input")
-        if which == "text":
-            prompt = req.text
-            ids = self.encode(prompt, add_special_tokens=req.add_special_tokens)
-        elif which == "chat":
-            prompt, ids = self.render_chat_ids(req.chat)
-            if req.add_special_tokens:
-                prefix, suffix = self._added_special_tokens()
-                ids = prefix + ids + suffix
-        else:
-            raise invalid("one of text or chat is required", "prompt", INVALID_REQUEST)
-        return tokenizer_pb2.TokenizeResponse(
-            input_ids=ids, prompt=prompt, count=len(ids), max_model_len=self.facts.context_length
-        )
+    async def tokenize(self, req: tokenizer_pb2.TokenizeRequest) -> tokenizer_pb2.TokenizeResponse:
+        _bounded(self.bounds.check_tokenize, req)
+        return await self.workers.run(self.preparer.tokenize, req)
 
-    def detokenize(self, req: tokenizer_pb2.DetokenizeRequest) -> tokenizer_pb2.DetokenizeResponse:
-        """ids -> text. Raises RequestError (INVALID_ARGUMENT) for ids outside the vocabulary."""
-        ids = list(req.ids)
-        if ids:
-            self.check_ids(ids, "ids")
-        return tokenizer_pb2.DetokenizeResponse(
-            text=self.tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens)
-        )
+    async def detokenize(self, req: tokenizer_pb2.DetokenizeRequest) -> tokenizer_pb2.DetokenizeResponse:
+        _bounded(self.bounds.check_detokenize, req)
+        return await self.workers.run(self.preparer.detokenize, req)
 
-    def token_pieces(self, req: tokenizer_pb2.TokenIds) -> tokenizer_pb2.TokenPiecesResponse:
-        """Each id decoded alone (special tokens kept) and its raw bytes, for logprobs.
-
-        Bytes follow the vocabulary: byte-level BPE pieces map back through GPT-2's byte
-        alphabet and ``<0xNN>`` byte-fallback pieces are that byte, so the bytes of a
-        multi-byte character's pieces concatenate to the character even where each text
-        is U+FFFD; otherwise the UTF-8 of the text.
-
-        Raises:
-            RequestError: INVALID_ARGUMENT for ids outside the vocabulary.
-        """
-        ids = self.check_ids(req.ids, "ids") if req.ids else []
-        texts = self.tokenizer.backend_tokenizer.decode_batch([[i] for i in ids], skip_special_tokens=False)
-        pieces = self.tokenizer.convert_ids_to_tokens(ids)
-        out = [_token_bytes(text, piece) for text, piece in zip(texts, pieces)]
-        return tokenizer_pb2.TokenPiecesResponse(texts=texts, token_bytes=out)
+    async def token_pieces(self, req: tokenizer_pb2.TokenIds) -> tokenizer_pb2.TokenPiecesResponse:
+        _bounded(self.bounds.check_token_pieces, req)
+        return await self.workers.run(self.preparer.token_pieces, req)
 
     def model_info(self) -> tokenizer_pb2.ModelInfo:
         f = self.facts
@@ -592,6 +367,7 @@ class TokenizerManager:
             vocab_size=f.vocab_size,
             has_chat_template=f.has_chat_template,
             eos_token_ids=f.eos_token_ids,
+            chars_per_token=self.bounds.chars_per_token or 0,
         )
 
     def load(self) -> common_pb2.LoadReport:

@@ -15,6 +15,7 @@ from typing import Any
 import math
 from dataclasses import dataclass
 
+from ringserve.prompt_bounds import context_overflow_message
 from ringserve.v1 import common_pb2
 from services.tokenizer.constraints import resolve_constraint
 from services.tokenizer.errors import CONTEXT_LENGTH_EXCEEDED, invalid
@@ -46,20 +47,6 @@ class Resolved:
 
     params: common_pb2.ResolvedSamplingParams
     n: int
-
-
-def context_overflow_message(context_length: int, prompt_len: int, max_new_tokens: int | None, what: str) -> str:
-    """OpenAI's wording; ``what`` is "messages" or "prompt"."""
-    head = f"This model's maximum context length is {context_length} tokens. However, "
-    if max_new_tokens is None:
-        return (
-            head + f"your {what} resulted in {prompt_len} tokens, which leaves no room for the completion "
-            f"(at least 1 token). Please reduce the length of the {what}."
-        )
-    return (
-        head + f"you requested {prompt_len + max_new_tokens} tokens ({prompt_len} in the {what}, "
-        f"{max_new_tokens} in the completion). Please reduce the length of the {what} or completion."
-    )
 
 
 def resolve_sampling_params(

@@ -82,7 +82,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
 
     async def Tokenize(self, request: tokenizer_pb2.TokenizeRequest, context: grpc.aio.ServicerContext) -> tokenizer_pb2.TokenizeResponse:
         try:
-            return self.manager.tokenize(request)
+            return await self.manager.tokenize(request)
         except RequestError as err:
             await _fail(context, err)
 
@@ -90,7 +90,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         self, request: tokenizer_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
     ) -> tokenizer_pb2.DetokenizeResponse:
         try:
-            return self.manager.detokenize(request)
+            return await self.manager.detokenize(request)
         except RequestError as err:
             await _fail(context, err)
 
@@ -98,7 +98,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         self, request: tokenizer_pb2.TokenIds, context: grpc.aio.ServicerContext
     ) -> tokenizer_pb2.TokenPiecesResponse:
         try:
-            return self.manager.token_pieces(request)
+            return await self.manager.token_pieces(request)
         except RequestError as err:
             await _fail(context, err)
 

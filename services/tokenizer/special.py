@@ -33,7 +33,7 @@ class SpecialTokenGuard:
 
     Args:
         tokenizer: a transformers fast tokenizer (``backend_tokenizer``, ``encode`` with
-            ``split_special_tokens``).
+            ``split_special_tokens``, used here only at construction).
     """
 
     def __init__(self, tokenizer: Any):
@@ -44,6 +44,10 @@ class SpecialTokenGuard:
             reverse=True,
         )
         self._special = re.compile("|".join(map(re.escape, specials))) if specials else None
+        # Each control token's text as plain-text ids, made once: encoding with
+        # split_special_tokens sets a flag on the shared Rust tokenizer, which a request
+        # tokenized at the same time on another worker thread would see.
+        self._as_text = {s: tokenizer.encode(s, add_special_tokens=False, split_special_tokens=True) for s in specials}
 
     def mask(self, chat: tokenizer_pb2.ChatInput) -> tuple[tokenizer_pb2.ChatInput, str, list[str]]:
         """(a copy of ``chat`` with control tokens in its messages replaced by markers, the
@@ -90,7 +94,7 @@ class SpecialTokenGuard:
             if i % 2:
                 original = found[int(piece)]
                 text.append(original)
-                ids += self.tokenizer.encode(original, add_special_tokens=False, split_special_tokens=True)
+                ids += self._as_text[original]
             elif piece:
                 text.append(piece)
                 ids += self.tokenizer.encode(piece, add_special_tokens=False)

@@ -2,7 +2,8 @@
 
 Follows SGLang's ``ReqState`` (``tokenizer_manager.py``): an output list, an
 event the waiting call sleeps on, and the flags of invariant 4 of DESIGN.md
-(dispatched, abort_sent, finished).
+(dispatched, abort_sent, finished). ``absorb`` folds a state's queued rows into the
+GenerateOutput its call sends.
 """
 
 from __future__ import annotations
@@ -11,8 +12,19 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
+
 from ringserve.v1 import common_pb2, detokenizer_pb2, tokenizer_pb2
-from services.tokenizer.errors import RequestError
+from services.tokenizer.errors import INTERNAL_ERROR, INVALID_REQUEST, SERVER_OVERLOADED, SERVICE_UNAVAILABLE, RequestError
+
+# Scheduler abort statuses that end the Generate call with that gRPC status
+# instead of a FINISH_ABORT output (CANCELLED is a normal abort).
+ERROR_STATUS_CODES = {
+    "INVALID_ARGUMENT": INVALID_REQUEST,
+    "RESOURCE_EXHAUSTED": SERVER_OVERLOADED,
+    "UNAVAILABLE": SERVICE_UNAVAILABLE,
+    "INTERNAL": INTERNAL_ERROR,
+}
 
 
 @dataclass
@@ -101,3 +113,56 @@ class ReqState:
     # With prompt logprobs: the prompt ids from the requested start, and what came back.
     scored_ids: list[int] | None = None
     prompt_logprobs: common_pb2.PromptLogprobs | None = None
+
+
+def absorb(st: ReqState, rows: list[Row], stream: bool) -> tokenizer_pb2.GenerateOutput | None:
+    """Fold ``rows`` into ``st``; return the output to send now (stream: one merged delta)."""
+    last = rows[-1]
+    st.completion_tokens = last.completion_tokens
+    st.cached_tokens = last.cached_tokens
+    fr = last.finish_reason
+    if fr.type == common_pb2.FINISH_ABORT and fr.status in ERROR_STATUS_CODES:
+        status = grpc.StatusCode[fr.status]
+        # INVALID_ARGUMENT after dispatch is the scheduler refusing the constraint.
+        param = st.constraint_param if fr.status == "INVALID_ARGUMENT" else None
+        raise RequestError(fr.message or fr.status.lower(), status, ERROR_STATUS_CODES[fr.status], param)
+    prompt = next((r.prompt_logprobs for r in rows if r.prompt_logprobs is not None), None)
+    if prompt is not None and st.scored_ids is not None:
+        prompt.token_ids.extend(st.scored_ids)  # from the requested start; logprobs are their tail
+        st.prompt_logprobs = prompt
+    if stream and len(rows) == 1:
+        text, ids, lps, tops = last.text, last.output_ids, last.logprobs, last.top_logprobs
+    elif stream:
+        text = "".join(r.text for r in rows)
+        ids = [t for r in rows for t in r.output_ids]
+        lps = [v for r in rows for v in r.logprobs]
+        tops = [t for r in rows for t in r.top_logprobs]
+    else:
+        for r in rows:
+            st.text_chunks.append(r.text)
+            st.output_ids.extend(r.output_ids)
+            st.logprobs.extend(r.logprobs)
+            st.top_logprobs.extend(r.top_logprobs)
+        if not last.finished:
+            return None
+        text, ids, lps, tops = "".join(st.text_chunks), st.output_ids, st.logprobs, st.top_logprobs
+        prompt = st.prompt_logprobs
+    out = tokenizer_pb2.GenerateOutput(
+        rid=st.parent_rid,
+        index=st.index,
+        text=text,
+        output_ids=ids,
+        finish_reason=fr,
+        prompt_tokens=st.prompt_tokens,
+        completion_tokens=st.completion_tokens,
+        cached_tokens=st.cached_tokens,
+    )
+    # Optional parts only when present: empty keyword arguments cost as much as the rest.
+    if lps:
+        out.output_token_logprobs.extend(lps)
+    if tops:
+        out.output_top_logprobs.extend(tops)
+    if prompt is not None:
+        out.prompt_logprobs.SetInParent()
+        out.prompt_logprobs.CopyFrom(prompt)
+    return out

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from ringserve.v1 import scheduler_pb2
+from services.tokenizer.bounds import InputBounds
 from services.tokenizer.manager import TokenizerManager
 from services.tokenizer.model import load_tokenizer, model_facts
 
@@ -39,12 +40,18 @@ def smollm2_tokenizer(smollm2_dir: Path):
     return load_tokenizer(smollm2_dir)
 
 
+@pytest.fixture(scope="session")
+def smollm2_bounds(smollm2_dir: Path, smollm2_tokenizer) -> InputBounds:
+    """SmolLM2's input bounds, derived once (reading the vocabulary takes ~0.1 s)."""
+    return InputBounds.of(smollm2_tokenizer, model_facts(smollm2_dir, smollm2_tokenizer))[0]
+
+
 @pytest.fixture
 def dispatcher() -> RecordingDispatcher:
     return RecordingDispatcher()
 
 
 @pytest.fixture
-def manager(smollm2_dir: Path, smollm2_tokenizer, dispatcher: RecordingDispatcher) -> TokenizerManager:
+def manager(smollm2_dir: Path, smollm2_tokenizer, smollm2_bounds, dispatcher: RecordingDispatcher) -> TokenizerManager:
     facts = model_facts(smollm2_dir, smollm2_tokenizer)
-    return TokenizerManager(smollm2_tokenizer, facts, "tok-test", dispatcher)
+    return TokenizerManager(smollm2_tokenizer, facts, "tok-test", dispatcher, bounds=smollm2_bounds)

@@ -11,7 +11,7 @@ from services.tokenizer.errors import RequestError
 def test_pieces_bytes_rebuild_multibyte_text(manager, smollm2_tokenizer):
     text = "café 社区 👍🏽 hi"
     ids = smollm2_tokenizer.encode(text, add_special_tokens=False) + [2]  # 2 = <|im_end|>
-    resp = manager.token_pieces(tokenizer_pb2.TokenIds(ids=ids))
+    resp = manager.preparer.token_pieces(tokenizer_pb2.TokenIds(ids=ids))
     assert len(resp.texts) == len(resp.token_bytes) == len(ids)
     assert b"".join(resp.token_bytes).decode() == text + "<|im_end|>"
     assert list(resp.texts) == [smollm2_tokenizer.decode([i]) for i in ids]
@@ -23,5 +23,5 @@ def test_pieces_bytes_rebuild_multibyte_text(manager, smollm2_tokenizer):
 
 def test_pieces_reject_ids_outside_the_vocabulary(manager):
     with pytest.raises(RequestError):
-        manager.token_pieces(tokenizer_pb2.TokenIds(ids=[manager.facts.vocab_size]))
-    assert list(manager.token_pieces(tokenizer_pb2.TokenIds()).texts) == []
+        manager.preparer.token_pieces(tokenizer_pb2.TokenIds(ids=[manager.facts.vocab_size]))
+    assert list(manager.preparer.token_pieces(tokenizer_pb2.TokenIds()).texts) == []
