@@ -38,6 +38,7 @@ import grpc
 from ringserve.metrics import ignore_seconds
 from ringserve.v1 import common_pb2, detokenizer_pb2, scheduler_pb2, tokenizer_pb2
 from services.tokenizer.chat import render_chat
+from services.tokenizer.constraints import gate_reasoning
 from services.tokenizer.errors import (
     DUPLICATE_REQUEST_ID,
     INTERNAL_ERROR,
@@ -128,6 +129,7 @@ class Prepared:
     rid: str
     prompt: str | None  # rendered chat prompt or the text; None for input_ids
     subs: tuple[scheduler_pb2.TokenizedGenerateReqInput, ...]
+    reasoning_open: bool = False  # the prompt opened a reasoning block (ChatInput.reasoning_start)
 
     @property
     def prompt_len(self) -> int:
@@ -263,10 +265,8 @@ class TokenizerManager:
             req.sampling_params, len(ids), self.facts.context_length, self.facts.vocab_size, param,
             score_only_ok=req.HasField("logprob_start_len"),
         )
-        constraint = resolved.params.constraint
-        if resolved.params.HasField("constraint") and constraint.starts_after:
-            # The grammar starts after the reasoning's end tag: the scheduler matches its ids.
-            constraint.starts_after_ids[:] = self.encode(constraint.starts_after, add_special_tokens=False)
+        start = req.chat.reasoning_start if req.WhichOneof("input") == "chat" else ""
+        opened = gate_reasoning(resolved.params, prompt, start, lambda t: self.encode(t, add_special_tokens=False))
         rid = req.rid or uuid.uuid4().hex
         subs = []
         for i in range(resolved.n):
@@ -288,7 +288,7 @@ class TokenizerManager:
                     prompt_top_logprobs_num=req.prompt_top_logprobs_num,
                 )
             )
-        return Prepared(rid, prompt, tuple(subs))
+        return Prepared(rid, prompt, tuple(subs), opened)
 
     # --- ReqState bookkeeping ------------------------------------------------------------
 
@@ -311,7 +311,8 @@ class TokenizerManager:
         event = asyncio.Event()
         states = [
             ReqState(sub.rid, prepared.rid, i, prepared.prompt_len, event, scored_ids=_scored_ids(sub),
-                     constraint_param=sub.sampling_params.constraint.param or None)
+                     constraint_param=sub.sampling_params.constraint.param or None,
+                     reasoning_open=prepared.reasoning_open)
             for i, sub in enumerate(prepared.subs)
         ]
         for st in states:
@@ -470,6 +471,8 @@ class TokenizerManager:
             out.output_token_logprobs.extend(lps)
         if tops:
             out.output_top_logprobs.extend(tops)
+        if st.reasoning_open:
+            out.reasoning_open = True
         if prompt is not None:
             out.prompt_logprobs.SetInParent()
             out.prompt_logprobs.CopyFrom(prompt)
