@@ -212,18 +212,13 @@ def _byte_masks(device: torch.device) -> torch.Tensor:
     return table
 
 
-def _fill_row(req: Req, bitmask: torch.Tensor, row: int) -> str | None:
-    """Write the tokens ``req`` may sample next into ``bitmask[row]``; the grammar's error, if any."""
-    req.grammar.fill_bitmask(bitmask, row)
-    error = _mask_error(req.grammar, bitmask[row])
-    if error is not None:
-        bitmask[row] = -1  # the row is sampled and dropped: never from an empty distribution
-        return _failure(req, error, len(req.output_ids) + 1)
+def _allow_extras(req: Req, bitmask: torch.Tensor, row: int) -> None:
+    """Beside the grammar's tokens: the reasoning's opening tag (``Req.gate``), and the stop
+    token ids where the grammar may end."""
     extra = [req.gate.extra_token] if req.gate.extra_token is not None else []
     if req.sampling.stop_token_ids and req.grammar.may_end:
         extra += req.sampling.stop_token_ids
     _allow(bitmask, row, extra)
-    return None
 
 
 @torch.inference_mode()  # the logits come from the forward pass as inference tensors
@@ -248,11 +243,18 @@ def apply_grammar_masks(logits: torch.Tensor, reqs: list[Req],
         return []
     vocab = logits.shape[-1]
     bitmask = torch.zeros((len(rows), _words(vocab)), dtype=torch.int32)
+    for j, i in enumerate(rows):
+        reqs[i].grammar.fill_bitmask(bitmask, j)
+    empty = (~bitmask.any(dim=1)).tolist()  # one check for every row
     failed = []
     for j, i in enumerate(rows):
-        error = _fill_row(reqs[i], bitmask, j)
+        req = reqs[i]
+        error = req.grammar.error or ("no token is allowed" if empty[j] else None)
         if error is not None:
-            failed.append((reqs[i], error))
+            bitmask[j] = -1  # the row is sampled and dropped: never from an empty distribution
+            failed.append((req, _failure(req, error, len(req.output_ids) + 1)))
+        elif req.gate.extra_token is not None or req.sampling.stop_token_ids:
+            _allow_extras(req, bitmask, j)
     device = logits.device
     copy = to_device or (lambda t: t.to(device))
     byte_ids = copy(bitmask.view(torch.uint8).reshape(-1)).long()  # little-endian words
