@@ -71,9 +71,9 @@ async def client(gateways):
         yield c
 
 
-@pytest.fixture(params=["deepseek_r1", "qwen3"])
-async def any_client(request, gateways):
-    async with httpx.AsyncClient(base_url=gateways[request.param], timeout=120) as c:
+@pytest.fixture
+async def qwen3_client(gateways):
+    async with httpx.AsyncClient(base_url=gateways["qwen3"], timeout=120) as c:
         yield c
 
 
@@ -112,11 +112,11 @@ async def test_r04_a_grammar_with_thinking_on_applies_only_after_the_reasoning(t
     assert msg.reasoning is None and isinstance(msg.content, str)
 
 
-async def test_an_answer_without_a_think_block_gets_its_schema_enforced(tools_ring, any_client):
+async def test_an_answer_without_a_think_block_gets_its_schema_enforced(tools_ring, qwen3_client):
     body = chat_body(tools_ring.model_name, "Answer in one English sentence: what is 19+4?", max_tokens=48,
                      response_format={"type": "json_schema", "json_schema": {"name": "out", "schema": SCHEMA_S06}})
     for stream in (False, True):
-        (msg,) = await chat(any_client, body, stream)
+        (msg,) = await chat(qwen3_client, body, stream)
         value = json.loads(msg.content)
         jsonschema.validate(value, SCHEMA_S06)
         assert (value["guard"], msg.reasoning, msg.finish_reason) == ("SCHEMA_ENFORCED", None, "stop")
