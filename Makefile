@@ -19,7 +19,7 @@ PYTEST_ARGS ?=
 PROTOS := $(wildcard protos/ringserve/v1/*.proto)
 PHASES := $(STAMPS)/phases
 
-.PHONY: setup setup-serve proto model model-all ports-free run test test-deploy images push-images bench bench-deterministic bench-detok bench-structured soak gpu-check clean
+.PHONY: setup setup-serve proto model model-all ports-free run test test-deploy images push-images bench bench-deterministic bench-internal-auth bench-detok bench-structured soak gpu-check clean
 
 # $(call timed,PHASE,COMMAND): run COMMAND and append "PHASE milliseconds" to $(PHASES).
 timed = @mkdir -p $(STAMPS) && t0=$$(date +%s%N) && $(2) && echo "$(1) $$(( ($$(date +%s%N) - t0) / 1000000 ))" >> $(PHASES)
@@ -131,6 +131,13 @@ DET_BENCH_ARGS ?= --concurrency 1,64 --input-len 128 --output-len 128
 bench-deterministic: setup
 	$(VENV)/bin/ringserve bench compare --model $(MODEL) --skip-hf --json bench/results/deterministic.json \
 		--ringserve-variant 'nondeterministic:--disable-deterministic-inference' $(DET_BENCH_ARGS)
+
+# The internal-credential check (on by default) against the same ring without it, at
+# concurrency 1 and 64, in one run: the rs/ringserve-noauth column is with / without.
+AUTH_BENCH_ARGS ?= --concurrency 1,64 --input-len 128 --output-len 128
+bench-internal-auth: setup
+	$(VENV)/bin/ringserve bench compare --model $(MODEL) --skip-hf --json bench/results/internal_auth.json \
+		--ringserve-variant 'noauth:--insecure-skip-internal-auth' $(AUTH_BENCH_ARGS)
 
 # A bounded soak run (5 minutes, 64 streams, 20% disconnects, one scheduler kill) that
 # exits non-zero unless every accounting gauge is back to baseline and no request hung;

@@ -14,21 +14,20 @@ auth". Keys are never logged: ``ApiKeys``'s repr shows only how many there are, 
 ``ringserve launch`` hands them to its services through the environment, not the
 command line (``/proc/<pid>/cmdline`` is readable by every local user).
 
-Internal links (tokenizer -> scheduler, detokenizer) carry no key: they are protected by
-mutual TLS (``ringserve.grpcutil``).
+Internal links (tokenizer -> scheduler, detokenizer) carry the ring's own credential instead
+(``ringserve.internal_auth``), never an API key.
 """
 
 from __future__ import annotations
 
 import argparse
-import hmac
 import os
 import re
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
+from ringserve.grpc_auth import CredentialInterceptor, matches_any
 
 API_KEY_ENV = "RINGSERVE_API_KEY"
 METADATA_KEY = "authorization"  # gRPC metadata keys are lower case
@@ -72,11 +71,7 @@ class ApiKeys:
         scheme, _, token = (authorization or "").strip().partition(" ")
         if scheme.lower() != "bearer":
             return False
-        given = token.strip().encode()
-        ok = False
-        for key in self.keys:
-            ok |= hmac.compare_digest(given, key.encode())
-        return ok
+        return matches_any(token.strip(), self.keys)
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         """gRPC call metadata that presents the first key; empty without keys."""
@@ -123,43 +118,11 @@ def api_keys_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace
     return ApiKeys(tuple(keys))
 
 
-def _denying_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of ``handler``'s kind that ends the call with UNAUTHENTICATED at once.
-
-    It has no request deserializer: the request is not even parsed."""
-
-    async def deny(_request: object, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-    if handler.unary_unary is not None:
-        return grpc.unary_unary_rpc_method_handler(deny)
-    if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(deny)
-    if handler.stream_unary is not None:
-        return grpc.stream_unary_rpc_method_handler(deny)
-    return grpc.stream_stream_rpc_method_handler(deny)
-
-
-class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+class ApiKeyInterceptor(CredentialInterceptor):
     """Requires a valid key on every method of the named services; others (health,
     reflection) stay open, as the HTTP probes do. A missing or wrong key ends the call
-    with UNAUTHENTICATED before the servicer runs."""
+    with UNAUTHENTICATED before the servicer runs (``ringserve.grpc_auth``)."""
 
     def __init__(self, keys: ApiKeys, services: tuple[str, ...]) -> None:
         self.keys = keys
-        self.prefixes = tuple(f"/{name}/" for name in services)
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        if handler is None or not details.method.startswith(self.prefixes):
-            return handler
-        given = [value for key, value in details.invocation_metadata or () if key == METADATA_KEY]
-        if not given:
-            return _denying_handler(handler, MISSING)
-        if not self.keys.accepts(given[0]):
-            return _denying_handler(handler, WRONG)
-        return handler
+        super().__init__(services, METADATA_KEY, keys.accepts, MISSING, WRONG)

@@ -3,7 +3,8 @@
 Every ringserve service registers the standard gRPC health service
 (``grpc.health.v1.Health``) and server reflection next to its own servicers.
 Health starts as NOT_SERVING and a service flips itself to SERVING once its
-model or tokenizer is loaded and its upstream connections are up.
+model or tokenizer is loaded and its upstream connections are up. The service name
+``liveness`` is SERVING from start to shutdown, for liveness probes.
 
 Transport (``Transport``, one per process, set by each service's ``main`` through
 ``configure``): the largest message sent or received (a bigger one ends the call with
@@ -18,6 +19,8 @@ of flags (``add_transport_args``) configures a service both ways.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +33,10 @@ from .grpc_decode import DecodeErrorInterceptor
 
 # Large enough for a BatchTokenIDOutput of a full batch with logprobs.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+# The health service name that is SERVING from start to shutdown whatever the peers do:
+# liveness probes ask for it, so a stalled peer turns a service unready without restarting it.
+LIVENESS = "liveness"
 
 
 @dataclass(frozen=True)
@@ -99,6 +106,12 @@ class Transport:
             ("grpc.so_reuseport", 0),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+            # Pings from the server too: a peer gone without a FIN (a network blip) ends its
+            # streams within ~15 s, so its Connect/Subscribe registration does not outlive it
+            # and block the same peer's reconnect (one id, one stream).
+            ("grpc.keepalive_time_ms", 10_000),
+            ("grpc.keepalive_timeout_ms", 5_000),
+            ("grpc.http2.max_pings_without_data", 0),
         ]
 
 
@@ -175,16 +188,18 @@ async def start_server(
         address: bind address, e.g. "127.0.0.1:30020" or "unix:/tmp/sched.sock".
         registrations: (add_XServicer_to_server, servicer, full service name) triples.
         transport: message size and TLS; default: the process's (``configure``).
-        interceptors: run on every call, in order, before the servicer (the tokenizer's API key check).
+        interceptors: run on every call, in order, before the servicer (the credential checks:
+            ``ringserve.grpc_auth``).
 
     Returns:
-        The started server; health reports NOT_SERVING until ``set_serving()``.
+        The started server; health reports NOT_SERVING until ``set_serving()``, and
+        SERVING for ``LIVENESS`` until it stops.
 
     Raises:
         RuntimeError: the address could not be bound.
     """
     transport = transport or _transport
-    # Key checks (issue 19) come first: a refused call does no work, not even parsing.
+    # Credential checks come first: a refused call does no work, not even parsing.
     chain = [*interceptors, DecodeErrorInterceptor()]
     server = grpc.aio.server(options=transport.server_options(), interceptors=chain)
     names = []
@@ -206,6 +221,7 @@ async def start_server(
     await server.start()
     serving = ServingServer(server, health_servicer, tuple(names), port)
     await serving.set_serving(False)
+    await health_servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
     return serving
 
 
@@ -232,6 +248,57 @@ def sync_channel(target: str, transport: Transport | None = None) -> grpc.Channe
     if transport.tls or transport.tls_ca_file is not None:
         return grpc.secure_channel(target, transport.channel_credentials(), options=transport.channel_options())
     return grpc.insecure_channel(target, options=transport.channel_options())
+
+
+def describe_error(exc: BaseException | None) -> str:
+    """"CODE: details" of a gRPC error, else the exception's repr (for log lines)."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return repr(exc)
+
+
+async def stream_accepted(call: grpc.aio.Call, grace_s: float) -> None:
+    """Wait until a server accepted a long-lived streaming ``call``: its initial metadata
+    arrived (ringserve's servers send it once the stream is registered), or ``grace_s``
+    passed with the call still open (a peer that does not announce).
+
+    Raises:
+        ConnectionError: the server ended the call instead (refused it: UNAUTHENTICATED,
+            ALREADY_EXISTS, ...), with its status and details.
+    """
+    try:
+        await asyncio.wait_for(call.initial_metadata(), grace_s)
+    except asyncio.TimeoutError:
+        pass
+    if call.done():
+        code = await call.code()
+        raise ConnectionError(f"the peer ended the stream at once ({code.name}: {await call.details()})")
+
+
+class RetryLog:
+    """A tenacity ``before_sleep`` that logs why a connection attempt failed, once per cause:
+    a peer that refuses (UNAUTHENTICATED, ALREADY_EXISTS) says so in the log at once instead
+    of being retried in silence, and a peer that stays down does not fill the log.
+
+    Args:
+        log: where to log (WARNING).
+        what: the link, e.g. "scheduler stream to 127.0.0.1:30020".
+    """
+
+    def __init__(self, log: logging.Logger, what: str) -> None:
+        self.log = log
+        self.what = what
+        self.last: str | None = None
+
+    def __call__(self, retry_state) -> None:
+        cause = describe_error(retry_state.outcome.exception() if retry_state.outcome else None)
+        if cause != self.last:
+            self.last = cause
+            self.log.warning("%s: attempt failed (%s); retrying", self.what, cause)
+
+    def reset(self) -> None:
+        """After a success: the next failure is logged even if its cause is the last one's."""
+        self.last = None
 
 
 async def wait_serving(channel: grpc.aio.Channel, service: str = "", timeout_s: float = 5.0) -> bool:

@@ -31,6 +31,12 @@ every tokenizer through the environment (``RINGSERVE_API_KEY``), never on their 
 lines: the gateway requires one on its HTTP API and presents the first to the tokenizer,
 which requires one on its public gRPC service.
 
+Internal links are authenticated by default: the launcher generates a per-ring token
+(``ringserve.internal_auth``; or takes ``--internal-token-file``/``$RINGSERVE_INTERNAL_TOKEN``)
+and hands it to the detokenizers, schedulers and tokenizers in the environment
+(``RINGSERVE_INTERNAL_TOKEN``); it is never printed. ``--insecure-skip-internal-auth``
+passes that flag on instead.
+
 Every service gets the same gRPC transport flags (``--grpc-max-message-bytes``, and
 ``--tls-cert-file/--tls-key-file/--tls-ca-file`` for TLS or mutual TLS); the launcher's own
 health checks use them too.
@@ -56,6 +62,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ringserve import grpcutil
 from ringserve.apikeys import API_KEY_ENV, ApiKeys, add_api_key_args, api_keys_from_args
 from ringserve.cli import LAUNCHER_PID_ENV
+from ringserve.internal_auth import INTERNAL_TOKEN_ENV, SKIP_FLAG, InternalAuth, add_internal_auth_args, internal_auth_from_args
 # free_port is imported from here by tests and benchmarks.
 from ringserve.ports import DEFAULT_GRPC_PORT, DEFAULT_PORT, PortInUse, check_ports, free_port, free_ports  # noqa: F401
 from services.gateway.reasoning import REASONING_PARSERS
@@ -89,6 +96,8 @@ class LaunchConfig:
     quantization: str | None = None  # "int8" / "int8wo": the schedulers quantize their linears at load (CPU, VNNI)
     served_model_name: str | None = None
     api_keys: ApiKeys = ApiKeys()  # required by the gateway's HTTP API and the tokenizers' gRPC API
+    # The ring's internal token (a fresh one by default); empty: --insecure-skip-internal-auth.
+    internal_auth: InternalAuth = field(default_factory=InternalAuth.generate)
     context_length: int | None = None
     max_running_requests: int | None = None
     max_total_tokens: int | None = None  # KV pool in tokens; None: --kv-cache-gib, else the scheduler's default
@@ -155,12 +164,12 @@ def service_pid(launcher_pid: int, name: str) -> int:
     raise LookupError(f"no running {name} under launcher {launcher_pid}")
 
 
-def grpc_serving(address: str, transport: grpcutil.Transport, timeout_s: float = 1.0) -> bool:
-    """Whether the gRPC health service at ``address`` reports SERVING (for the whole server)."""
+def grpc_serving(address: str, transport: grpcutil.Transport, timeout_s: float = 1.0, service: str = "") -> bool:
+    """Whether the gRPC health service at ``address`` reports SERVING for ``service`` ("": the whole server)."""
     with grpcutil.sync_channel(address, transport) as channel:
         try:
             resp = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
             )
         except grpc.RpcError:
             return False
@@ -221,16 +230,26 @@ class Launcher:
         self.metrics_urls: dict[str, str] = {}  # process name -> its Prometheus /metrics URL
         self._args: dict[str, list[str]] = {}
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+    def command(self, name: str, args: list[str]) -> tuple[list[str], dict[str, str]]:
+        """The command line and environment that start process ``name`` with ``args``."""
         service = name.split("-")[0]  # "scheduler-1" runs `ringserve scheduler`
         cmd = [sys.executable, "-m", "ringserve.cli", service, *args]
         # Idle OpenMP workers must not spin: the services share the cores.
         env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
                LAUNCHER_PID_ENV: str(os.getpid())}
-        # The keys, for the services that check them: in the environment, not on the command line.
+        # The secrets, for the services that use them: in the environment, not on the command line.
         env.pop(API_KEY_ENV, None)
+        env.pop(INTERNAL_TOKEN_ENV, None)
         if service in ("gateway", "tokenizer"):
             env.update(self.config.api_keys.env())
+        if service != "gateway":  # the gateway talks to the tokenizers' public API only
+            env.update(self.config.internal_auth.env())
+            if not self.config.internal_auth:
+                cmd.append(SKIP_FLAG)
+        return cmd, env
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        cmd, env = self.command(name, args)
         # No preexec_fn: the child sets its parent-death signal itself (ringserve.cli).
         proc = subprocess.Popen(cmd, start_new_session=True, env=env)
         self.procs = [(n, p) for n, p in self.procs if n != name] + [(name, proc)]
@@ -531,6 +550,7 @@ def parse_args(argv: list[str] | None) -> LaunchConfig:
     parser.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
                         help="gateway: split <think>...</think> into reasoning_content (deepseek_r1, qwen3)")
     grpcutil.add_transport_args(parser)
+    add_internal_auth_args(parser, launcher=True)
     args = parser.parse_args(argv)
     if not 0 < args.kv_cache_mem_fraction < 1:
         parser.error("--kv-cache-mem-fraction must be in (0, 1)")
@@ -548,6 +568,7 @@ def parse_args(argv: list[str] | None) -> LaunchConfig:
         disable_overlap_schedule=args.disable_overlap_schedule, deterministic_inference=args.deterministic_inference,
         quantization=args.quantization,
         served_model_name=args.served_model_name, api_keys=api_keys_from_args(parser, args),
+        internal_auth=internal_auth_from_args(parser, args, generate=True),
         context_length=args.context_length, max_running_requests=args.max_running_requests,
         max_total_tokens=args.max_total_tokens, kv_cache_gib=args.kv_cache_gib,
         kv_cache_mem_fraction=args.kv_cache_mem_fraction, max_queued_requests=args.max_queued_requests,
@@ -603,6 +624,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"ringserve: {name} gRPC at {addr}", flush=True)
         for line in launcher.topology():
             print(f"ringserve: {line}", flush=True)
+        print("ringserve: internal links " + ("authenticated by the ring's credential" if config.internal_auth else
+                                               f"NOT authenticated ({SKIP_FLAG})"), flush=True)
         for name, url in launcher.metrics_urls.items():
             print(f"ringserve: {name} metrics at {url}", flush=True)
         status = launcher.watch()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import subprocess
 from pathlib import Path
 
@@ -10,6 +11,9 @@ from pathlib import Path
 # processes sharing 2 cores (the services, the test process) that spinning
 # made decode steps 5-25x slower. Must be set before torch is imported.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Services that tests parse or start alone need the ring's internal credential, as a
+# deployment gives them one (ringserve.internal_auth); each launched ring gets its own.
+os.environ.setdefault("RINGSERVE_INTERNAL_TOKEN", secrets.token_urlsafe(32))
 
 import pytest
 
@@ -34,9 +38,10 @@ def smollm2_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def stack(smollm2_dir: Path):
-    """The whole ring serving SmolLM2 in fp32, launched once per test session (tests/ringstack.py)."""
+def stack(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """The whole ring serving SmolLM2 in fp32, launched once per test session (tests/ringstack.py);
+    its services write to a file (``stack.log()``), so tests can check what bad input logs."""
     from tests.ringstack import launched
 
-    with launched(smollm2_dir) as ring:
+    with launched(smollm2_dir, log_path=tmp_path_factory.mktemp("stack") / "ring.log") as ring:
         yield ring

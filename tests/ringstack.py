@@ -5,6 +5,8 @@ leaves it healthy. Fault and overload tests launch a separate ring per module wi
 ``launched(...)`` (fresh ports) and may kill, stop, restart or saturate its services; the
 services are the launcher's children, and ``pid(name)`` finds the current process of one by
 its command line, so it follows a service that ``--restart-on-failure`` started again.
+Each ring gets its own internal credential (``$RINGSERVE_INTERNAL_TOKEN`` for the launcher);
+``internal_metadata`` presents it on the scheduler's and detokenizer's ports.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from ringserve.internal_auth import InternalAuth
 from ringserve.launch import free_port, service_processes, stop_launched
 from ringserve.launch import wait_launched as wait_ready
 from ringserve.v1 import common_pb2, detokenizer_pb2_grpc, scheduler_pb2_grpc, tokenizer_pb2_grpc
@@ -40,6 +43,8 @@ class Stack:
     metrics_urls: dict[str, str]  # service -> its Prometheus /metrics URL
     # Metadata of the tokenizer calls made here: the API key of a ring launched with --api-key.
     grpc_metadata: tuple[tuple[str, str], ...] = ()
+    # Metadata of the scheduler and detokenizer calls made here: the ring's internal credential.
+    internal_metadata: tuple[tuple[str, str], ...] = ()
 
     def scrape(self, name: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         """Every sample of service ``name``'s /metrics: (sample name, sorted labels) -> value."""
@@ -53,7 +58,8 @@ class Stack:
 
     def scheduler_load(self) -> common_pb2.LoadReport:
         with grpc.insecure_channel(self.scheduler) as ch:
-            return scheduler_pb2_grpc.SchedulerStub(ch).GetLoad(common_pb2.Empty(), timeout=5)
+            return scheduler_pb2_grpc.SchedulerStub(ch).GetLoad(common_pb2.Empty(), timeout=5,
+                                                                 metadata=self.internal_metadata)
 
     def tokenizer_load(self) -> common_pb2.LoadReport:
         with grpc.insecure_channel(self.tokenizer) as ch:
@@ -62,7 +68,8 @@ class Stack:
 
     def detokenizer_load(self) -> common_pb2.LoadReport:
         with grpc.insecure_channel(self.detokenizer) as ch:
-            return detokenizer_pb2_grpc.DetokenizerStub(ch).GetLoad(common_pb2.Empty(), timeout=5)
+            return detokenizer_pb2_grpc.DetokenizerStub(ch).GetLoad(common_pb2.Empty(), timeout=5,
+                                                                     metadata=self.internal_metadata)
 
     def wait_idle(self, timeout_s: float = 10.0) -> tuple[common_pb2.LoadReport, ...]:
         """Wait until no service holds any request state; return the three load reports.
@@ -158,6 +165,28 @@ class OwnStack(Stack):
 
 
 @contextmanager
+def launched_gateway(tokenizer: str, *flags: str, log_path: Path | None = None) -> Iterator[str]:
+    """A second gateway process (``ringserve gateway FLAGS``) on a ring's tokenizer at
+    ``tokenizer``, until the block ends; yields its base URL once ``/health`` is 200. A gateway
+    holds no state, so a flag of its own needs no ring of its own. With ``log_path`` its output
+    goes to that file."""
+    port = free_port()
+    log = open(log_path, "w") if log_path is not None else None  # noqa: SIM115 (closed below)
+    proc = subprocess.Popen([sys.executable, "-m", "ringserve.cli", "gateway", "--port", str(port),
+                             "--tokenizer", tokenizer, *flags],
+                            stdout=log, stderr=subprocess.STDOUT if log else None)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(proc, f"{base}/health", timeout_s=60)
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        if log is not None:
+            log.close()
+
+
+@contextmanager
 def launched(model_dir: Path, *extra: str, log_path: Path | None = None) -> Iterator[OwnStack]:
     """Launch a ring with ``extra`` launcher flags; stop it (SIGTERM, then SIGKILL) at the end.
 
@@ -173,8 +202,9 @@ def launched(model_dir: Path, *extra: str, log_path: Path | None = None) -> Iter
         *(arg for name, port in metrics_ports.items() for arg in (f"--{name}-metrics-port", str(port))),
         *extra,
     ]
+    auth = InternalAuth.generate()
     log = open(log_path, "w") if log_path is not None else None  # noqa: SIM115 (closed below)
-    proc = subprocess.Popen(cmd, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    proc = subprocess.Popen(cmd, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **auth.env()},
                             stdout=log, stderr=subprocess.STDOUT if log else None)
     base = f"http://127.0.0.1:{ports['http']}"
     try:
@@ -189,6 +219,7 @@ def launched(model_dir: Path, *extra: str, log_path: Path | None = None) -> Iter
             metrics_urls={"gateway": f"{base}/metrics",
                           **{name: f"http://127.0.0.1:{port}/metrics" for name, port in metrics_ports.items()}},
             log_path=log_path,
+            internal_metadata=auth.metadata(),
         )
     finally:
         stop_launched(proc)

@@ -34,6 +34,7 @@ import orjson
 
 from ringserve import grpcutil
 from ringserve.bench.metrics import inter_token_latencies, percentile
+from ringserve.internal_auth import InternalAuth
 from ringserve.launch import free_port, service_pid, stop_launched, wait_launched
 from ringserve.v1 import common_pb2, detokenizer_pb2_grpc, scheduler_pb2_grpc, tokenizer_pb2_grpc
 
@@ -193,21 +194,22 @@ async def worker(client: httpx.AsyncClient, cfg: SoakConfig, model: str, rng: ra
             await asyncio.sleep(min(wait, max(0.0, end - time.monotonic())))
 
 
-def read_gauges(addresses: dict[str, str]) -> dict[tuple[str, str], int]:
-    """Each service's GetLoad, read directly over gRPC; the GAUGES fields."""
+def read_gauges(addresses: dict[str, str], auth: InternalAuth) -> dict[tuple[str, str], int]:
+    """Each service's GetLoad, read directly over gRPC (with the ring's internal credential,
+    which the scheduler and detokenizer require); the GAUGES fields."""
     reports = {}
     for name, address in addresses.items():
         with grpcutil.sync_channel(address) as channel:
-            reports[name] = STUBS[name](channel).GetLoad(common_pb2.Empty(), timeout=5)
+            reports[name] = STUBS[name](channel).GetLoad(common_pb2.Empty(), timeout=5, metadata=auth.metadata())
     return {(svc, f): getattr(reports[svc], f) for svc, f in GAUGES}
 
 
-def settle(addresses: dict[str, str], timeout_s: float) -> dict[tuple[str, str], int]:
+def settle(addresses: dict[str, str], auth: InternalAuth, timeout_s: float) -> dict[tuple[str, str], int]:
     """Gauges once all read zero, or the last reading after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            gauges = read_gauges(addresses)
+            gauges = read_gauges(addresses, auth)
         except Exception as exc:  # a service still restarting: read again
             gauges = {g: -1 for g in GAUGES}
             err = exc
@@ -299,10 +301,11 @@ def soak(cfg: SoakConfig, log_path: Path) -> bool:
         "--restart-on-failure",
     ]
     base_url = f"http://127.0.0.1:{ports['http']}"
+    auth = InternalAuth.generate()  # the ring's, so that the gauges can be read on its internal ports
     print(f"ringserve soak: launching the ring (log: {log_path})", flush=True)
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", **auth.env()})
         try:
             wait_launched(proc, f"{base_url}/health", 600)
             model = httpx.get(f"{base_url}/v1/models", timeout=10).json()["data"][0]["id"]
@@ -315,7 +318,7 @@ def soak(cfg: SoakConfig, log_path: Path) -> bool:
             t0 = time.monotonic()
             tally, kill_note = asyncio.run(run_workload(cfg, base_url, model, kill))
             took = time.monotonic() - t0
-            gauges = settle(addresses, cfg.settle_timeout_s)
+            gauges = settle(addresses, auth, cfg.settle_timeout_s)
             return report(cfg, tally, kill_note, gauges, took)
         finally:
             stop_launched(proc)

@@ -1,4 +1,7 @@
-"""``ringserve detokenizer``: serve the Detokenizer gRPC service for one model's vocabulary."""
+"""``ringserve detokenizer``: serve the Detokenizer gRPC service for one model's vocabulary.
+
+Every Detokenizer RPC needs the ring's internal credential (``ringserve.internal_auth``);
+health and reflection stay open."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ringserve import grpcutil
+from ringserve.internal_auth import InternalAuth, add_internal_auth_args, internal_auth_from_args
 from ringserve.metrics import ServiceMetrics, add_metrics_port_flag
 from ringserve.models import resolve_model
 from ringserve.v1 import detokenizer_pb2, detokenizer_pb2_grpc
@@ -34,6 +38,7 @@ class DetokenizerConfig:
     transport: grpcutil.Transport = grpcutil.Transport()  # message size, TLS
     metrics_port: int | None = None  # Prometheus /metrics on host:port; None = off, 0 = a free port
     served_model_name: str | None = None  # the metrics' model_name label; None = the model directory's name
+    internal_auth: InternalAuth = InternalAuth()  # tokens every Detokenizer call needs; empty: none
 
     @property
     def address(self) -> str:
@@ -55,10 +60,12 @@ def parse_args(argv: list[str] | None = None) -> DetokenizerConfig:
     p.add_argument("--served-model-name", default=None,
                    help="model_name label of the metrics (default: the model directory's name)")
     grpcutil.add_transport_args(p)
+    add_internal_auth_args(p)
     a = p.parse_args(argv)
     return DetokenizerConfig(model=resolve_model(a.model), host=a.host, port=a.port, max_decode_states=a.max_decode_states,
                              grace_period_s=a.grace_period, transport=grpcutil.transport_from_args(p, a),
-                             metrics_port=a.metrics_port, served_model_name=a.served_model_name)
+                             metrics_port=a.metrics_port, served_model_name=a.served_model_name,
+                             internal_auth=internal_auth_from_args(p, a))
 
 
 async def start(config: DetokenizerConfig) -> tuple[grpcutil.ServingServer, DetokenizerServicer]:
@@ -76,7 +83,9 @@ async def start(config: DetokenizerConfig) -> tuple[grpcutil.ServingServer, Deto
     servicer.metrics.serve(config.host, config.metrics_port)
     name = detokenizer_pb2.DESCRIPTOR.services_by_name["Detokenizer"].full_name
     server = await grpcutil.start_server(
-        config.address, [(detokenizer_pb2_grpc.add_DetokenizerServicer_to_server, servicer, name)])
+        config.address, [(detokenizer_pb2_grpc.add_DetokenizerServicer_to_server, servicer, name)],
+        interceptors=config.internal_auth.interceptors(name))
+    config.internal_auth.log_state(log, f"the Detokenizer service on port {server.port}")
     log.info("detokenizer on %s:%d (%s path, vocab %d)", config.host, server.port,
              "byte-table" if manager.fast else "offset", manager.vocab_size)
     # Start-up objects (the 262k-entry tables) never need collecting; freezing them keeps

@@ -61,11 +61,54 @@ def check_batch(batch: detokenizer_pb2.BatchTokenIDOutput, vocab_size: int) -> s
     return None
 
 
+class AlreadySubscribed(Exception):
+    """A Subscribe for a tokenizer id that already has a live subscription."""
+
+
+class Subscriptions:
+    """tokenizer id -> the output queue of its one live ``Subscribe`` stream.
+
+    One id, one stream: a second Subscribe for an id that is subscribed is refused, never
+    allowed to take the first one's outputs (a clashing id, or a caller posing as a
+    tokenizer, would otherwise starve the real one). A stream that ends removes only its
+    own entry, so a refused or replaced stream can never leave the owner unregistered. A
+    tokenizer whose stale stream is still registered after a network blip retries until
+    the server's keepalive ends that stream (``grpcutil.Transport.server_options``).
+    """
+
+    def __init__(self) -> None:
+        self._queues: dict[str, asyncio.Queue[detokenizer_pb2.BatchStrOutput]] = {}
+
+    def add(self, tokenizer_id: str) -> asyncio.Queue[detokenizer_pb2.BatchStrOutput]:
+        """Register a stream for ``tokenizer_id``; its queue. Raises AlreadySubscribed."""
+        if tokenizer_id in self._queues:
+            raise AlreadySubscribed(f"tokenizer {tokenizer_id!r} is already subscribed on another stream")
+        queue: asyncio.Queue[detokenizer_pb2.BatchStrOutput] = asyncio.Queue()
+        self._queues[tokenizer_id] = queue
+        return queue
+
+    def remove(self, tokenizer_id: str, queue: asyncio.Queue) -> bool:
+        """Drop ``tokenizer_id``'s entry if it is still ``queue``'s stream; whether it was."""
+        if self._queues.get(tokenizer_id) is not queue:
+            return False
+        del self._queues[tokenizer_id]
+        return True
+
+    def get(self, tokenizer_id: str) -> asyncio.Queue[detokenizer_pb2.BatchStrOutput] | None:
+        return self._queues.get(tokenizer_id)
+
+    def __contains__(self, tokenizer_id: object) -> bool:
+        return tokenizer_id in self._queues
+
+    def __len__(self) -> int:
+        return len(self._queues)
+
+
 class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServicer):
     """``Detokenizer`` service: Stream (from the scheduler), Subscribe (per tokenizer), GetLoad.
 
-    Each step's BatchStrOutput for a tokenizer goes to that tokenizer's Subscribe queue;
-    rows for a tokenizer that has no subscription are dropped (their states are still
+    Each step's BatchStrOutput for a tokenizer goes to that tokenizer's Subscribe queue
+    (one per id: ``Subscriptions``); rows for a tokenizer that has no subscription are dropped (their states are still
     deleted when they finish, so nothing leaks). When the last scheduler stream ends, every
     decode state is dropped: the scheduler that would finish them is gone (a scheduler that
     only lost its stream reconnects and aborts what it runs, resending each RowInit).
@@ -74,7 +117,7 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServicer):
     def __init__(self, manager: DetokenizerManager, instance_id: str) -> None:
         self.manager = manager
         self.instance_id = instance_id
-        self.subscribers: dict[str, asyncio.Queue[detokenizer_pb2.BatchStrOutput]] = {}
+        self.subscribers = Subscriptions()
         self.streams = 0  # open scheduler streams
         self.observe_step = ignore_seconds  # seconds route() took for one step (services/detokenizer/metrics.py)
         self.metrics: ServiceMetrics | None = None  # the service's registry and endpoint (main.start)
@@ -97,6 +140,7 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServicer):
         last = 0.0
         self.streams += 1
         try:
+            await context.send_initial_metadata(())  # accepted: the scheduler counts itself connected
             async for batch in request_iterator:
                 error = check_batch(batch, self.manager.vocab_size)
                 if error is not None:
@@ -118,18 +162,20 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServicer):
                         context: grpc.aio.ServicerContext) -> AsyncIterator[detokenizer_pb2.BatchStrOutput]:
         if not request.tokenizer_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "tokenizer_id is required")
-        queue: asyncio.Queue[detokenizer_pb2.BatchStrOutput] = asyncio.Queue()
-        # A re-subscribing tokenizer (restart) takes over its id; the old stream ends.
-        self.subscribers[request.tokenizer_id] = queue
-        log.info("tokenizer %s subscribed", request.tokenizer_id)
-        # Tells the subscriber its stream is registered: rows routed to it from now on arrive.
-        await context.send_initial_metadata(())
         try:
+            queue = self.subscribers.add(request.tokenizer_id)
+        except AlreadySubscribed as exc:
+            log.warning("refused a second subscription for tokenizer %s", request.tokenizer_id)
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        log.info("tokenizer %s subscribed", request.tokenizer_id)
+        try:
+            # Tells the subscriber its stream is registered: rows routed to it from now on arrive.
+            await context.send_initial_metadata(())
             while True:
                 yield await queue.get()
         finally:
-            if self.subscribers.get(request.tokenizer_id) is queue:
-                del self.subscribers[request.tokenizer_id]
+            self.subscribers.remove(request.tokenizer_id, queue)
+            log.info("tokenizer %s unsubscribed", request.tokenizer_id)
 
     async def GetLoad(self, request: common_pb2.Empty, context: grpc.aio.ServicerContext) -> common_pb2.LoadReport:
         return self.load()

@@ -25,7 +25,7 @@ from ringserve.v1 import common_pb2, tokenizer_pb2
 from . import convert, schemas, serving_chat, serving_completions, serving_native, sse
 from .backend import TokenizerClient
 from .config import GatewayConfig
-from .errors import HANDLERS, GatewayError, invalid
+from .errors import HANDLERS, RETRY_AFTER_S, GatewayError, invalid
 from .metrics import CONTENT_TYPE, GatewayMetrics
 from .protocol import (
     AbortRequest,
@@ -184,6 +184,21 @@ def _unhealthy(message: str) -> Response:
     ).response()
 
 
+def health_response(readiness: tokenizer_pb2.Readiness) -> Response:
+    """/health: 200 ``{"status": "ok", "replicas", "not_ready"}`` while the tokenizer can move a
+    token through a replica (``not_ready`` lists the replicas that cannot), else 503 with an
+    OpenAI error object beside ``status: "not_ready"`` and the same list."""
+    not_ready = [{"replica": r.replica, "reason": r.reason, "message": r.message} for r in readiness.not_ready]
+    if readiness.ready:
+        return sse.json_response({"status": "ok", "replicas": readiness.replicas, "not_ready": not_ready})
+    error = GatewayError("the ring cannot move a token: " + "; ".join(r["message"] for r in not_ready),
+                         503, "service_unavailable_error", code="service_unavailable", retry_after=True)
+    response = sse.json_response({**error.body(), "status": "not_ready", "replicas": readiness.replicas,
+                                  "not_ready": not_ready}, 503)
+    response.headers["Retry-After"] = str(RETRY_AFTER_S)
+    return response
+
+
 async def _generate_one_token(client: TokenizerClient, timeout_s: float) -> dict:
     """Generate exactly one token through the whole ring (tokenizer, scheduler, detokenizer).
 
@@ -285,11 +300,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def get_load(request: Request) -> Response:
         return sse.json_response(cluster_load_json(await client_of(request).cluster_load()))
 
-    @app.get("/health", responses=schemas.ok(schemas.HealthResponse))
+    @app.get("/health", responses={**schemas.ok(schemas.HealthResponse), 503: {
+        "model": schemas.HealthNotReadyResponse, "description": "No replica can move a token (Retry-After)"}})
     async def health(request: Request) -> Response:
-        if await client_of(request).serving():
-            return sse.json_response({"status": "ok"})
-        return _unhealthy("the tokenizer service is not serving")
+        """Readiness: 200 while a token can get through the ring, 503 with the reasons otherwise."""
+        return health_response(await client_of(request).readiness())
 
     @app.get("/health_generate", responses=schemas.ok(schemas.HealthGenerateResponse))
     async def health_generate(request: Request) -> Response:

@@ -44,6 +44,10 @@ logger = logging.getLogger(__name__)
 # (the default, pick_first, would send every call to the first one).
 ROUND_ROBIN = ("grpc.service_config", json.dumps({"loadBalancingConfig": [{"round_robin": {}}]}))
 
+# Generate calls of one request waiting for their first output (see open_streams): a quarter
+# of gRPC's default queue of calls a server has not taken up yet.
+MAX_OPENING_CALLS = 256
+
 # Bounds the per-id cache of logprob token pieces (a vocabulary is at most a few 100k ids).
 _MAX_CACHED_PIECES = 1 << 20
 
@@ -174,10 +178,25 @@ class TokenizerClient:
         return from_rpc_error(exc)
 
     async def open_streams(self, reqs: Sequence[tokenizer_pb2.GenerateReqInput]) -> list[GenerateStream]:
-        """``open_stream`` for each request, concurrently; on any error every call is cancelled."""
+        """``open_stream`` for each request, at most MAX_OPENING_CALLS at a time; on any error
+        every call is cancelled.
+
+        The bound is why a batch of 1,500 prompts is served: gRPC's server keeps at most
+        1,000 calls that the tokenizer has not taken up yet (``grpc.server.max_pending_requests``)
+        and cancels the rest (CANCELLED, which read as 503), and the tokenizer takes calls up
+        one at a time on its event loop. A call counts until its first output (for a
+        non-stream request, its whole answer), so the bound costs nothing while it exceeds
+        what the scheduler runs at once.
+        """
         if len(reqs) == 1:
             return [await self.open_stream(reqs[0])]
-        tasks = [asyncio.ensure_future(self.open_stream(r)) for r in reqs]
+        opening = asyncio.Semaphore(MAX_OPENING_CALLS)
+
+        async def open_one(req: tokenizer_pb2.GenerateReqInput) -> GenerateStream:
+            async with opening:
+                return await self.open_stream(req)
+
+        tasks = [asyncio.ensure_future(open_one(r)) for r in reqs]
         try:
             return list(await asyncio.gather(*tasks))
         except BaseException:
@@ -219,9 +238,19 @@ class TokenizerClient:
             )
         return card.served_model_name
 
-    async def serving(self) -> bool:
-        """True when the tokenizer's gRPC health says SERVING (it does only with its peers up)."""
-        return await grpcutil.wait_serving(self._channel, "", self._config.health_timeout_s)
+    async def readiness(self) -> tokenizer_pb2.Readiness:
+        """The tokenizer's ``GetReadiness``: whether it can move a token, and why not.
+
+        A tokenizer that does not answer within ``health_timeout_s`` is reported as not
+        ready, with the reason ``tokenizer_unavailable`` (never raises).
+        """
+        try:
+            return await self.stub.GetReadiness(common_pb2.Empty(), timeout=self._config.health_timeout_s,
+                                                metadata=self._metadata)
+        except grpc.aio.AioRpcError as exc:
+            message = f"the tokenizer at {self._config.tokenizer} did not answer ({exc.code().name}: {exc.details()})"
+            return tokenizer_pb2.Readiness(ready=False, not_ready=[
+                tokenizer_pb2.NotReady(reason="tokenizer_unavailable", message=message)])
 
     async def unary(self, method: str, request: object) -> object:
         """Call a unary Tokenizer RPC by name, mapping gRPC errors to GatewayError."""

@@ -9,6 +9,18 @@ from ringserve.grpcutil import Transport
 
 
 @dataclass(frozen=True)
+class HttpTimeouts:
+    """Read timeouts of one HTTP connection, in seconds (``services.gateway.http_server``)."""
+
+    header_s: float = 20.0
+    body_s: float = 30.0
+    # Longer than the idle timeout of the proxies in front (ingress-nginx keeps upstream
+    # connections 60 s, an AWS ALB 60 s), so that the proxy, not the gateway, closes an idle
+    # connection: a proxy reusing one the gateway has just closed fails that request.
+    idle_s: float = 75.0
+
+
+@dataclass(frozen=True)
 class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8000
@@ -28,3 +40,4 @@ class GatewayConfig:
     tool_call_parser: str = "hermes"  # the model's own tool-call format under tool_choice auto; "none": off
     reasoning_parser: str | None = None  # <think> format (deepseek_r1, qwen3); None: no reasoning parsing
     transport: Transport = Transport()  # gRPC message size and TLS of the channel to the tokenizer
+    http_timeouts: HttpTimeouts = HttpTimeouts()  # idle, request-head and request-body read timeouts

@@ -22,6 +22,7 @@ import json
 import re
 from collections.abc import Sequence
 
+from ringserve import limits
 from ringserve.v1 import common_pb2
 
 from .errors import invalid
@@ -58,17 +59,21 @@ def closed_objects(schema: object) -> object:
     return schema
 
 
-def _schema_text(schema: object, param: str, strict: bool = False) -> str:
+def _schema_text(schema: object, name: str, param: str, strict: bool = False) -> str:
     if isinstance(schema, str):
-        return schema  # vLLM accepts the schema as JSON text; the tokenizer parses it
-    return json.dumps(closed_objects(json.loads(json.dumps(schema))) if strict else schema)
+        return schema  # vLLM accepts the schema as JSON text; the tokenizer parses it (checked in _one)
+    text = limits.dump_json(schema, name, param)  # checked before anything walks it
+    return json.dumps(closed_objects(json.loads(text))) if strict else text
 
 
 def _one(found: list[tuple[str, common_pb2.Constraint]]) -> common_pb2.Constraint | None:
     if len(found) > 1:
         names = " and ".join(p for p, _ in found)
         raise invalid(f"give at most one output constraint, got {names}", found[1][0])
-    return found[0][1] if found else None
+    if not found:
+        return None
+    limits.check_constraint(found[0][1])
+    return found[0][1]
 
 
 def request_constraint(req: SamplingFields) -> common_pb2.Constraint | None:
@@ -76,6 +81,7 @@ def request_constraint(req: SamplingFields) -> common_pb2.Constraint | None:
 
     Raises:
         GatewayError(400): a json_schema format without its schema, or two constraints.
+        LimitExceeded: a schema or grammar over the limits of ``ringserve.limits``.
     """
     found: list[tuple[str, common_pb2.Constraint]] = []
     rf = req.response_format
@@ -86,7 +92,8 @@ def request_constraint(req: SamplingFields) -> common_pb2.Constraint | None:
             raise invalid("response_format of type json_schema needs a json_schema object", "response_format")
         if rf.json_schema.schema_ is None:
             raise invalid("response_format.json_schema.schema is required", "response_format")
-        text = _schema_text(rf.json_schema.schema_, "response_format", rf.json_schema.strict is True)
+        text = _schema_text(rf.json_schema.schema_, "response_format.json_schema.schema", "response_format",
+                            rf.json_schema.strict is True)
         found.append(("response_format", common_pb2.Constraint(json_schema=text, param="response_format")))
     so = req.structured_outputs
     if so is not None:
@@ -100,7 +107,7 @@ def request_constraint(req: SamplingFields) -> common_pb2.Constraint | None:
         param = f"structured_outputs.{key}"
         c = common_pb2.Constraint(param=param)
         if key == "json":
-            c.json_schema = _schema_text(value, param)
+            c.json_schema = _schema_text(value, param, param)
         elif key == "json_object":
             c.json_object = True
         elif key == "regex":
@@ -114,7 +121,12 @@ def request_constraint(req: SamplingFields) -> common_pb2.Constraint | None:
 
 
 def native_constraint(req: GenerateRequest) -> common_pb2.Constraint | None:
-    """SGLang's json_schema / regex / ebnf, at the top level of /generate or in its sampling_params."""
+    """SGLang's json_schema / regex / ebnf, at the top level of /generate or in its sampling_params.
+
+    Raises:
+        GatewayError(400): two constraints.
+        LimitExceeded: a schema or grammar over the limits of ``ringserve.limits``.
+    """
     found = []
     for where, holder in (("", req), ("sampling_params.", req.sampling_params)):
         for key in ("json_schema", "regex", "ebnf"):
@@ -148,7 +160,9 @@ def _arguments(tool: Tool) -> dict:
     params = tool.function.parameters
     if not params:
         return NO_PARAMETERS
-    return closed_objects(json.loads(json.dumps(params))) if tool.function.strict else params
+    if not tool.function.strict:
+        return params
+    return closed_objects(json.loads(limits.dump_json(params, "tools[].function.parameters", "tools")))
 
 
 def forced_tools(req: ChatCompletionRequest) -> list[Tool] | None:
@@ -187,5 +201,13 @@ def forced_tools(req: ChatCompletionRequest) -> list[Tool] | None:
 
 
 def forced_tool_constraint(req: ChatCompletionRequest, tools: list[Tool]) -> common_pb2.Constraint:
+    """The forced call's constraint; its schema follows the limits of any other schema.
+
+    Raises:
+        LimitExceeded: the schema built from the tools is over the limits (it nests each
+            tool's parameters two levels deeper than ``tools`` does).
+    """
     parallel = req.parallel_tool_calls is not False and req.tool_choice == "required"
-    return common_pb2.Constraint(json_schema=json.dumps(tool_calls_schema(tools, parallel)), param="tool_choice")
+    schema = limits.dump_json(tool_calls_schema(tools, parallel), "the tool-call schema built from tools",
+                              "tool_choice")
+    return common_pb2.Constraint(json_schema=schema, param="tool_choice")

@@ -8,11 +8,10 @@ tokenizer's defaults apply to the rest. Cross-field checks that need no model kn
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Sequence
 
-
+from ringserve import limits
 from ringserve.v1 import common_pb2, tokenizer_pb2
 
 from .constraints import forced_tool_constraint, forced_tools, native_constraint, request_constraint
@@ -26,6 +25,10 @@ from .protocol import (
     SamplingFields,
     Tool,
 )
+
+# Prompts in one completions batch: each is its own Generate call, and the gateway's memory
+# for a batch grows with it (a 16 MiB body holds millions of one-character prompts).
+MAX_BATCH_PROMPTS = 2048
 
 # Fields copied one to one from a request onto SamplingParams when the client set them.
 _PLAIN_FIELDS = (
@@ -148,11 +151,21 @@ def message_text(msg: ChatMessage, index: int) -> tuple[str | None, list[tokeniz
 
 
 def chat_messages(messages: Sequence[ChatMessage]) -> list[tokenizer_pb2.ChatMessage]:
+    """The messages as the contract's ChatMessages.
+
+    Raises:
+        GatewayError(400): a tool message without tool_call_id, a content problem
+            (``message_text``).
+        LimitExceeded: a tool call's arguments over the limits of ``ringserve.limits``.
+    """
     out = []
     for i, msg in enumerate(messages):
         content, parts = message_text(msg, i)
         if msg.role == "tool" and not msg.tool_call_id:
             raise invalid(f"messages[{i}]: a tool message needs tool_call_id", "messages")
+        for j, call in enumerate(msg.tool_calls or ()):
+            limits.check_json_text(call.function.arguments, f"messages[{i}].tool_calls[{j}].function.arguments",
+                                   "messages")
         pb = tokenizer_pb2.ChatMessage(
             role=msg.role,
             content_parts=parts,
@@ -185,6 +198,8 @@ def chat_input(
     Raises:
         GatewayError(400): add_generation_prompt and continue_final_message both true, or
             continue_final_message with a last message that is not the assistant's.
+        LimitExceeded: tools, chat_template_kwargs or a call's arguments over the limits
+            of ``ringserve.limits``.
     """
     if not messages:
         raise invalid("messages must not be empty", "messages")
@@ -201,9 +216,9 @@ def chat_input(
     chat = tokenizer_pb2.ChatInput(
         messages=chat_messages(messages),
         continue_final_message=continue_final_message,
-        # stdlib json: client JSON may hold integers beyond 64 bits, which orjson refuses.
-        tools_json=json.dumps([t.model_dump(exclude_none=True) for t in tools]) if tools else "",
-        chat_template_kwargs_json=json.dumps(chat_template_kwargs) if chat_template_kwargs else "",
+        tools_json=limits.dump_json([t.model_dump(exclude_none=True) for t in tools], "tools") if tools else "",
+        chat_template_kwargs_json=(limits.dump_json(chat_template_kwargs, "chat_template_kwargs")
+                                   if chat_template_kwargs else ""),
     )
     if add_generation_prompt is not None:
         chat.add_generation_prompt = add_generation_prompt
@@ -257,13 +272,21 @@ def prompt_top_logprobs(req: CompletionRequest) -> int | None:
 
 
 def completion_prompts(prompt: str | list[int] | list[list[int]] | list[str]) -> list[str | list[int]]:
-    """The prompts of a completions request: one string, one id list, or a batch of either."""
+    """The prompts of a completions request: one string, one id list, or a batch of either.
+
+    Raises:
+        GatewayError(400): an empty prompt or id list, or a batch of more than
+            MAX_BATCH_PROMPTS prompts (checked before any request is built for it).
+    """
     if isinstance(prompt, str):
         return [prompt]
     if not prompt:
         raise invalid("prompt must not be empty", "prompt")
     if isinstance(prompt[0], int):
         return [list(prompt)]  # type: ignore[arg-type]
+    if len(prompt) > MAX_BATCH_PROMPTS:
+        raise invalid(f"prompt: a batch holds at most {MAX_BATCH_PROMPTS} prompts, got {len(prompt)}; "
+                      "split it into several requests", "prompt")
     prompts: list[str | list[int]] = list(prompt)  # type: ignore[arg-type]
     if any(isinstance(p, list) and not p for p in prompts):
         raise invalid("prompt token lists must not be empty", "prompt")

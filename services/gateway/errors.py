@@ -30,6 +30,8 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+from ringserve.limits import MAX_JSON_DEPTH, LimitExceeded
+
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
@@ -195,8 +197,17 @@ async def handle_validation_error(_: Request, exc: Exception) -> Response:
     return from_validation_errors(exc.errors()).response()
 
 
+async def handle_limit_exceeded(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, LimitExceeded)
+    return invalid(exc.message, exc.param).response()
+
+
 async def handle_http_error(_: Request, exc: Exception) -> Response:
     assert isinstance(exc, StarletteHTTPException)
+    if isinstance(exc.__cause__, RecursionError):
+        # FastAPI's body parse (stdlib json) gave up on the nesting: say so, not just "error parsing".
+        return invalid(f"the request body nests too deeply to parse; JSON inside a request may nest at most "
+                       f"{MAX_JSON_DEPTH} levels", None, "invalid_json").response()
     type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
     return GatewayError(str(exc.detail), exc.status_code, type_, None, code).response()
@@ -211,6 +222,7 @@ async def handle_unexpected(_: Request, exc: Exception) -> Response:
 
 HANDLERS = {
     GatewayError: handle_gateway_error,
+    LimitExceeded: handle_limit_exceeded,
     RequestValidationError: handle_validation_error,
     StarletteHTTPException: handle_http_error,
     Exception: handle_unexpected,

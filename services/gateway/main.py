@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 
 import uvicorn
@@ -11,7 +12,8 @@ from ringserve import grpcutil
 from ringserve.apikeys import add_api_key_args, api_keys_from_args
 
 from .app import create_app
-from .config import GatewayConfig
+from .config import GatewayConfig, HttpTimeouts
+from .http_server import TimedH11Protocol
 from .reasoning import REASONING_PARSERS
 from .tool_parsers import TOOL_CALL_PARSERS
 
@@ -51,10 +53,23 @@ def parse_args(argv: list[str] | None) -> GatewayConfig:
     parser.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
                         help="split <think>...</think> into reasoning_content: deepseek_r1 (the opening tag "
                              "may be in the prompt) or qwen3 (default: off)")
+    http = defaults.http_timeouts
+    parser.add_argument("--http-header-timeout", type=float, default=http.header_s,
+                        help="seconds from a request head's first byte to its end, else HTTP 408 and close "
+                             "(default %(default)s)")
+    parser.add_argument("--http-body-timeout", type=float, default=http.body_s,
+                        help="seconds a request body may stall between two reads, else HTTP 408 and close "
+                             "(default %(default)s)")
+    parser.add_argument("--http-idle-timeout", type=float, default=http.idle_s,
+                        help="seconds a connection may stay open with no request in progress (after accept or a "
+                             "response) before it is closed (default %(default)s)")
     grpcutil.add_transport_args(parser)
     args = parser.parse_args(argv)
     if args.max_request_body_bytes <= 0:
         parser.error("--max-request-body-bytes must be > 0")
+    for flag in ("header", "body", "idle"):
+        if getattr(args, f"http_{flag}_timeout") <= 0:
+            parser.error(f"--http-{flag}-timeout must be > 0")
     return GatewayConfig(
         host=args.host,
         port=args.port,
@@ -67,6 +82,7 @@ def parse_args(argv: list[str] | None) -> GatewayConfig:
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         transport=grpcutil.transport_from_args(parser, args),
+        http_timeouts=HttpTimeouts(args.http_header_timeout, args.http_body_timeout, args.http_idle_timeout),
     )
 
 
@@ -79,9 +95,10 @@ def main(argv: list[str] | None = None) -> None:
         host=config.host,
         port=config.port,
         loop="uvloop",
-        http="httptools",
+        # h11 frames responses by the request's HTTP version (see http_server).
+        http=functools.partial(TimedH11Protocol, timeouts=config.http_timeouts),  # type: ignore[arg-type]
         log_level="warning",
-        timeout_keep_alive=30,
+        timeout_keep_alive=config.http_timeouts.idle_s,  # type: ignore[arg-type]
     )
 
 

@@ -9,6 +9,7 @@ tokenizer, which fills in the real defaults.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
@@ -47,6 +48,27 @@ def first_unencodable(value: Any, path: str = "") -> tuple[str, str] | None:
         elif isinstance(item, list):
             stack.extend((sub, f"{where}[{i}]") for i, sub in reversed(list(enumerate(item))))
     return None
+
+
+def refuse_other_variants(data: Any, tag: str, owners: Mapping[str, tuple[str, ...]]) -> Any:
+    """Refuse keys that belong to another variant of a union tagged by ``tag`` (a before-validator).
+
+    ``owners`` maps a key to the tag values whose variant has it: ``json_schema`` belongs to
+    ``type: "json_schema"``, so ``{"type": "text", "json_schema": {...}}`` is refused rather
+    than served with the schema ignored. A key given as null counts as absent.
+
+    Raises:
+        PydanticCustomError("variant_key"): naming each such key and the variants that own it.
+    """
+    if not isinstance(data, dict):
+        return data
+    given = data.get(tag)
+    wrong = [f"{key} is only allowed with {tag} {' or '.join(map(repr, tags))}"
+             for key, tags in owners.items() if data.get(key) is not None and given not in tags]
+    if wrong:
+        raise PydanticCustomError("variant_key", "{wrong}, got {tag} {given}",
+                                  {"wrong": "; ".join(wrong), "tag": tag, "given": repr(given)})
+    return data
 
 
 class Body(Strict):
@@ -111,12 +133,21 @@ class ToolCall(Strict):
 
 
 class ChatMessage(Strict):
+    """One message; OpenAI's message types are a union tagged by ``role``, and a key of
+    another role's type is refused (``tool_call_id`` on a user message)."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[ToolCall] | None = None
     reasoning_content: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _role_keys(cls, data: Any) -> Any:
+        return refuse_other_variants(data, "role", {"tool_call_id": ("tool",), "tool_calls": ("assistant",),
+                                                    "reasoning_content": ("assistant",)})
 
 
 class FunctionDef(Strict):
@@ -153,8 +184,15 @@ class JsonSchemaFormat(Strict):
 
 
 class ResponseFormat(Strict):
+    """OpenAI's union tagged by ``type``: only ``json_schema`` has a ``json_schema`` key."""
+
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _type_keys(cls, data: Any) -> Any:
+        return refuse_other_variants(data, "type", {"json_schema": ("json_schema",)})
 
 
 class StructuredOutputs(Strict):

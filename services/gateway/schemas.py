@@ -124,8 +124,23 @@ class AbortResponse(BaseModel):
     aborted: bool
 
 
+class NotReady(BaseModel):
+    replica: str  # the replica's scheduler address ("" for the tokenizer itself)
+    reason: str  # scheduler_link_down, detokenizer_link_down, scheduler_health_check,
+    # detokenizer_health_check, outputs_stalled, tokenizer_unavailable
+    message: str
+
+
 class HealthResponse(BaseModel):
     status: str
+    replicas: int
+    not_ready: list[NotReady]
+
+
+class HealthNotReadyResponse(ErrorResponse):
+    status: str  # "not_ready"
+    replicas: int
+    not_ready: list[NotReady]
 
 
 class HealthGenerateResponse(BaseModel):

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ringserve.grpcutil import Transport
+from ringserve.internal_auth import InternalAuth
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # float16 on CUDA only
 SCHEDULE_POLICIES = ("fcfs", "lpm")
@@ -105,6 +106,8 @@ class SchedulerConfig:
     transport: Transport = Transport()  # gRPC message size and TLS, server and detokenizer channel
     metrics_port: int | None = None  # Prometheus /metrics on host:port; None = off, 0 = a free port
     served_model_name: str | None = None  # the metrics' model_name label; None = the model directory's name
+    # Tokens every Scheduler call needs and the one presented to the detokenizer; empty: none.
+    internal_auth: InternalAuth = InternalAuth()
     # Tensor parallelism (engine.tp): ranks of this replica; rank 0 hosts the rendezvous at
     # dist_init_addr:dist_port (0 = a free port); every collective times out after dist_timeout_s.
     tp_size: int = 1

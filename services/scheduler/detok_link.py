@@ -7,30 +7,37 @@ A lost stream means lost DecodeStatus (a restarted detokenizer has none; a live 
 a stream's states when the stream ends), so the link calls ``on_lost`` as soon as a
 connected stream ends: the service aborts what is in flight then, resending each RowInit,
 and those rows reach the next detokenizer first. Requests that arrive while it is down
-wait in the queue and are not touched.
+wait in the queue and are not touched. The stream presents ``metadata`` (the ring's
+internal credential); a refused attempt is logged once per cause and retried.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import grpc
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
+from ringserve.grpcutil import RetryLog, stream_accepted
 from ringserve.grpcutil import channel as grpc_channel
 from ringserve.v1 import detokenizer_pb2, detokenizer_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+ACCEPT_GRACE_S = 0.5  # a detokenizer that does not announce accepted streams: open this long is connected
+
 
 class DetokenizerLink:
     """Owns the outgoing queue and the stream; ``run()`` until cancelled."""
 
-    def __init__(self, target: str, on_lost: Callable[[], None] | None = None):
+    def __init__(self, target: str, on_lost: Callable[[], None] | None = None,
+                 metadata: Sequence[tuple[str, str]] = ()):
         self.target = target
         self.on_lost = on_lost
+        self.metadata = tuple(metadata)
+        self._retry_log = RetryLog(log, f"detokenizer stream to {target}")
         self.queue: asyncio.Queue[detokenizer_pb2.BatchTokenIDOutput] = asyncio.Queue()
         self.connected = asyncio.Event()
         self.num_connects = 0
@@ -52,6 +59,7 @@ class DetokenizerLink:
         retrying = AsyncRetrying(
             wait=wait_exponential(multiplier=0.05, max=2.0),
             retry=retry_if_exception_type((grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError, ConnectionError)),
+            before_sleep=self._retry_log,
             reraise=True,
         )
         async for attempt in retrying:
@@ -60,9 +68,11 @@ class DetokenizerLink:
 
     async def _session(self) -> None:
         async with grpc_channel(self.target) as channel:
-            call = detokenizer_pb2_grpc.DetokenizerStub(channel).Stream()
-            await call.wait_for_connection()
+            call = detokenizer_pb2_grpc.DetokenizerStub(channel).Stream(metadata=self.metadata)
+            # A refusal (a wrong credential) is retried, never counted as connected.
+            await stream_accepted(call, ACCEPT_GRACE_S)
             self.num_connects += 1
+            self._retry_log.reset()
             self.connected.set()
             log.info("detokenizer stream to %s connected", self.target)
             writer = asyncio.create_task(self._write(call))

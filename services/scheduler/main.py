@@ -10,6 +10,9 @@ With ``--tp-size N`` this process is rank 0 of N (``engine.tp``): it starts the 
 and when one of them is lost it turns NOT_SERVING, ends every request in flight with
 UNAVAILABLE, stops the others and exits 1 (a launcher's ``--restart-on-failure`` then
 starts the whole group again).
+
+Every Scheduler RPC needs the ring's internal credential, and the detokenizer stream
+presents it (``ringserve.internal_auth``); health and reflection stay open.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from ringserve import grpcutil
+from ringserve.internal_auth import add_internal_auth_args, internal_auth_from_args
 from ringserve.metrics import add_metrics_port_flag
 from ringserve.models import resolve_model
 from services.scheduler.config import (ATTENTION_BACKENDS, DTYPES, GRAMMAR_BACKENDS, LOAD_FORMATS, SCHEDULE_POLICIES, EngineConfig,
@@ -119,7 +123,9 @@ def parse_args(argv: list[str] | None) -> SchedulerConfig:
     p.add_argument("--served-model-name", default=None,
                    help="model_name label of the metrics (default: the model directory's name)")
     grpcutil.add_transport_args(p)
+    add_internal_auth_args(p)
     a = p.parse_args(argv)
+    internal_auth = internal_auth_from_args(p, a)
     if a.max_queued_requests is not None and a.max_queued_requests < 0:
         p.error("--max-queued-requests must be >= 0")
     if a.max_queued_tokens is not None and a.max_queued_tokens <= 0:
@@ -170,7 +176,7 @@ def parse_args(argv: list[str] | None) -> SchedulerConfig:
                            transport=grpcutil.transport_from_args(p, a),
                            metrics_port=a.metrics_port, served_model_name=a.served_model_name,
                            tp_size=a.tp_size, dist_init_addr=a.dist_init_addr, dist_port=a.dist_port,
-                           dist_timeout_s=a.dist_timeout)
+                           dist_timeout_s=a.dist_timeout, internal_auth=internal_auth)
 
 
 def usable_cpus(cgroup_dir: Path = Path("/sys/fs/cgroup")) -> int:
@@ -288,10 +294,13 @@ async def serve(cfg: SchedulerConfig, stop: asyncio.Event | None = None,
         cfg.detokenizer,
         on_lost=lambda: loop.abort(message="lost the detokenizer stream and its decode state",
                                    status="UNAVAILABLE", resend_init=True),
+        metadata=cfg.internal_auth.metadata(),
     )
     servicer = SchedulerServicer(loop, cfg.instance_id, cfg.load_report_interval_s, tp_size=cfg.tp_size)
     name = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
-    server = await start_server(cfg.address, [(scheduler_pb2_grpc.add_SchedulerServicer_to_server, servicer, name)])
+    server = await start_server(cfg.address, [(scheduler_pb2_grpc.add_SchedulerServicer_to_server, servicer, name)],
+                                interceptors=cfg.internal_auth.interceptors(name))
+    cfg.internal_auth.log_state(log, f"the Scheduler service on port {server.port}")
     link_task = asyncio.create_task(link.run())
     if stop is None:
         stop = asyncio.Event()

@@ -30,13 +30,20 @@ def non_finite(msg: scheduler_pb2.TokenizedGenerateReqInput) -> str | None:
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
-    """One Connect stream per tokenizer instance; rids it owns die with its stream."""
+    """One Connect stream per tokenizer instance; rids it owns die with its stream.
+
+    A tokenizer id has at most one live stream: a second hello naming an id that is
+    connected is refused (ALREADY_EXISTS), so it can neither take that tokenizer's
+    requests nor, when it ends, abort them. A stream's aborts reach only its own
+    tokenizer's requests.
+    """
 
     def __init__(self, loop: EngineLoop, instance_id: str, load_report_interval_s: float = 1.0, tp_size: int = 1):
         self.loop = loop
         self.instance_id = instance_id
         self.tp_size = tp_size
         self.load_report_interval_s = load_report_interval_s
+        self.connected: set[str] = set()  # tokenizer ids with a live Connect stream
 
     def _load_event(self) -> scheduler_pb2.SchedulerEvent:
         return scheduler_pb2.SchedulerEvent(load=load_to_proto(self.loop.load(), self.instance_id, self.tp_size))
@@ -47,7 +54,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         Sends a LoadReport event at once and then every ``load_report_interval_s``. When
         the stream ends for any reason, every rid the tokenizer owns is aborted.
 
-        Errors: INVALID_ARGUMENT when the first message is not a hello.
+        Errors: INVALID_ARGUMENT when the first message is not a hello; ALREADY_EXISTS when
+        its tokenizer_id has a live stream (a tokenizer whose own stale stream is still
+        open retries until the server's keepalive ends it).
         """
         first = await anext(aiter(request_iterator), None)
         if first is None or first.WhichOneof("msg") != "abort" or first.abort.rid or not first.abort.tokenizer_id:
@@ -56,6 +65,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 "the first Connect message must be an AbortReq hello with an empty rid and a tokenizer_id",
             )
         tokenizer_id = first.abort.tokenizer_id
+        if tokenizer_id in self.connected:
+            log.warning("refused a second Connect stream for tokenizer %s", tokenizer_id)
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                                f"tokenizer {tokenizer_id!r} is already connected on another stream")
+        self.connected.add(tokenizer_id)
         log.info("tokenizer %s connected", tokenizer_id)
         reader = asyncio.create_task(self._read(request_iterator, tokenizer_id))
         try:
@@ -67,6 +81,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             reader.result()
         finally:
             reader.cancel()
+            self.connected.discard(tokenizer_id)
             log.info("tokenizer %s stream closed; aborting its requests", tokenizer_id)
             self.loop.abort(tokenizer_id=tokenizer_id, message=f"tokenizer {tokenizer_id} stream closed", status="UNAVAILABLE")
 
@@ -81,12 +96,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 else:
                     self.loop.submit(spec)
             elif kind == "abort":
+                # Only this stream's own requests: an AbortReq naming another tokenizer (or
+                # another tokenizer's rid) aborts nothing.
                 a = msg.abort
                 reason = a.reason or "aborted by the tokenizer"
-                if a.abort_all:
-                    self.loop.abort(tokenizer_id=a.tokenizer_id or tokenizer_id, message=reason)
+                if a.tokenizer_id and a.tokenizer_id != tokenizer_id:
+                    log.warning("tokenizer %s sent an AbortReq for tokenizer %s; ignored", tokenizer_id, a.tokenizer_id)
+                elif a.abort_all:
+                    self.loop.abort(tokenizer_id=tokenizer_id, message=reason)
                 elif a.rid:
-                    self.loop.abort(rid=a.rid, message=reason)
+                    self.loop.abort(rid=a.rid, tokenizer_id=tokenizer_id, message=reason)
 
     async def GetLoad(self, request: common_pb2.Empty, context: grpc.aio.ServicerContext) -> common_pb2.LoadReport:
         return load_to_proto(self.loop.load(), self.instance_id, self.tp_size)

@@ -9,6 +9,8 @@ Rules, following vLLM's and SGLang's OpenAI serving layers:
   part gives exactly the string form. Any part whose type is not "text" is
   rejected: this service serves text-only models.
 - Absent content (an assistant with tool calls) is passed to the template as "".
+- ``tool_call_id`` belongs to tool messages, ``tool_calls`` and ``reasoning_content`` to
+  assistant messages: on any other role they are refused, not ignored.
 - A tool call's ``function_arguments`` is passed as a dict when it is a JSON
   object (what Hugging Face templates expect, e.g. ``arguments | tojson``),
   otherwise as the string the model wrote.
@@ -33,6 +35,7 @@ from typing import Any
 import jinja2
 import orjson
 
+from ringserve import limits
 from ringserve.v1 import tokenizer_pb2
 from services.tokenizer.errors import (
     CHAT_TEMPLATE_ERROR,
@@ -40,6 +43,7 @@ from services.tokenizer.errors import (
     UNSUPPORTED_CONTENT_TYPE,
     RequestError,
     invalid,
+    over_limit,
 )
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -66,8 +70,12 @@ def message_content(msg: tokenizer_pb2.ChatMessage, i: int) -> str | None:
     return "".join(part.text for part in msg.content_parts)
 
 
-def _tool_call(call: tokenizer_pb2.ToolCall) -> dict[str, Any]:
+def _tool_call(call: tokenizer_pb2.ToolCall, where: str) -> dict[str, Any]:
     arguments: Any = call.function_arguments
+    try:
+        limits.check_json_text(arguments, f"{where}.function_arguments", "messages")
+    except limits.LimitExceeded as exc:
+        raise over_limit(exc) from None
     try:
         parsed = orjson.loads(arguments) if arguments else {}
     except orjson.JSONDecodeError:
@@ -106,10 +114,15 @@ def messages_to_dicts(chat: tokenizer_pb2.ChatInput) -> list[dict[str, Any]]:
             if not msg.tool_call_id:
                 raise invalid(f"messages[{i}] (tool) needs tool_call_id", "messages")
             d["tool_call_id"] = msg.tool_call_id
+        elif msg.tool_call_id:
+            raise invalid(f"messages[{i}] ({msg.role}) cannot carry tool_call_id (only role tool has it)", "messages")
+        if msg.HasField("reasoning_content") and msg.role != "assistant":
+            raise invalid(f"messages[{i}] ({msg.role}) cannot carry reasoning_content (only role assistant has it)",
+                          "messages")
         if msg.tool_calls:
             if msg.role != "assistant":
                 raise invalid(f"messages[{i}] ({msg.role}) cannot carry tool_calls", "messages")
-            d["tool_calls"] = [_tool_call(c) for c in msg.tool_calls]
+            d["tool_calls"] = [_tool_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(msg.tool_calls)]
         if msg.HasField("reasoning_content"):
             d["reasoning_content"] = msg.reasoning_content
         out.append(d)
@@ -117,6 +130,10 @@ def messages_to_dicts(chat: tokenizer_pb2.ChatInput) -> list[dict[str, Any]]:
 
 
 def _json_field(text: str, kind: type, name: str) -> Any:
+    try:
+        limits.check_json_text(text, name)
+    except limits.LimitExceeded as exc:
+        raise over_limit(exc) from None
     try:
         value = orjson.loads(text)
     except orjson.JSONDecodeError as exc:

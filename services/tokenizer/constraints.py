@@ -4,7 +4,7 @@ The scheduler's grammar backend is the authority on what compiles (an unknown ``
 regex its engine rejects, an unenforceable keyword: FINISH_ABORT / INVALID_ARGUMENT from
 there); here go the checks that need no grammar engine, so that most mistakes are a 400
 before dispatch: a schema that is not JSON or fails the JSON Schema 2020-12 meta-schema,
-an empty regex, grammar or choice list, a constraint larger or deeper than the limits, a
+an empty regex, grammar or choice list, a constraint over the limits of ``ringserve.limits``, a
 choice list longer than ``MAX_CHOICES``, a regex (or schema pattern) that counts further
 than ``regex_repeats.MAX_REPEAT``. A choice list becomes a GBNF grammar of string literals
 and ``json_object`` the schema ``{"type": "object"}``: the scheduler sees only json_schema,
@@ -18,12 +18,11 @@ from collections.abc import Callable
 
 import jsonschema
 
+from ringserve import limits
 from ringserve.v1 import common_pb2
-from services.tokenizer.errors import invalid
+from services.tokenizer.errors import invalid, over_limit
 from services.tokenizer.regex_repeats import MAX_REPEAT, max_repeat
 
-MAX_CONSTRAINT_BYTES = 256 * 1024
-MAX_SCHEMA_DEPTH = 32  # nested objects/arrays in the schema document
 # llguidance keeps every alternative of a rule in one Earley row and fails past 2,000 (its
 # max_items_in_row): the choice grammar's alternatives stay well inside that.
 MAX_CHOICES = 1000
@@ -31,14 +30,6 @@ _DATA_KEYWORDS = ("const", "enum", "default", "examples")  # their values are JS
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 DEFAULT_PARAM = {"json_schema": "response_format", "json_object": "response_format", "regex": "regex",
                  "ebnf": "ebnf", "choice": "choice"}
-
-
-def _depth(value: object) -> int:
-    if isinstance(value, dict):
-        return 1 + max((_depth(v) for v in value.values()), default=0)
-    if isinstance(value, list):
-        return 1 + max((_depth(v) for v in value), default=0)
-    return 0
 
 
 def _gbnf_literal(text: str) -> str:
@@ -94,8 +85,6 @@ def _check_schema(text: str, param: str) -> str:
         return "{}"
     if not isinstance(schema, dict):
         raise invalid(f"{param}: a JSON schema must be an object (or true), got {type(schema).__name__}", param)
-    if _depth(schema) > MAX_SCHEMA_DEPTH:
-        raise invalid(f"{param}: the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} levels", param)
     try:
         jsonschema.Draft202012Validator.check_schema(schema)
     except jsonschema.SchemaError as exc:
@@ -117,8 +106,10 @@ def resolve_constraint(c: common_pb2.Constraint) -> common_pb2.Constraint:
         raise invalid("the constraint names no kind (json_schema, json_object, regex, ebnf or choice)",
                       c.param or "response_format")
     param = c.param or DEFAULT_PARAM[kind]
-    if c.ByteSize() > MAX_CONSTRAINT_BYTES:
-        raise invalid(f"{param}: the constraint is larger than {MAX_CONSTRAINT_BYTES} bytes", param)
+    try:
+        limits.check_constraint(c, param)  # before parsing: the parsers and jsonschema recurse
+    except limits.LimitExceeded as exc:
+        raise over_limit(exc) from None
     out = common_pb2.Constraint(param=param, starts_after=c.starts_after, opens_with=c.opens_with)
     if kind == "json_object":
         out.json_schema = '{"type": "object"}'

@@ -11,11 +11,22 @@ error object:
              error abort: UNAVAILABLE, RESOURCE_EXHAUSTED, INTERNAL)
     "param"  the OpenAI request parameter at fault ("messages", "prompt",
              "max_tokens", "temperature", ...), when there is one
+
+Both go out bounded: gRPC refuses metadata that is not printable ASCII (INTERNAL "Invalid
+metadata") and a client drops trailers over 8 KiB (RESOURCE_EXHAUSTED "Stream removed"),
+and a message or a param can quote the request (a grammar engine's error quotes the regex;
+``Constraint.param`` is whatever a direct client sent).
 """
 
 from __future__ import annotations
 
 import grpc
+
+from ringserve.limits import LimitExceeded
+
+# Status details as UTF-8 (gRPC percent-encodes them: at most 3x on the wire) and the param.
+MAX_DETAILS_BYTES = 2048
+MAX_PARAM_CHARS = 128
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 INVALID_VALUE = "invalid_value"
@@ -44,11 +55,21 @@ class RequestError(Exception):
         self.code = code
         self.param = param
 
+    def details(self) -> str:
+        """The message as gRPC status details: cut to MAX_DETAILS_BYTES of UTF-8, saying so."""
+        raw = self.message.encode("utf-8", "replace")
+        if len(raw) <= MAX_DETAILS_BYTES:
+            return self.message
+        return raw[:MAX_DETAILS_BYTES - 64].decode("utf-8", "ignore") + f" ... (cut, {len(raw)} bytes in all)"
+
     def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
-        """("code", ...) and, when known, ("param", ...) for the gRPC trailers."""
+        """("code", ...) and, when known, ("param", ...) for the gRPC trailers: printable
+        ASCII (other characters backslash-escaped), the param cut to MAX_PARAM_CHARS."""
         pairs = [("code", self.code)]
         if self.param:
-            pairs.append(("param", self.param))
+            param = self.param.encode("ascii", "backslashreplace").decode("ascii")
+            param = "".join(ch if ch.isprintable() else f"\\x{ord(ch):02x}" for ch in param)
+            pairs.append(("param", param[:MAX_PARAM_CHARS]))
         return tuple(pairs)
 
 
@@ -60,3 +81,8 @@ def invalid(message: str, param: str | None = None, code: str = INVALID_VALUE) -
 def unavailable(message: str) -> RequestError:
     """An UNAVAILABLE RequestError (a peer of the ring is down)."""
     return RequestError(message, grpc.StatusCode.UNAVAILABLE, SERVICE_UNAVAILABLE)
+
+
+def over_limit(exc: LimitExceeded) -> RequestError:
+    """The INVALID_ARGUMENT RequestError of a document over ``ringserve.limits``' limits."""
+    return RequestError(exc.message, grpc.StatusCode.INVALID_ARGUMENT, INVALID_VALUE, exc.param)

@@ -5,10 +5,15 @@
   tokenizer_id); TokenizedGenerateReqInput and AbortReq follow, in order, from a
   queue filled synchronously by the manager (it is the manager's ``Dispatcher``).
 - ``DetokenizerLink``: one ``Detokenizer.Subscribe(tokenizer_id)`` stream whose
-  BatchStrOutput messages go to the manager's ``handle_batch``. The subscription
-  counts as up when the detokenizer sends the call's initial metadata (which it
-  should do once the subscriber is registered), or, if it does not, after
-  ``SUBSCRIBE_GRACE_S`` with the call still open.
+  BatchStrOutput messages go to the manager's ``handle_batch``.
+
+Either stream counts as up when the peer sends the call's initial metadata (ringserve's
+do once the stream is registered: the scheduler with its first LoadReport), or, if it
+does not, after ``ACCEPT_GRACE_S`` with the call still open. A peer that refuses the stream
+(UNAUTHENTICATED: a wrong internal credential; ALREADY_EXISTS: this instance's own stale
+stream is still registered after a network blip) ends it there instead; the link logs
+why, once per cause, and retries. Every call presents ``metadata``: the ring's internal
+credential (``ringserve.internal_auth``).
 
 When a session ends (peer gone, stream closed) the link reports down at once, so
 the manager fails every in-flight request with UNAVAILABLE, then reconnects with
@@ -21,11 +26,12 @@ import asyncio
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import grpc
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential, wait_random
 
+from ringserve.grpcutil import RetryLog, describe_error, stream_accepted
 from ringserve.grpcutil import channel as grpc_channel
 from ringserve.metrics import ignore_seconds
 from ringserve.v1 import common_pb2, detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
@@ -34,7 +40,7 @@ from services.tokenizer.errors import unavailable
 logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 2.0
-SUBSCRIBE_GRACE_S = 0.5
+ACCEPT_GRACE_S = 0.5
 BACKOFF_INITIAL_S = 0.05
 BACKOFF_MAX_S = 2.0
 
@@ -49,12 +55,16 @@ class Link(ABC):
         target: the peer's address ("host:port" or "unix:path").
         on_change: called with (link, up) on every transition; on a loss it runs
             before anything else touches the link, so in-flight requests fail first.
+        metadata: sent with every call on the link (the internal credential).
     """
 
-    def __init__(self, name: str, target: str, on_change: Callable[[Link, bool], None]):
+    def __init__(self, name: str, target: str, on_change: Callable[[Link, bool], None],
+                 metadata: Sequence[tuple[str, str]] = ()):
         self.name = name
         self.target = target
         self.on_change = on_change
+        self.metadata = tuple(metadata)
+        self._retry_log = RetryLog(logger, f"{name} stream at {target}")
         self.up = False
         self.sessions = 0  # successful connections so far
         self.channel: grpc.aio.Channel | None = None  # the session's channel while up (unary calls)
@@ -78,6 +88,7 @@ class Link(ABC):
                 async for attempt in AsyncRetrying(
                     wait=wait_exponential(multiplier=BACKOFF_INITIAL_S, max=BACKOFF_MAX_S) + wait_random(0, BACKOFF_INITIAL_S),
                     retry=retry_if_exception_type(_RETRYABLE),
+                    before_sleep=self._retry_log,
                 ):
                     with attempt:
                         if channel is not None:
@@ -86,13 +97,13 @@ class Link(ABC):
                         await asyncio.wait_for(channel.channel_ready(), CONNECT_TIMEOUT_S)
                         call = await self._open(channel)
                 self.sessions += 1
+                self._retry_log.reset()
                 self.channel = channel
                 self._set(True)
                 await self._pump(call)
                 logger.warning("%s stream at %s closed", self.name, self.target)
             except _RETRYABLE as exc:
-                cause = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else repr(exc)
-                logger.warning("%s stream at %s lost (%s)", self.name, self.target, cause)
+                logger.warning("%s stream at %s lost (%s)", self.name, self.target, describe_error(exc))
             except Exception:
                 logger.exception("%s stream at %s failed", self.name, self.target)
                 failed = True
@@ -121,8 +132,9 @@ class Link(ABC):
 class SchedulerLink(Link):
     """The scheduler stream; also the manager's Dispatcher (``send_req``, ``send_abort``)."""
 
-    def __init__(self, target: str, instance_id: str, on_change: Callable[[Link, bool], None]):
-        super().__init__("scheduler", target, on_change)
+    def __init__(self, target: str, instance_id: str, on_change: Callable[[Link, bool], None],
+                 metadata: Sequence[tuple[str, str]] = ()):
+        super().__init__("scheduler", target, on_change, metadata)
         self.instance_id = instance_id
         # Each message with the perf_counter() time it was queued at.
         self._queue: asyncio.Queue[tuple[scheduler_pb2.SchedulerInput, float]] = asyncio.Queue()
@@ -151,9 +163,10 @@ class SchedulerLink(Link):
             await asyncio.sleep(0.01)
 
     async def _open(self, channel: grpc.aio.Channel) -> grpc.aio.Call:
-        call = scheduler_pb2_grpc.SchedulerStub(channel).Connect()
+        call = scheduler_pb2_grpc.SchedulerStub(channel).Connect(metadata=self.metadata)
         hello = scheduler_pb2.AbortReq(rid="", abort_all=False, tokenizer_id=self.instance_id)
         await call.write(scheduler_pb2.SchedulerInput(abort=hello))
+        await stream_accepted(call, ACCEPT_GRACE_S)
         # Messages queued for an earlier session belong to requests that were failed.
         self._queue = asyncio.Queue()
         return call
@@ -193,26 +206,24 @@ class DetokenizerLink(Link):
         instance_id: str,
         on_batch: Callable[[detokenizer_pb2.BatchStrOutput], None],
         on_change: Callable[[Link, bool], None],
+        metadata: Sequence[tuple[str, str]] = (),
     ):
-        super().__init__("detokenizer", target, on_change)
+        super().__init__("detokenizer", target, on_change, metadata)
         self.instance_id = instance_id
         self.on_batch = on_batch
+        self.last_batch_at = 0.0  # time.monotonic() of the latest BatchStrOutput (readiness's stall check)
 
     async def _open(self, channel: grpc.aio.Channel) -> grpc.aio.Call:
         call = detokenizer_pb2_grpc.DetokenizerStub(channel).Subscribe(
-            detokenizer_pb2.SubscribeRequest(tokenizer_id=self.instance_id)
+            detokenizer_pb2.SubscribeRequest(tokenizer_id=self.instance_id), metadata=self.metadata
         )
-        try:
-            await asyncio.wait_for(call.initial_metadata(), SUBSCRIBE_GRACE_S)
-        except asyncio.TimeoutError:
-            pass  # a detokenizer that does not announce its subscribers: open and not failed is up
-        if call.done():
-            raise ConnectionError(f"the detokenizer ended the subscription at once: {await call.code()}")
+        await stream_accepted(call, ACCEPT_GRACE_S)
         return call
 
     async def _pump(self, call: grpc.aio.Call) -> None:
         try:
             async for batch in call:
+                self.last_batch_at = time.monotonic()
                 self.on_batch(batch)
         finally:
             call.cancel()

@@ -4,9 +4,11 @@ Flags are parsed once into ``TokenizerConfig``. The instance talks to one or mor
 model replicas (``--replica SCHED_ADDR,DETOK_ADDR``, repeatable; by default the one
 pair ``--scheduler``/``--detokenizer``) and picks one per request
 (``services.tokenizer.router``). Health reports SERVING once the tokenizer is
-loaded and at least one replica has both its scheduler stream and its detokenizer
-subscription up, and NOT_SERVING while none has. Losing one replica's link fails
-only the requests dispatched to that replica. SIGTERM and SIGINT turn health
+loaded and at least one replica can move a token (both links up, both peers answering
+their health checks, outputs not stalled: ``services.tokenizer.readiness``), and
+NOT_SERVING while none can; ``GetReadiness`` says why, and the health service
+``liveness`` stays SERVING meanwhile. Losing one replica's link fails only the requests
+dispatched to that replica. SIGTERM and SIGINT turn health
 NOT_SERVING and stop accepting calls; in-flight calls get ``--grace-period``
 seconds to finish (the links stay up meanwhile), then the rest are cancelled (which
 aborts them at their scheduler), pending aborts are flushed and the links closed.
@@ -14,7 +16,9 @@ aborts them at their scheduler), pending aborts are flushed and the links closed
 With API keys (``--api-key``, ``--api-key-file``, ``$RINGSERVE_API_KEY``; see
 ``ringserve.apikeys``) every RPC of the ``Tokenizer`` service needs
 ``authorization: Bearer <key>`` metadata, else it ends UNAUTHENTICATED before any work;
-health and reflection stay open.
+health and reflection stay open. Its calls to the schedulers and detokenizers present the
+ring's internal credential (``ringserve.internal_auth``: ``$RINGSERVE_INTERNAL_TOKEN`` or
+``--internal-token-file``), a different secret.
 """
 
 from __future__ import annotations
@@ -25,12 +29,14 @@ import logging
 import os
 import signal
 import socket
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ringserve import grpcutil
 from ringserve.apikeys import ApiKeyInterceptor, ApiKeys, add_api_key_args, api_keys_from_args
 from ringserve.grpcutil import ServingServer, start_server
+from ringserve.internal_auth import InternalAuth, add_internal_auth_args, internal_auth_from_args
 from ringserve.metrics import ServiceMetrics, add_metrics_port_flag
 from ringserve.models import resolve_model
 from ringserve.v1 import tokenizer_pb2_grpc
@@ -40,6 +46,7 @@ from services.tokenizer.manager import TokenizerManager
 from services.tokenizer.metrics import install_tokenizer_metrics
 from services.tokenizer.replicas import Replica, ReplicaAddress, ReplicaSet
 from services.tokenizer.model import load_tokenizer, model_facts
+from services.tokenizer.readiness import ReadinessConfig, ReadinessMonitor
 from services.tokenizer.servicer import SERVICE_NAME, TokenizerServicer
 
 logger = logging.getLogger(__name__)
@@ -48,7 +55,9 @@ ABORT_FLUSH_S = 0.5
 
 
 def default_instance_id() -> str:
-    return f"tok-{socket.gethostname()}-{os.getpid()}"
+    """``tok-<host>-<pid>-<12 hex digits>``: the random part keeps two instances apart even where
+    host and pid repeat (containers, where every process may be pid 1 on the same host name)."""
+    return f"tok-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
 
 @dataclass(frozen=True)
@@ -71,6 +80,8 @@ class TokenizerConfig:
     metrics_port: int | None = None  # Prometheus /metrics on host:port; None = off, 0 = a free port
     transport: grpcutil.Transport = grpcutil.Transport()  # message size and TLS, server and both links
     api_keys: ApiKeys = ApiKeys()  # keys the Tokenizer service requires; empty: none
+    internal_auth: InternalAuth = InternalAuth()  # presented to the schedulers and detokenizers; empty: none
+    readiness: ReadinessConfig = ReadinessConfig()  # health-check interval and timeout, stall bound
 
     @property
     def address(self) -> str:
@@ -98,10 +109,16 @@ class TokenizerService:
             allow_special_tokens_in_messages=config.allow_special_tokens_in_messages,
         )
         self.replicas = ReplicaSet([
-            Replica(address, config.instance_id, self.manager.handle_batch, self._on_link)
+            Replica(address, config.instance_id, self.manager.handle_batch, self._on_link,
+                    config.internal_auth.metadata())
             for address in config.replica_addresses
         ])
         self.manager.balancer = self.replicas
+        self.readiness = ReadinessMonitor(
+            self.replicas.replicas, lambda replica: self.manager.outstanding.get(replica, 0), config.readiness,
+            on_change=lambda _ready: asyncio.get_running_loop().create_task(self._sync_health()),
+        )
+        self.replicas.can_move_tokens = self.readiness.can_move_tokens
         self.server: ServingServer | None = None
         self.metrics = ServiceMetrics(facts.served_model_name)
 
@@ -122,7 +139,7 @@ class TokenizerService:
 
     @property
     def ready(self) -> bool:
-        return self.replicas.any_up
+        return self.readiness.ready
 
     def _on_link(self, link: Link, up: bool) -> None:
         replica = self.replicas.of(link)
@@ -137,6 +154,7 @@ class TokenizerService:
             logger.warning("%s link down; failed %d in-flight requests", link.name, failed)
         else:
             logger.info("%s link up (%s)", link.name, link.target)
+        self.readiness.link_changed(link)
         asyncio.get_running_loop().create_task(self._sync_health())
 
     async def _sync_health(self) -> None:
@@ -148,8 +166,10 @@ class TokenizerService:
             self.manager,
             lambda: [r.scheduler.last_load for r in self.replicas.replicas],
             lambda: asyncio.gather(*(r.loads() for r in self.replicas.replicas)),
+            self.readiness.readiness,
         )
-        install_tokenizer_metrics(self.metrics, self.manager, [r.scheduler for r in self.replicas.replicas], servicer)
+        install_tokenizer_metrics(self.metrics, self.manager, [r.scheduler for r in self.replicas.replicas], servicer,
+                                  self.readiness)
         self.metrics.serve(self.config.host, self.config.metrics_port)
         interceptors = [ApiKeyInterceptor(self.config.api_keys, (SERVICE_NAME,))] if self.config.api_keys else []
         self.server = await start_server(
@@ -158,6 +178,7 @@ class TokenizerService:
         )
         for replica in self.replicas.replicas:
             replica.start()
+        self.readiness.start()
         logger.info("tokenizer %s listening on %s:%d, replicas %s, %s", self.config.instance_id, self.config.host,
                     self.port, ", ".join(f"{r.address.scheduler}+{r.address.detokenizer}" for r in self.replicas.replicas),
                     f"API key required ({len(self.config.api_keys.keys)} valid)" if self.config.api_keys else "no API key")
@@ -167,6 +188,7 @@ class TokenizerService:
             await self.server.set_serving(False)
             await self.server.stop(self.config.grace_period_s)
         await asyncio.gather(*(r.scheduler.flush(ABORT_FLUSH_S) for r in self.replicas.replicas))
+        await self.readiness.stop()
         for replica in self.replicas.replicas:
             await replica.detokenizer.stop()
             await replica.scheduler.stop()
@@ -184,7 +206,9 @@ def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
     p.add_argument("--replica", action="append", default=[], metavar="SCHED_ADDR,DETOK_ADDR",
                    help="a model replica (a scheduler and its detokenizer); repeat for several; "
                         "given, it replaces --scheduler/--detokenizer")
-    p.add_argument("--instance-id", default=None, help="default: tok-<hostname>-<pid>")
+    p.add_argument("--instance-id", default=None,
+                   help="default: tok-<hostname>-<pid>-<random>; must be unique (schedulers and detokenizers "
+                        "refuse a second stream for a connected id)")
     p.add_argument("--served-model-name", default=None, help="default: the model directory's name")
     p.add_argument("--context-length", type=int, default=None, help="default: config.json max_position_embeddings")
     p.add_argument("--grace-period", type=float, default=TokenizerConfig.grace_period_s,
@@ -195,10 +219,23 @@ def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
     p.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
                    help="Jinja chat template replacing the model's (e.g. ringserve/templates/chatml_tools.jinja "
                         "to call tools with a ChatML model whose template cannot render them)")
+    r = ReadinessConfig()
+    p.add_argument("--readiness-check-interval", type=float, default=r.check_interval_s,
+                   help="seconds between health checks of each replica's scheduler and detokenizer (default %(default)s)")
+    p.add_argument("--readiness-check-timeout", type=float, default=r.check_timeout_s,
+                   help="a peer that does not answer its health check SERVING within this many seconds makes its "
+                        "replica not ready (default %(default)s)")
+    p.add_argument("--readiness-stall-timeout", type=float, default=r.stall_s,
+                   help="a replica with requests dispatched and no output back for this many seconds is not ready; "
+                        "must exceed the longest prefill (default %(default)s)")
     add_metrics_port_flag(p)
     grpcutil.add_transport_args(p)
     add_api_key_args(p, "every RPC of the Tokenizer service (health and reflection stay open)")
+    add_internal_auth_args(p)
     a = p.parse_args(argv)
+    for flag in ("check_interval", "check_timeout", "stall_timeout"):
+        if getattr(a, f"readiness_{flag}") <= 0:
+            p.error(f"--readiness-{flag.replace('_', '-')} must be > 0")
     if a.chat_template is not None and not a.chat_template.is_file():
         p.error(f"--chat-template {a.chat_template}: no such file")
     for spec in a.replica:
@@ -222,6 +259,8 @@ def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
         metrics_port=a.metrics_port,
         transport=grpcutil.transport_from_args(p, a),
         api_keys=api_keys_from_args(p, a),
+        internal_auth=internal_auth_from_args(p, a),
+        readiness=ReadinessConfig(a.readiness_check_interval, a.readiness_check_timeout, a.readiness_stall_timeout),
     )
 
 

@@ -3,7 +3,8 @@
 A ``Replica`` pairs one ``SchedulerLink`` (it is the manager's ``Dispatcher`` for the
 requests sent there) with one ``DetokenizerLink``; it can take requests only while both
 are up. ``ReplicaSet`` is the manager's ``Balancer``: it asks the ``Router`` (least
-outstanding work, then prefix affinity) among the replicas that are up.
+outstanding work, then prefix affinity) among the replicas that are up, those that can
+move a token first (``services.tokenizer.readiness``).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class Replica:
     """One scheduler + detokenizer pair, named by its scheduler address (stable across instances).
 
     ``send_req``/``send_abort`` go to its scheduler stream (RequestError UNAVAILABLE when down).
+    Every call to either peer presents ``metadata`` (the ring's internal credential).
     """
 
     def __init__(
@@ -53,11 +55,12 @@ class Replica:
         instance_id: str,
         on_batch: Callable[[detokenizer_pb2.BatchStrOutput], None],
         on_change: Callable[[Link, bool], None],
+        metadata: Sequence[tuple[str, str]] = (),
     ):
         self.address = address
         self.name = address.scheduler
-        self.scheduler = SchedulerLink(address.scheduler, instance_id, on_change)
-        self.detokenizer = DetokenizerLink(address.detokenizer, instance_id, on_batch, on_change)
+        self.scheduler = SchedulerLink(address.scheduler, instance_id, on_change, metadata)
+        self.detokenizer = DetokenizerLink(address.detokenizer, instance_id, on_batch, on_change, metadata)
 
     @property
     def up(self) -> bool:
@@ -87,7 +90,7 @@ async def _get_load(link: Link, stub_cls: Callable) -> common_pb2.LoadReport | N
     if channel is None or not link.up:
         return None
     try:
-        return await stub_cls(channel).GetLoad(common_pb2.Empty(), timeout=LOAD_TIMEOUT_S)
+        return await stub_cls(channel).GetLoad(common_pb2.Empty(), timeout=LOAD_TIMEOUT_S, metadata=link.metadata)
     except grpc.aio.AioRpcError as exc:
         logger.warning("GetLoad on the %s at %s failed: %s", link.name, link.target, exc.code().name)
         return None
@@ -104,16 +107,21 @@ class ReplicaSet:
             raise ValueError(f"a scheduler address is given twice: {names}")
         self.replicas = tuple(replicas)
         self.router = router or Router()
+        # Whether a replica can move a token (services.tokenizer.readiness); set by the service.
+        self.can_move_tokens: Callable[[Replica], bool] = lambda replica: True
 
     def pick(self, input_ids: Sequence[int], outstanding: Mapping[object, int]) -> Replica:
-        """The replica for a prompt among those with both links up; the choice is recorded.
+        """The replica for a prompt among those with both links up, preferring those that
+        can move a token (a stalled one gets requests only when no other is up); the
+        choice is recorded.
 
         Raises:
             RequestError: UNAVAILABLE when no replica is up.
         """
-        eligible = {r.name: r for r in self.replicas if r.up}
-        if not eligible:
+        up = [r for r in self.replicas if r.up]
+        if not up:
             raise unavailable(_none_up(self.replicas))
+        eligible = {r.name: r for r in up if self.can_move_tokens(r)} or {r.name: r for r in up}
         name = self.router.choose(input_ids, {n: outstanding.get(r, 0) for n, r in eligible.items()})
         self.router.record(input_ids, name)
         return eligible[name]
@@ -121,10 +129,6 @@ class ReplicaSet:
     def of(self, link: Link) -> Replica:
         """The replica that owns ``link``."""
         return next(r for r in self.replicas if link in (r.scheduler, r.detokenizer))
-
-    @property
-    def any_up(self) -> bool:
-        return any(r.up for r in self.replicas)
 
 
 def _none_up(replicas: Sequence[Replica]) -> str:

@@ -21,7 +21,7 @@ SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name
 
 
 async def _fail(context: grpc.aio.ServicerContext, err: RequestError) -> NoReturn:
-    await context.abort(err.status, err.message, trailing_metadata=err.trailing_metadata())
+    await context.abort(err.status, err.details(), trailing_metadata=err.trailing_metadata())
     raise AssertionError("context.abort returned")
 
 
@@ -45,14 +45,18 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
             old at most; None while its link is down).
         replica_loads: fresh (scheduler, detokenizer) LoadReports of every replica (None
             for a peer that did not answer), for GetClusterLoad.
+        readiness: this instance's readiness with its reasons (``ReadinessMonitor.readiness``),
+            for GetReadiness.
     """
 
     def __init__(self, manager: TokenizerManager,
                  scheduler_loads: Callable[[], Sequence[common_pb2.LoadReport | None]] = lambda: [],
-                 replica_loads: ReplicaLoads = _no_replicas):
+                 replica_loads: ReplicaLoads = _no_replicas,
+                 readiness: Callable[[], tokenizer_pb2.Readiness] = lambda: tokenizer_pb2.Readiness(ready=True)):
         self.manager = manager
         self.scheduler_loads = scheduler_loads
         self.replica_loads = replica_loads
+        self.readiness = readiness
         self.observe_send = ignore_seconds  # per finished Generate call: seconds its writes to the client took
 
     async def Generate(self, request: tokenizer_pb2.GenerateReqInput, context: grpc.aio.ServicerContext) -> None:
@@ -116,3 +120,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
             if detok is not None:
                 out.detokenizers.append(detok)
         return out
+
+    async def GetReadiness(self, request: common_pb2.Empty, context: grpc.aio.ServicerContext) -> tokenizer_pb2.Readiness:
+        """Whether this instance can move a token, and why not (read from state: no I/O)."""
+        return self.readiness()

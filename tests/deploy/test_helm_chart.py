@@ -89,7 +89,7 @@ def test_cpu_single_replica(rendered: dict[str, list[dict]]) -> None:
     kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
     assert ("Ingress", f"{FULL}-gateway") not in kinds
     assert not any(d["kind"] == "ServiceMonitor" for d in docs)
-    assert not any(d["kind"] == "Secret" for d in docs)
+    assert [d["metadata"]["name"] for d in docs if d["kind"] == "Secret"] == [f"{FULL}-internal-token"]
     assert ("HorizontalPodAutoscaler", f"{FULL}-gateway") not in kinds
 
     cm = by(docs, "ConfigMap", f"{FULL}-config")["data"]
@@ -119,8 +119,14 @@ def test_cpu_single_replica(rendered: dict[str, list[dict]]) -> None:
     tok = container(by(docs, "Deployment", f"{FULL}-tokenizer")["spec"]["template"]["spec"], "tokenizer")
     assert tok["ports"][1] == {"name": "metrics", "containerPort": 9010, "protocol": "TCP"}
     assert "--metrics-port=9010" in tok["args"]
-    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
-        assert tok[probe]["grpc"] == {"port": 30010}
+    # Readiness follows the ring; liveness and startup the process only (a stalled replica
+    # makes the tokenizer unready, never restarts it).
+    assert tok["readinessProbe"]["grpc"] == {"port": 30010}
+    for probe in ("livenessProbe", "startupProbe"):
+        assert tok[probe]["grpc"] == {"port": 30010, "service": "liveness"}
+    assert not [a for a in tok["args"] if a.startswith("--readiness-")]
+    assert not [a for a in gw["args"] if a.startswith("--http-")]
+    assert not [k for k in cm if k.startswith(("GATEWAY_HTTP_", "TOKENIZER_READINESS_"))]
     replica0 = f"{FULL}-replica-0.{FULL}-replica.{NAMESPACE}.svc.cluster.local"
     assert [a for a in tok["args"] if a.startswith(("--replica", "--scheduler", "--detokenizer"))] == [
         f"--replica={replica0}:30020,{replica0}:30030"]
@@ -198,6 +204,21 @@ def test_gpu_multi_replica(rendered: dict[str, list[dict]], helm: Path) -> None:
     assert by(docs, "ConfigMap", f"{FULL}-config")["data"]["SCHEDULER_DEVICE"] == "cuda"
     assert "--context-length=$(CONTEXT_LENGTH)" in sched["args"]
     assert "--watchdog-timeout=$(SCHEDULER_WATCHDOG_TIMEOUT)" in sched["args"]
+    # The gateway's read timeouts and the tokenizer's readiness bounds, from the ConfigMap.
+    gw = container(by(docs, "Deployment", f"{FULL}-gateway")["spec"]["template"]["spec"], "gateway")
+    assert [a for a in gw["args"] if a.startswith("--http-")] == [
+        "--http-header-timeout=$(GATEWAY_HTTP_HEADER_TIMEOUT)", "--http-body-timeout=$(GATEWAY_HTTP_BODY_TIMEOUT)",
+        "--http-idle-timeout=$(GATEWAY_HTTP_IDLE_TIMEOUT)"]
+    tok = container(by(docs, "Deployment", f"{FULL}-tokenizer")["spec"]["template"]["spec"], "tokenizer")
+    assert [a for a in tok["args"] if a.startswith("--readiness-")] == [
+        "--readiness-check-interval=$(TOKENIZER_READINESS_CHECK_INTERVAL)",
+        "--readiness-check-timeout=$(TOKENIZER_READINESS_CHECK_TIMEOUT)",
+        "--readiness-stall-timeout=$(TOKENIZER_READINESS_STALL_TIMEOUT)"]
+    data = by(docs, "ConfigMap", f"{FULL}-config")["data"]
+    assert {k: v for k, v in data.items() if k.startswith(("GATEWAY_HTTP_", "TOKENIZER_READINESS_"))} == {
+        "GATEWAY_HTTP_HEADER_TIMEOUT": "10", "GATEWAY_HTTP_BODY_TIMEOUT": "20", "GATEWAY_HTTP_IDLE_TIMEOUT": "90",
+        "TOKENIZER_READINESS_CHECK_INTERVAL": "2", "TOKENIZER_READINESS_CHECK_TIMEOUT": "3",
+        "TOKENIZER_READINESS_STALL_TIMEOUT": "120"}
     vols = {v["name"]: v for v in pod["volumes"]}
     assert vols["model"]["persistentVolumeClaim"] == {"claimName": "llama-models", "readOnly": True}
     assert vols["dshm"]["emptyDir"]["sizeLimit"] == "8Gi"
@@ -311,8 +332,10 @@ def test_grpc_mutual_tls(rendered: dict[str, list[dict]]) -> None:
             "name": "grpc-tls", "secret": {"secretName": "ringserve-grpc-mtls"}}
         if name in ports:
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                # The tokenizer's liveness and startup ask the "liveness" health service.
+                service = ["--service=liveness"] if name == "tokenizer" and probe != "readinessProbe" else []
                 assert c[probe]["exec"]["command"] == ["ringserve", "health", f"localhost:{ports[name]}",
-                                                       *GRPC_TLS_ARGS], (name, probe)
+                                                       *service, *GRPC_TLS_ARGS], (name, probe)
                 assert "grpc" not in c[probe]
     # Without grpcTls: plain gRPC probes and no TLS flags.
     plain = container(by(rendered["cpu-single"], "Deployment", f"{FULL}-tokenizer")["spec"]["template"]["spec"],
@@ -326,9 +349,9 @@ def test_scheduler_omp_wait_policy_is_set_only_when_asked(helm: Path, rendered) 
         pod = by(docs, "StatefulSet", f"{FULL}-replica")["spec"]["template"]["spec"]
         return container(pod, "scheduler")["env"]
 
-    assert [e["name"] for e in sched_env(rendered["cpu-single"])] == ["POD_NAME"]
+    assert [e["name"] for e in sched_env(rendered["cpu-single"])] == ["POD_NAME", "RINGSERVE_INTERNAL_TOKEN"]
     docs = render(helm, "cpu-single", "--set", "replica.scheduler.ompWaitPolicy=PASSIVE")
-    assert sched_env(docs)[1:] == [{"name": "OMP_WAIT_POLICY", "value": "PASSIVE"}]
+    assert sched_env(docs)[1] == {"name": "OMP_WAIT_POLICY", "value": "PASSIVE"}
     sched = container(by(docs, "StatefulSet", f"{FULL}-replica")["spec"]["template"]["spec"], "scheduler")
     assert sched["resources"]["requests"]["cpu"] == sched["resources"]["limits"]["cpu"] == "4"
 
@@ -394,7 +417,7 @@ def test_grpc_api_without_tls(rendered: dict[str, list[dict]], helm: Path) -> No
     for kind, name in (("gateway", "gateway"), ("tokenizer", "tokenizer")):
         c = container(by(docs, "Deployment", f"{FULL}-{kind}")["spec"]["template"]["spec"], name)
         assert {e["name"]: e.get("valueFrom") for e in c["env"]}["RINGSERVE_API_KEY"] == ref
-    assert not any(d["kind"] == "Secret" for d in docs)
+    assert [d["metadata"]["name"] for d in docs if d["kind"] == "Secret"] == [f"{FULL}-internal-token"]
 
     assert ('grpcurl -plaintext -H "authorization: Bearer $API_KEY" grpc.ringserve.test:80 '
             'ringserve.v1.Tokenizer/GetModelInfo') in render_notes(helm, "grpc-api")

@@ -7,14 +7,17 @@ import asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ringserve import grpcutil
+from ringserve.internal_auth import InternalAuth
 from ringserve.v1 import common_pb2, detokenizer_pb2, detokenizer_pb2_grpc
 from services.detokenizer.main import DetokenizerConfig, parse_args, start
 from services.detokenizer.replay import StreamSpec, build_steps
 
 
-def test_flags_parse_into_frozen_config(vocab_dirs):
+def test_flags_parse_into_frozen_config(vocab_dirs, monkeypatch):
+    monkeypatch.setenv("RINGSERVE_INTERNAL_TOKEN", "tok-a,tok-b")
     cfg = parse_args(["--model", str(vocab_dirs["smollm2"]), "--max-decode-states", "8"])
-    assert cfg == DetokenizerConfig(model=vocab_dirs["smollm2"], max_decode_states=8)
+    assert cfg == DetokenizerConfig(model=vocab_dirs["smollm2"], max_decode_states=8,
+                                    internal_auth=InternalAuth(("tok-a", "tok-b")))
     assert cfg.address == "127.0.0.1:30030"
 
 

@@ -49,6 +49,7 @@ REQUESTS = {
     "TokenPieces": tokenizer_pb2.TokenIds(ids=[19556]),
     "GetLoad": common_pb2.Empty(),
     "GetClusterLoad": common_pb2.Empty(),
+    "GetReadiness": common_pb2.Empty(),
 }
 
 
@@ -102,6 +103,7 @@ def test_every_rpc_needs_a_valid_key(ring):
             assert out["Detokenize"][0].text == "Hello" and list(out["TokenPieces"][0].texts) == ["Hello"]
             assert out["GetLoad"][0].req_states == 0
             assert len(out["GetClusterLoad"][0].schedulers) == 1
+            assert out["GetReadiness"] == [tokenizer_pb2.Readiness(ready=True, replicas=1)]
     assert tokenized_calls(ring) == tokenized + 2
     ring.wait_idle()
 

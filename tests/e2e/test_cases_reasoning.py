@@ -14,16 +14,12 @@ battery found unenforced.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import time
-from contextlib import contextmanager
 
 import httpx
 import jsonschema
 import pytest
 
-from ringserve.launch import free_port
+from tests.ringstack import launched_gateway
 
 from .structured_helpers import chat, chat_body
 
@@ -37,31 +33,10 @@ THINKING = {"messages": [{"role": "user", "content": "What is the capital of Fra
             "continue_final_message": True, "add_generation_prompt": False}
 
 
-@contextmanager
-def _gateway(tokenizer: str, parser: str):
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "ringserve.cli", "gateway", "--port", str(port),
-                             "--tokenizer", tokenizer, "--reasoning-parser", parser])
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, f"the {parser} gateway did not come up"
-            time.sleep(0.2)
-        yield base
-    finally:
-        proc.terminate()
-        proc.wait(10)
-
-
 @pytest.fixture(scope="module")
 def gateways(tools_ring):
-    with _gateway(tools_ring.tokenizer, "deepseek_r1") as r1, _gateway(tools_ring.tokenizer, "qwen3") as qwen3:
+    with launched_gateway(tools_ring.tokenizer, "--reasoning-parser", "deepseek_r1") as r1, \
+            launched_gateway(tools_ring.tokenizer, "--reasoning-parser", "qwen3") as qwen3:
         yield {"deepseek_r1": r1, "qwen3": qwen3}
 
 

@@ -5,6 +5,9 @@ same port and the others reconnect with backoff; nothing else is restarted. Ever
 in-flight request ends within 2 s of a kill (an error event mid-stream, 503 before the
 first byte), never hangs; after the restart new requests succeed and every service is back
 to baseline. SIGTERM lets in-flight requests finish (``--grace-period``) and exits 0.
+Readiness (``/health``, the tokenizer's gRPC health) fails within 5 s of a stopped
+(SIGSTOP) or killed detokenizer, naming it, and comes back when it resumes; liveness (the
+gateway's ``/metrics``, the tokenizer's ``liveness`` health service) never fails.
 """
 
 from __future__ import annotations
@@ -15,10 +18,12 @@ import os
 import signal
 import time
 
+import grpc
 import httpx
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.ringstack import launched
+from tests.ringstack import launched, still_serves
 from .test_reliability_endpaths import chat
 
 PARIS = "The capital of France is Paris."
@@ -126,6 +131,69 @@ async def test_tokenizer_killed_gateway_503_until_back(ring):
         assert down.status_code == 503 and time.monotonic() - t0 < 5, down.text
     await serves_again(ring)
     assert {name: ring.pid(name) for name in others} == others
+
+
+async def health_becomes(client: httpx.AsyncClient, status: int, within_s: float) -> httpx.Response:
+    """Poll /health until it answers ``status``; fail if that takes longer than ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while (resp := await client.get("/health")).status_code != status:
+        assert time.monotonic() < deadline, f"/health still {resp.status_code} after {within_s} s: {resp.text}"
+        await asyncio.sleep(0.1)
+    return resp
+
+
+def tokenizer_health(ring, service: str) -> int:
+    with grpc.insecure_channel(ring.tokenizer) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=2).status
+
+
+async def assert_not_ready_but_alive(ring, client: httpx.AsyncClient, reason: str, message: str) -> None:
+    """/health is 503 naming ``reason``; the tokenizer's gRPC health and metrics agree; liveness holds."""
+    resp = await health_becomes(client, 503, 5.0)
+    assert resp.json() == {
+        "error": {"message": f"the ring cannot move a token: {message}", "type": "service_unavailable_error",
+                  "param": None, "code": "service_unavailable"},
+        "status": "not_ready", "replicas": 1,
+        "not_ready": [{"replica": ring.scheduler, "reason": reason, "message": message}]}
+    assert tokenizer_health(ring, "") == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert tokenizer_health(ring, "liveness") == health_pb2.HealthCheckResponse.SERVING
+    assert (await client.get("/metrics")).status_code == 200  # the gateway's liveness probe
+    samples = ring.scrape("tokenizer")
+    name = (("model_name", ring.model_name),)
+    assert samples[("ringserve:ready", name)] == 0.0
+    assert samples[("ringserve:replica_not_ready", (*name, ("reason", reason), ("replica", ring.scheduler)))] == 1.0
+
+
+async def test_readiness_fails_while_the_detokenizer_is_stopped(ring):
+    ring.wait_idle()
+    pid = ring.pid("detokenizer")
+    async with httpx.AsyncClient(base_url=ring.base_url, timeout=10) as client:
+        await health_becomes(client, 200, 5.0)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            await assert_not_ready_but_alive(
+                ring, client, "detokenizer_health_check",
+                f"the detokenizer at {ring.detokenizer} did not answer its health check within 2 s")
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        resp = await health_becomes(client, 200, 5.0)
+        assert resp.json() == {"status": "ok", "replicas": 1, "not_ready": []}
+    assert tokenizer_health(ring, "") == health_pb2.HealthCheckResponse.SERVING
+    assert ring.pid("detokenizer") == pid  # resumed, not restarted
+    still_serves(ring)
+
+
+async def test_readiness_names_a_killed_detokenizer_until_it_is_back(ring):
+    ring.wait_idle()
+    others = {name: ring.pid(name) for name in ("gateway", "tokenizer", "scheduler")}
+    async with httpx.AsyncClient(base_url=ring.base_url, timeout=10) as client:
+        await health_becomes(client, 200, 5.0)
+        ring.kill("detokenizer")
+        await assert_not_ready_but_alive(ring, client, "detokenizer_link_down",
+                                         f"the detokenizer at {ring.detokenizer} is not connected")
+        await health_becomes(client, 200, 120.0)  # the launcher restarts it (model load included)
+    assert {name: ring.pid(name) for name in others} == others
+    still_serves(ring)
 
 
 async def finishes_through_sigterm(ring, send_sigterm) -> None:

@@ -1,4 +1,5 @@
-"""The OpenAPI schema, fuzzed with schemathesis against the running stack (issue 4).
+"""The OpenAPI schema, fuzzed with schemathesis against the running stack, and bad input
+aimed at each of its fields.
 
 The schema is the one the gateway serves at /openapi.json (built from its routes). Each
 operation gets a bounded number of examples, positive (valid by the schema) and negative,
@@ -13,16 +14,30 @@ Two adjustments keep the run short and make positive cases produce real generati
 - positive bodies are repaired for the rules a JSON schema cannot state (content required
   for non-assistant roles, tool_call_id on tool messages, ids inside the vocabulary,
   min_tokens <= max_tokens, stream_options only with stream, top_logprobs only with
-  logprobs, non-empty stop strings, logit_bias keyed by token ids, top_k never 0). Each of
-  those rules has its own 400 test in tests/gateway/test_gateway_errors.py.
+  logprobs, non-empty stop strings, logit_bias keyed by token ids, top_k never 0, keys only
+  on the variant that has them). Each of those rules has its own 400 test in
+  tests/gateway/test_gateway_errors.py and tests/gateway/test_gateway_variants.py.
+
+Schemathesis draws whole bodies and rarely reaches what breaks a server. The second half
+(``test_every_field_...``, hypothesis over ``bad_values``) puts one dangerous value at a time
+(nesting past the limits, 300 KiB strings, JSON text 10,000 deep, wrong types, numbers out
+of every range, unknown keys, empty and 10,000-long lists) into an otherwise valid body, at
+every field of chat, completions, ``/generate``, ``/v1/tokenize`` and ``/v1/detokenize`` that
+the schema has: never a 5xx, never a hang, every service's ``/get_load`` back to zero, and no
+traceback in any service's log.
 """
 
 from __future__ import annotations
 
+import copy
+import time
 from collections import Counter
 
+import httpx
+import pytest
 import schemathesis
-from hypothesis import HealthCheck, Phase, settings
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
@@ -35,6 +50,9 @@ from schemathesis.specs.openapi.checks import (
 from services.gateway.app import create_app
 from services.gateway.config import GatewayConfig
 
+from .bad_values import (OpenApi, Raw, dump_body, field_name, json_fields, json_shapes, json_value, nested,
+                         no_errors_logged, set_json)
+
 MAX_NEW_TOKENS = 4
 MAX_N = 2
 VOCAB = 49152  # SmolLM2
@@ -45,7 +63,8 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
           response_schema_conformance, negative_data_rejection]
 
 # The schema the gateway serves at /openapi.json is built from its routes alone (no peer).
-schema = schemathesis.openapi.from_dict(create_app(GatewayConfig()).openapi())
+OPENAPI = create_app(GatewayConfig()).openapi()
+schema = schemathesis.openapi.from_dict(OPENAPI)
 STATUSES: Counter = Counter()  # (operation, status) -> count, to see that positive cases generate
 
 
@@ -71,6 +90,9 @@ def _repair_sampling(params: dict, model: str) -> None:
     if params.get("stop") == "":
         del params["stop"]
     params.pop("logit_bias", None)
+    rf = params.get("response_format")
+    if isinstance(rf, dict) and rf.get("type") != "json_schema":
+        rf.pop("json_schema", None)
     if params.get("top_k") == 0:
         params["top_k"] = -1
     if isinstance(params.get("top_p"), float) and params["top_p"] < 1e-3:
@@ -100,6 +122,11 @@ def _repair_messages(body: dict) -> None:
             m["content"] = "ok"
         if m.get("role") == "tool" and not m.get("tool_call_id"):
             m["tool_call_id"] = "call_0"
+        if m.get("role") != "tool":
+            m.pop("tool_call_id", None)
+        if m.get("role") != "assistant":
+            m.pop("tool_calls", None)
+            m.pop("reasoning_content", None)
     if body.get("top_logprobs") is not None:
         body["logprobs"] = True
     if body.get("continue_final_message") and (body.get("add_generation_prompt") or not messages
@@ -155,3 +182,82 @@ def test_fuzzing_generated_real_outputs(stack):
         return  # the fuzz test was deselected
     for label in ("POST /v1/chat/completions", "POST /v1/completions", "POST /generate"):
         assert STATUSES[(label, 200)] >= 3, STATUSES
+
+
+# --- one bad value at a time, at every field -------------------------------------------------
+
+API = OpenApi(OPENAPI)
+BASES = {
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+    "/v1/completions": {"prompt": "hi", "max_tokens": 1},
+    "/generate": {"text": "hi", "sampling_params": {"max_new_tokens": 1}},
+    "/v1/tokenize": {"messages": [{"role": "user", "content": "hi"}]},  # renders the chat template too
+    "/v1/detokenize": {"tokens": [504]},
+}
+FIELDS = [(path, steps) for path in BASES for steps in json_fields(API, path)]
+
+
+def _holds_containers(steps) -> bool:
+    last = steps[-1]
+    schema = last.schema["items"] if isinstance(last.key, int) else last.schema["properties"][last.key]
+    return any(b.get("type") in ("object", "array", None) for b in API.branches(schema))
+
+
+# Where nesting can pass validation: fields that take objects or arrays (a scalar field
+# refuses any container by its type, the same check whatever the depth).
+CONTAINER_FIELDS = [(path, steps) for path, steps in FIELDS if _holds_containers(steps)]
+
+
+def idle_by_get_load(stack, timeout_s: float = 10.0) -> None:
+    """Every service's ``/get_load`` entry back to zero (waits for aborts to land)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        load = httpx.get(f"{stack.base_url}/get_load", timeout=10).json()
+        held = ([t["req_states"] for t in load["tokenizer"]] + [d["decode_states"] for d in load["detokenizer"]]
+                + [s[k] for s in load["scheduler"]
+                   for k in ("num_running_reqs", "num_waiting_reqs", "req_slots_used", "kv_used_tokens")])
+        if not any(held):
+            return
+        assert time.monotonic() < deadline, f"state not released: {load}"
+        time.sleep(0.05)
+
+
+def post_bad(client: httpx.Client, stack, path: str, steps, value) -> httpx.Response:
+    marker = "\x00raw\x00"
+    body = set_json(API, copy.deepcopy(BASES[path]), steps, marker if isinstance(value, Raw) else value)
+    if path.startswith("/v1/"):
+        body.setdefault("model", stack.model_name)
+    raw = value if isinstance(value, Raw) else None
+    r = client.post(stack.base_url + path, content=dump_body(body, raw, marker), timeout=60,  # a hang fails here
+                    headers={"content-type": "application/json"})
+    where = f"{path} {field_name(steps)}"
+    # 429 too: this ring has no queue limits (it was a gRPC trailer too big to read).
+    assert r.status_code < 500 and r.status_code != 429, (where, r.status_code, r.text[:500])
+    if r.status_code >= 400:
+        error = r.json()["error"]
+        assert error["type"] and error["message"], (where, r.text[:500])
+    return r
+
+
+@pytest.fixture
+def client(stack):
+    """An HTTP client on the ring whose log grows by no traceback and no ERROR line meanwhile."""
+    with no_errors_logged(stack), httpx.Client() as c:
+        yield c
+
+
+def test_every_field_refuses_nesting_past_the_limits(stack, client):
+    """Depth 600 objects at every field that takes objects or arrays: a 4xx each."""
+    assert len(CONTAINER_FIELDS) >= 40
+    for path, steps in CONTAINER_FIELDS:
+        post_bad(client, stack, path, steps, nested(600))
+    idle_by_get_load(stack)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck),
+          phases=[Phase.explicit, Phase.generate])
+@given(field=st.sampled_from(FIELDS), shape=json_shapes)
+def test_every_field_survives_bad_values(stack, client, field, shape):
+    path, steps = field
+    post_bad(client, stack, path, steps, json_value(shape))
+    idle_by_get_load(stack)

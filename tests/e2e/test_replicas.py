@@ -49,7 +49,8 @@ def scheduler_loads(ring) -> list[common_pb2.LoadReport]:
     out = []
     for sched, _ in ring.replicas():
         with grpc.insecure_channel(sched) as ch:
-            out.append(scheduler_pb2_grpc.SchedulerStub(ch).GetLoad(common_pb2.Empty(), timeout=5))
+            out.append(scheduler_pb2_grpc.SchedulerStub(ch).GetLoad(common_pb2.Empty(), timeout=5,
+                                                                    metadata=ring.internal_metadata))
     return out
 
 
@@ -232,6 +233,6 @@ async def test_killing_one_replica_fails_only_its_requests(ring):
         assert sum(len(e["choices"][0]["delta"].get("content") or "") > 0 for e in events[:-1]
                    if e.get("choices")) > 0
     with grpc.insecure_channel(sched1) as ch:
-        load1 = scheduler_pb2_grpc.SchedulerStub(ch).GetLoad(common_pb2.Empty(), timeout=5)
+        load1 = scheduler_pb2_grpc.SchedulerStub(ch).GetLoad(common_pb2.Empty(), timeout=5, metadata=ring.internal_metadata)
     assert load1.num_finished_reqs - finished1 == 4  # the 2 survivors and the 2 new requests
     ring.wait_serving("scheduler")  # scheduler-0 came back (--restart-on-failure)

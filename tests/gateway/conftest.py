@@ -59,6 +59,7 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
         self.tokenize_requests: list[tokenizer_pb2.TokenizeRequest] = []
         self.pieces_requests: list[list[int]] = []
         self.authorizations: list[str | None] = []  # each Generate call's authorization metadata
+        self.readiness = tokenizer_pb2.Readiness(ready=True, replicas=1)  # what GetReadiness answers
 
     def reset(self, *steps) -> None:
         self.script = list(steps)
@@ -103,6 +104,9 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
 
     async def GetLoad(self, request, context):
         return common_pb2.LoadReport(instance_id="tok-0", num_running_reqs=2, num_waiting_reqs=1)
+
+    async def GetReadiness(self, request, context):
+        return self.readiness
 
     async def GetClusterLoad(self, request, context):
         return tokenizer_pb2.ClusterLoad(

@@ -7,6 +7,8 @@ import grpc
 import orjson
 import pytest
 
+from ringserve.v1 import tokenizer_pb2
+
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -189,14 +191,30 @@ async def test_unknown_route_is_an_openai_error(stack):
     assert_error(r, 405, None, "method_not_allowed")
 
 
-async def test_health_follows_tokenizer_serving(stack):
-    assert (await stack.client.get("/health")).status_code == 200
-    await stack.server.set_serving(False)
+async def test_health_follows_tokenizer_readiness(stack):
+    """/health is the tokenizer's GetReadiness: 200 with the replicas that cannot move a token
+    while one can, 503 with an OpenAI error and every reason while none can."""
+    assert orjson.loads((await stack.client.get("/health")).content) == {"status": "ok", "replicas": 1,
+                                                                        "not_ready": []}
+    stalled = tokenizer_pb2.NotReady(replica="10.0.0.1:30020", reason="detokenizer_health_check",
+                                     message="the detokenizer at 10.0.0.2:30030 did not answer its health check within 2 s")
+    down = tokenizer_pb2.NotReady(replica="10.0.0.3:30020", reason="scheduler_link_down",
+                                  message="the scheduler at 10.0.0.3:30020 is not connected")
+    reasons = [{"replica": r.replica, "reason": r.reason, "message": r.message} for r in (stalled, down)]
     try:
-        assert (await stack.client.get("/health")).status_code == 503
+        stack.fake.readiness = tokenizer_pb2.Readiness(ready=True, replicas=3, not_ready=[stalled, down])
+        r = await stack.client.get("/health")
+        assert r.status_code == 200 and r.json() == {"status": "ok", "replicas": 3, "not_ready": reasons}
+        stack.fake.readiness = tokenizer_pb2.Readiness(ready=False, replicas=2, not_ready=[stalled, down])
+        r = await stack.client.get("/health")
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json() == {
+            "error": {"message": "the ring cannot move a token: " + "; ".join(x["message"] for x in reasons),
+                      "type": "service_unavailable_error", "param": None, "code": "service_unavailable"},
+            "status": "not_ready", "replicas": 2, "not_ready": reasons}
     finally:
-        await stack.server.set_serving(True)
-    assert orjson.loads((await stack.client.get("/health")).content) == {"status": "ok"}
+        stack.fake.readiness = tokenizer_pb2.Readiness(ready=True, replicas=1)
+    assert (await stack.client.get("/health")).status_code == 200
 
 
 async def test_form_content_type_is_read_as_json(stack):

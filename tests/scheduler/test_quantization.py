@@ -33,6 +33,10 @@ from services.scheduler.models import load_model
 CORPUS_TOKENS = 20_000
 WINDOW = 1_000  # tokens a request scores (its first has no prediction): 20 windows
 
+# The kernels are AVX-512-VNNI code: on a CPU without it int8 is refused (the tests of the
+# refusal below run everywhere) and the tests that run the kernels cannot.
+needs_vnni = pytest.mark.skipif(not quant.cpu_runs_int8(), reason="this CPU has no AVX-512-VNNI: int8 is refused here")
+
 
 def emulate_w8a8(x: torch.Tensor, linear: Int8Linear) -> torch.Tensor:
     """What the W8A8 kernel computes, in torch, op for op in fp32 (the int32 sum exact in int64)."""
@@ -59,6 +63,7 @@ def linear() -> Int8Linear:
     return Int8Linear(weight, torch.randn(200, generator=g))
 
 
+@needs_vnni
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_w8a8_kernel_equals_its_emulation_bit_for_bit(linear, dtype):
     g = torch.Generator().manual_seed(1)
@@ -84,6 +89,7 @@ def test_quantize_weight_round_trip_and_padding():
     assert q.abs().max().item() == 127  # each channel's largest weight maps to +-127
 
 
+@needs_vnni
 def test_weight_only_kernel_matches_float64_reference(linear):
     g = torch.Generator().manual_seed(3)
     x = torch.randn(9, 300, generator=g)
@@ -92,6 +98,7 @@ def test_weight_only_kernel_matches_float64_reference(linear):
     assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-5)
 
 
+@needs_vnni
 def test_weight_only_kernels_give_each_others_bits(linear):
     # w8 sums in vdpbf16ps's order (k+1, then k, per pair), one FMA chain an output
     g = torch.Generator().manual_seed(5)
@@ -101,6 +108,7 @@ def test_weight_only_kernels_give_each_others_bits(linear):
         assert torch.equal(linear(x, "w8"), linear(x, "w8bf16"))
 
 
+@needs_vnni
 def test_fix_kernels_pins_only_a_w8a8_and_weight_only_mix(linear):
     model = torch.nn.Sequential(linear)
     try:
@@ -112,6 +120,7 @@ def test_fix_kernels_pins_only_a_w8a8_and_weight_only_mix(linear):
         linear.kernels = ((1, "w8a8"),)
 
 
+@needs_vnni
 @pytest.mark.parametrize("kernel", ["w8a8", "w8", "w8bf16"])
 def test_a_rows_bits_do_not_depend_on_its_batch(linear, kernel):
     g = torch.Generator().manual_seed(4)
@@ -132,9 +141,24 @@ def test_refusals_name_what_is_wrong(monkeypatch):
         check_supported("int8", torch.device("cpu"))
 
 
+def test_this_cpu_runs_int8_exactly_when_it_has_vnni():
+    """On the CPU the suite runs on: int8 is offered with AVX-512-VNNI and refused, by name,
+    without it (never a kernel that aborts the process)."""
+    vnni = "avx512_vnni" in quant.cpu_flags().split()
+    assert quant.cpu_runs_int8() == vnni
+    if vnni:
+        check_supported("int8", torch.device("cpu"))
+        assert Int8Linear(torch.ones(64, 64), None)(torch.ones(1, 64)).shape == (1, 64)
+    else:
+        with pytest.raises(QuantizationError, match="needs a CPU with AVX-512-VNNI"):
+            check_supported("int8", torch.device("cpu"))
+        with pytest.raises(QuantizationError, match="Int8Linear needs a CPU with AVX-512-VNNI"):
+            Int8Linear(torch.ones(64, 64), None)
+
+
 def test_scheduler_flag(capsys, monkeypatch, smollm2_dir):
-    cfg = parse_args(["--model", str(smollm2_dir), "--quantization", "int8"])
-    assert cfg.engine.quantization == "int8"
+    if quant.cpu_runs_int8():
+        assert parse_args(["--model", str(smollm2_dir), "--quantization", "int8"]).engine.quantization == "int8"
     assert parse_args(["--model", str(smollm2_dir)]).engine.quantization is None
     monkeypatch.setattr(quant, "cpu_flags", lambda: "flags : fpu avx2")  # a CPU without VNNI: refused at parse
     with pytest.raises(SystemExit) as exc:
@@ -174,6 +198,7 @@ def _score(engine: Engine, windows: list[list[int]], run_all) -> tuple[list[floa
     return logprobs, top
 
 
+@needs_vnni
 def test_int8_quality_gate_on_python_docs(engines, tokenizer, run_all):
     ids = tokenizer.encode(python_docs_text()).ids
     assert len(ids) >= CORPUS_TOKENS
@@ -193,6 +218,7 @@ def test_int8_quality_gate_on_python_docs(engines, tokenizer, run_all):
     assert EngineConfig(model=Path("m")).quantization == ("int8wo" if passes else None)
 
 
+@needs_vnni
 def test_int8_engines_answer_the_readme_question(engines, chat_ids, tokenizer, run_all):
     """Greedy through each engine (deterministic inference as by default)."""
     texts = {}
@@ -203,6 +229,7 @@ def test_int8_engines_answer_the_readme_question(engines, chat_ids, tokenizer, r
     assert texts == dict.fromkeys(("bf16", "int8wo", "int8"), "The capital of Japan is Tokyo.")
 
 
+@needs_vnni
 @pytest.mark.parametrize("method", ["int8", "int8wo"])
 def test_fused_norm_and_silu_give_the_same_bits(engines, tokenizer, chat_ids, run_all, method):
     """``_forward_fused_int8`` (RMSNorm and SiLU-and-mul inside the linears' C calls) against

@@ -20,6 +20,7 @@ class RecordingDetokenizer(detokenizer_pb2_grpc.DetokenizerServicer):
         self.changed = asyncio.Condition()
 
     async def Stream(self, request_iterator, context):
+        await context.send_initial_metadata(())  # accepted, as the real detokenizer announces
         async for msg in request_iterator:
             async with self.changed:
                 self.messages.append(msg)

@@ -191,3 +191,14 @@ def test_model_without_template_is_rejected(smollm2_dir):
     err = rejected(tok, chat(msg("user", "x")))
     assert err.message == ("this model has no chat template: use /v1/completions (or text / input_ids), or start it "
                            "with --chat-template FILE (ringserve launch or the tokenizer)")
+
+
+@pytest.mark.parametrize("message,error", [
+    (tokenizer_pb2.ChatMessage(role="user", content="hi", tool_call_id="c1"),
+     "messages[0] (user) cannot carry tool_call_id (only role tool has it)"),
+    (tokenizer_pb2.ChatMessage(role="system", content="hi", reasoning_content="r"),
+     "messages[0] (system) cannot carry reasoning_content (only role assistant has it)"),
+], ids=["tool_call_id", "reasoning_content"])
+def test_a_key_of_another_role_is_refused_not_ignored(smollm2_tokenizer, message, error):
+    got = rejected(smollm2_tokenizer, chat(message, msg("user", "hi")))
+    assert (got.param, got.message) == ("messages", error)

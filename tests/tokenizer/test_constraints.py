@@ -57,7 +57,7 @@ def test_json_object_and_choice_become_what_the_scheduler_compiles():
     (common_pb2.Constraint(choice=common_pb2.ChoiceList(choices=["a", ""]), param="structured_outputs.choice"),
      "structured_outputs.choice: a choice is an empty string"),
     (common_pb2.Constraint(json_schema=json.dumps({"type": "object", "default": nested(40)}), param="response_format"),
-     "response_format: the JSON schema nests deeper than 32 levels"),
+     "response_format: nests deeper than 32 levels of objects and arrays"),
     (common_pb2.Constraint(choice=common_pb2.ChoiceList(choices=[f"c{i}" for i in range(1001)]),
                            param="structured_outputs.choice"),
      "structured_outputs.choice: 1001 choices; at most 1000 are supported"),

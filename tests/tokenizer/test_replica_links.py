@@ -54,16 +54,18 @@ async def two(smollm2_dir):
             (detokenizer_pb2_grpc.add_DetokenizerServicer_to_server, d, "ringserve.v1.Detokenizer")]))
         servers.append(await start_server("127.0.0.1:0", [
             (scheduler_pb2_grpc.add_SchedulerServicer_to_server, s, "ringserve.v1.Scheduler")]))
+    for server in servers:
+        await server.set_serving(True)  # as the real services do once started
     specs = tuple(f"127.0.0.1:{servers[2 * i + 1].port},127.0.0.1:{servers[2 * i].port}" for i in range(2))
     service = TokenizerService(TokenizerConfig(model=smollm2_dir, port=0, instance_id="tok-r", replicas=specs))
     await service.start()
     channel = insecure_channel(f"127.0.0.1:{service.port}")
     stub = tokenizer_pb2_grpc.TokenizerStub(channel)
 
-    async def up() -> int:
-        return sum(r.up for r in service.replicas.replicas)
+    async def can_move_tokens() -> int:
+        return sum(service.readiness.can_move_tokens(r) for r in service.replicas.replicas)
 
-    await wait_for_value(up, 2)
+    await wait_for_value(can_move_tokens, 2)
     yield service, stub, scheds, servers, channel
     await channel.close()
     await service.stop()

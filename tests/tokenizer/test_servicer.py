@@ -75,6 +75,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
                 self._run(msg.req)
             elif not msg.abort.rid:
                 self.hellos.append(msg.abort)
+                await context.send_initial_metadata(())  # accepted, as a real scheduler's first event says
             else:
                 self.aborts.append(msg.abort)
                 if msg.abort.rid in self.running:
@@ -116,6 +117,7 @@ class Ring:
         else:
             reg = (scheduler_pb2_grpc.add_SchedulerServicer_to_server, self.sched, "ringserve.v1.Scheduler")
         self.servers[name] = await start_server(f"127.0.0.1:{port}", [reg])
+        await self.servers[name].set_serving(True)  # as the real services do once started
 
     async def start(self) -> None:
         await self.start_peer("detokenizer")

@@ -176,6 +176,7 @@ class Engine:
     def abort(self, rid: str | None = None, tokenizer_id: str | None = None,
               message: str = "aborted", status: str = "CANCELLED", resend_init: bool = False) -> int:
         """Abort one rid, every rid owned by ``tokenizer_id``, or (neither given) every rid.
+        With both, the rid only if ``tokenizer_id`` owns it (a tokenizer aborts its own).
 
         Frees the KV cache and req slot at once, whether the request waits or runs; each
         aborted request gets a final row with FINISH_ABORT (with its RowInit again when
@@ -183,7 +184,8 @@ class Engine:
         the request may have finished already. Returns how many were aborted.
         """
         if rid is not None:
-            victims = [self.reqs[rid]] if rid in self.reqs else []
+            req = self.reqs.get(rid)
+            victims = [req] if req is not None and tokenizer_id in (None, req.tokenizer_id) else []
         elif tokenizer_id is not None:
             victims = [r for r in self.reqs.values() if r.tokenizer_id == tokenizer_id]
         else:

@@ -74,10 +74,14 @@ def check_supported(method: str, device: torch.device) -> None:
     if device.type != "cpu":
         raise QuantizationError(f"--quantization {method} runs on the CPU only (its kernels are AVX-512-VNNI C), "
                                 f"not on {device}; serve the bf16 weights there")
-    flags = cpu_flags().split()
-    if "avx512_vnni" not in flags or not _lib().rs_int8_available():
+    if not cpu_runs_int8():
         raise QuantizationError(f"--quantization {method} needs a CPU with AVX-512-VNNI (or AMX-INT8, which has it); "
                                 "this CPU's flags have neither avx512_vnni nor amx_int8")
+
+
+def cpu_runs_int8() -> bool:
+    """Whether this CPU (its /proc/cpuinfo flags) and the built C library run the int8 kernels."""
+    return "avx512_vnni" in cpu_flags().split() and bool(_lib().rs_int8_available())
 
 
 @functools.cache
@@ -132,6 +136,9 @@ class Int8Linear(torch.nn.Module):
         weight: [out_features, in_features], float; quantized here (the caller drops it).
         bias: [out_features] or None; kept in fp32.
 
+    Raises:
+        QuantizationError: the CPU cannot run the kernels (``cpu_runs_int8``).
+
     Attributes:
         kernels: ((min_rows, kernel), ...) ascending; a call of T rows runs the kernel of
             the largest min_rows <= T (``choose_kernels`` fills it; default ``w8a8`` for all).
@@ -139,6 +146,8 @@ class Int8Linear(torch.nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
+        if not cpu_runs_int8():  # the library's kernels would abort the process on this CPU
+            raise QuantizationError("Int8Linear needs a CPU with AVX-512-VNNI; this CPU's flags have no avx512_vnni")
         self.out_features, self.in_features = weight.shape
         packed, scale, comp = quantize_weight(weight)
         self.register_buffer("packed", packed)

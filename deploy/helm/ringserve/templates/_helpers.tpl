@@ -56,6 +56,25 @@ scheduler's default tag carries its variant: <tag>-cpu or <tag>-cuda. */}}
 {{- define "ringserve.apiKeySecret" -}}
 {{- default (printf "%s-api-key" (include "ringserve.fullname" .)) .Values.apiKey.existingSecret -}}
 {{- end -}}
+{{- define "ringserve.internalAuthSecret" -}}
+{{- default (printf "%s-internal-token" (include "ringserve.fullname" .)) .Values.internalAuth.existingSecret -}}
+{{- end -}}
+{{/* The internal credential of a tokenizer, scheduler or detokenizer container: its env entry
+(read by the service itself, never on its command line), or, when disabled, the opt-out flag. */}}
+{{- define "ringserve.internalAuthEnv" -}}
+{{- if .Values.internalAuth.enabled }}
+- name: RINGSERVE_INTERNAL_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "ringserve.internalAuthSecret" . }}
+      key: {{ .Values.internalAuth.secretKey }}
+{{- end }}
+{{- end -}}
+{{- define "ringserve.internalAuthArgs" -}}
+{{- if not .Values.internalAuth.enabled }}
+- --insecure-skip-internal-auth
+{{- end }}
+{{- end -}}
 {{- define "ringserve.tlsSecret" -}}
 {{- default (printf "%s-tls" (include "ringserve.fullname" .)) .Values.tls.existingSecret -}}
 {{- end -}}
@@ -85,7 +104,8 @@ scheduler's default tag carries its variant: <tag>-cpu or <tag>-cuda. */}}
 {{- end -}}
 
 {{/* The probe action on a service's gRPC health: Kubernetes' gRPC probe, or under grpcTls
-(which that probe cannot speak) `ringserve health` with the TLS flags. Takes (dict "ctx" $ "port" N). */}}
+(which that probe cannot speak) `ringserve health` with the TLS flags. Takes (dict "ctx" $ "port" N),
+and "service" "liveness" for the health service that stays SERVING while the process lives. */}}
 {{- define "ringserve.grpcProbe" -}}
 {{- if .ctx.Values.grpcTls.enabled }}
 exec:
@@ -93,10 +113,16 @@ exec:
     - ringserve
     - health
     - localhost:{{ .port }}
+    {{- with .service }}
+    - --service={{ . }}
+    {{- end }}
     {{- include "ringserve.grpcTlsArgs" .ctx | nindent 4 }}
 {{- else }}
 grpc:
   port: {{ .port }}
+  {{- with .service }}
+  service: {{ . }}
+  {{- end }}
 {{- end }}
 {{- end -}}
 
