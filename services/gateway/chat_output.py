@@ -13,11 +13,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ringserve.v1 import tokenizer_pb2
+
 from .config import GatewayConfig
 from .constraints import forced_tools
 from .protocol import ChatCompletionRequest
 from .reasoning import CLOSE as REASONING_END
-from .reasoning import ReasoningParser, make_reasoning_parser
+from .reasoning import OPEN as REASONING_START
+from .reasoning import REASONING_PARSERS, ReasoningParser, make_reasoning_parser
 from .tool_parsers import TOOL_CALL_PARSERS, ToolCallDelta, ToolParser, forced_parser, join_deltas
 
 
@@ -35,10 +38,7 @@ class ChoiceParser:
         self.reasoning = reasoning
         self.tools = tools
         self.parallel = parallel  # false: calls after the first are dropped (parallel_tool_calls)
-
-    @property
-    def made_calls(self) -> bool:
-        return self.tools is not None and self.tools.calls > 0
+        self.made_calls = False  # a call was sent (it has a name): a started, nameless one is none
 
     def _split(self, reasoning: str, content: str, final: bool) -> ChoiceDelta:
         if self.tools is None:
@@ -49,6 +49,7 @@ class ChoiceParser:
             text, calls = text + more, calls + tail
         if not self.parallel:
             calls = [d for d in calls if d.index == 0]
+        self.made_calls = self.made_calls or any(d.id is not None for d in calls)
         return ChoiceDelta(reasoning, text, calls)
 
     def feed(self, text: str, final: bool = False) -> ChoiceDelta:
@@ -59,22 +60,27 @@ class ChoiceParser:
         return self._split(reasoning, content, final)
 
 
-def grammar_starts_after(req: ChatCompletionRequest, config: GatewayConfig) -> str | None:
-    """The text after which an output constraint applies: the reasoning parser's end tag
-    when one is on and the request thinks (the grammar must not shape the reasoning), else
-    None (from the first token)."""
-    if config.reasoning_parser is None:
-        return None
-    if (req.chat_template_kwargs or {}).get("enable_thinking", True) is False:
-        return None
-    return REASONING_END
+def mark_reasoning(pb: tokenizer_pb2.GenerateReqInput, req: ChatCompletionRequest, config: GatewayConfig) -> None:
+    """Tell the tokenizer and the scheduler where a thinking request's reasoning may be, so
+    that they split the output as the reasoning parser will: an output constraint starts at
+    once unless the output opens with ``<think>`` (then after ``</think>``); under a parser
+    whose prompt may open the reasoning (deepseek_r1), the tokenizer checks the rendered
+    prompt's end for the tag too (and a grammar then waits for ``</think>``)."""
+    if config.reasoning_parser is None or (req.chat_template_kwargs or {}).get("enable_thinking", True) is False:
+        return
+    if pb.sampling_params.HasField("constraint"):
+        c = pb.sampling_params.constraint
+        c.opens_with, c.starts_after = REASONING_START, REASONING_END
+    if REASONING_PARSERS[config.reasoning_parser]:
+        pb.chat.reasoning_start = REASONING_START
 
 
-def parser_factory(req: ChatCompletionRequest, config: GatewayConfig) -> Callable[[], ChoiceParser] | None:
-    """A maker of per-choice parsers for ``req``, or None when its text is plain content.
+def parser_factory(req: ChatCompletionRequest, config: GatewayConfig) -> Callable[[bool], ChoiceParser] | None:
+    """A maker of per-choice parsers for ``req``, or None when its text is plain content; it
+    takes whether the prompt opened the reasoning (``GenerateOutput.reasoning_open``).
 
-    An output constraint on a thinking request applies after the reasoning ends
-    (``grammar_starts_after``).
+    An output constraint on a thinking request applies where the reasoning parser sees no
+    reasoning (``mark_reasoning``).
     """
     reasoning = config.reasoning_parser
     if forced_tools(req) is not None:
@@ -88,8 +94,8 @@ def parser_factory(req: ChatCompletionRequest, config: GatewayConfig) -> Callabl
     kwargs = req.chat_template_kwargs
     parallel = req.parallel_tool_calls is not False  # the forced format enforces it in the grammar too
 
-    def make() -> ChoiceParser:
-        return ChoiceParser(make_reasoning_parser(reasoning, kwargs) if reasoning else None,
+    def make(prompt_opened: bool) -> ChoiceParser:
+        return ChoiceParser(make_reasoning_parser(reasoning, kwargs, prompt_opened) if reasoning else None,
                             tools() if tools else None, parallel)
 
     return make
@@ -118,7 +124,9 @@ def final_message(parser: ChoiceParser, text: str) -> dict:
 
 
 def finish_reason(parser: ChoiceParser | None, reason: str | None) -> str | None:
-    """"tool_calls" when the choice made calls (OpenAI), else the engine's reason."""
-    if reason in ("stop", "length") and parser is not None and parser.made_calls:
+    """"tool_calls" when the choice stopped having made calls (OpenAI), else the engine's
+    reason: output cut by the length limit is "length", calls or not (OpenAI's too), and its
+    calls carry their arguments as far as they were written."""
+    if reason == "stop" and parser is not None and parser.made_calls:
         return "tool_calls"
     return reason

@@ -8,10 +8,17 @@ a non-empty array of ``{"name", "arguments"}`` objects built from the tools' par
 At most one constraint per request; each carries the field it came from, which every
 error about it names. Whether a constraint compiles is the scheduler's grammar engine's
 call; the tokenizer checks the rest (see services/tokenizer/constraints.py).
+
+``strict: true`` (``response_format.json_schema.strict``, a forced tool's
+``function.strict``) closes every object schema that omits ``additionalProperties``, as
+OpenAI's strict mode means it (there it must be written ``false``): JSON Schema's default
+(any other key allowed) lets a small model add keys until max_tokens. Without strict the
+schema means what JSON Schema says.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 
@@ -23,12 +30,40 @@ from .protocol import ChatCompletionRequest, GenerateRequest, SamplingFields, To
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+_DATA_KEYWORDS = ("const", "enum", "default", "examples")  # JSON data, not schemas
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
 
 
-def _schema_text(schema: object, name: str, param: str) -> str:
+def closed_objects(schema: object) -> object:
+    """``schema`` (a JSON value, changed in place) with ``"additionalProperties": false`` on
+    every object schema (``type`` object, or ``properties`` given) that omits it: strict mode.
+    The branches of an ``allOf`` stay as written (closing each would forbid the keys of the
+    others). Iterative: no recursion however deep the document."""
+    todo = [schema]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, list):
+            todo.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        kind = node.get("type")
+        if "additionalProperties" not in node and ("properties" in node or kind == "object"
+                                                   or isinstance(kind, list) and "object" in kind):
+            node["additionalProperties"] = False
+        for key, value in node.items():
+            if key in _SCHEMA_MAPS and isinstance(value, dict):
+                todo.extend(value.values())
+            elif key not in _DATA_KEYWORDS and key != "allOf":
+                todo.append(value)
+    return schema
+
+
+def _schema_text(schema: object, name: str, param: str, strict: bool = False) -> str:
     if isinstance(schema, str):
         return schema  # vLLM accepts the schema as JSON text; the tokenizer parses it (checked in _one)
-    return limits.dump_json(schema, name, param)
+    text = limits.dump_json(schema, name, param)  # checked before anything walks it
+    return json.dumps(closed_objects(json.loads(text))) if strict else text
 
 
 def _one(found: list[tuple[str, common_pb2.Constraint]]) -> common_pb2.Constraint | None:
@@ -57,7 +92,8 @@ def request_constraint(req: SamplingFields) -> common_pb2.Constraint | None:
             raise invalid("response_format of type json_schema needs a json_schema object", "response_format")
         if rf.json_schema.schema_ is None:
             raise invalid("response_format.json_schema.schema is required", "response_format")
-        text = _schema_text(rf.json_schema.schema_, "response_format.json_schema.schema", "response_format")
+        text = _schema_text(rf.json_schema.schema_, "response_format.json_schema.schema", "response_format",
+                            rf.json_schema.strict is True)
         found.append(("response_format", common_pb2.Constraint(json_schema=text, param="response_format")))
     so = req.structured_outputs
     if so is not None:
@@ -107,7 +143,7 @@ def tool_calls_schema(tools: Sequence[Tool], parallel: bool) -> dict:
     items = [
         {
             "type": "object",
-            "properties": {"name": {"const": t.function.name}, "arguments": t.function.parameters or NO_PARAMETERS},
+            "properties": {"name": {"const": t.function.name}, "arguments": _arguments(t)},
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }
@@ -117,6 +153,16 @@ def tool_calls_schema(tools: Sequence[Tool], parallel: bool) -> dict:
     if not parallel:
         schema["maxItems"] = 1
     return schema
+
+
+def _arguments(tool: Tool) -> dict:
+    """The schema of a tool's arguments (closed under ``function.strict``)."""
+    params = tool.function.parameters
+    if not params:
+        return NO_PARAMETERS
+    if not tool.function.strict:
+        return params
+    return closed_objects(json.loads(limits.dump_json(params, "tools[].function.parameters", "tools")))
 
 
 def forced_tools(req: ChatCompletionRequest) -> list[Tool] | None:

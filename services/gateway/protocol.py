@@ -176,7 +176,8 @@ class NamedToolChoice(Strict):
 
 class JsonSchemaFormat(Strict):
     """``response_format.json_schema``: ``schema`` is required here (a format without one would
-    enforce nothing). ``strict`` is accepted either way: the schema is always enforced."""
+    enforce nothing). The schema is enforced whether ``strict`` is true or not; true also closes its
+    objects (``constraints.closed_objects``)."""
 
     model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
     name: str | None = None

@@ -1,17 +1,24 @@
 """Model output text -> (reasoning_content, content), incrementally (one parser per choice).
 
-``--reasoning-parser``:
+``--reasoning-parser`` (the text inside ``<think>…</think>`` is reasoning):
 
-- ``deepseek_r1``: everything up to ``</think>`` is reasoning; an opening ``<think>`` is
-  optional (DeepSeek-R1's template puts it in the prompt). With
-  ``chat_template_kwargs.enable_thinking`` false nothing is reasoning.
 - ``qwen3``: reasoning only when the output opens with ``<think>`` (after blanks); Qwen3
   with ``enable_thinking: false`` has an empty think block in the prompt and answers directly.
+- ``deepseek_r1``: as qwen3, and also when the rendered prompt ends with ``<think>``
+  (DeepSeek-R1's template opens the block in the generation prompt): then everything up to
+  ``</think>`` is reasoning. The tokenizer, which renders the prompt, says so on each output
+  (``GenerateOutput.reasoning_open``).
+
+With ``chat_template_kwargs.enable_thinking`` false nothing is reasoning. The scheduler's
+grammar gate (services/scheduler/engine/grammar_gate.py) decides by the same rule where an
+output constraint starts, so text the grammar shaped is always content.
 
 Tags split across chunks are held back until they are whole, so no delta and no final
 field ever holds ``<think>``, ``</think>`` or a piece of one; output cut off (max_tokens)
 inside the reasoning stays reasoning. The non-streamed response feeds the whole text once
-through the same code, so streamed deltas joined equal the non-streamed fields.
+through the same code, so streamed deltas joined equal the non-streamed fields. A tool
+call written inside the reasoning is reasoning text, not a call (the chat parsers look for
+calls only in the content after it).
 """
 
 from __future__ import annotations
@@ -61,10 +68,11 @@ class ReasoningParser:
         return rest, ""
 
 
-REASONING_PARSERS = {"deepseek_r1": True, "qwen3": False}  # name -> reasoning opens implicitly
+REASONING_PARSERS = {"deepseek_r1": True, "qwen3": False}  # name -> the prompt may open the reasoning
 
 
-def make_reasoning_parser(name: str, chat_template_kwargs: dict | None) -> ReasoningParser:
-    """The parser ``name`` for one choice; thinking is off when the request says so."""
+def make_reasoning_parser(name: str, chat_template_kwargs: dict | None, prompt_opened: bool) -> ReasoningParser:
+    """The parser ``name`` for one choice; thinking is off when the request says so.
+    ``prompt_opened``: the rendered prompt ends with the opening tag (GenerateOutput.reasoning_open)."""
     thinking = (chat_template_kwargs or {}).get("enable_thinking", True) is not False
-    return ReasoningParser(REASONING_PARSERS[name], thinking)
+    return ReasoningParser(REASONING_PARSERS[name] and prompt_opened, thinking)

@@ -16,7 +16,7 @@ from starlette.responses import Response
 
 from . import convert
 from .backend import TokenizerClient
-from .chat_output import ChoiceParser, delta_calls, final_message, finish_reason, grammar_starts_after, parser_factory
+from .chat_output import ChoiceParser, delta_calls, final_message, finish_reason, mark_reasoning, parser_factory
 from .config import GatewayConfig
 from .logprobs import chat_logprobs, vllm_prompt_logprobs
 from .outputs import ChoiceUpdate, FinalChoice
@@ -25,7 +25,7 @@ from .serving import respond, response_head
 
 
 def _delta_choice(
-    client: TokenizerClient, echo: str, want_logprobs: bool, make_parser: Callable[[], ChoiceParser] | None
+    client: TokenizerClient, echo: str, want_logprobs: bool, make_parser: Callable[[bool], ChoiceParser] | None
 ) -> Callable[[ChoiceUpdate], Awaitable[dict | None]]:
     """Chunk choices: the first delta of a choice carries the role (and the echo); with
     parsers, reasoning_content and tool_calls deltas beside the content."""
@@ -36,7 +36,9 @@ def _delta_choice(
         if make_parser is None:
             text, extra = u.text, {}
         else:
-            parser = parsers.setdefault(u.index, make_parser())
+            parser = parsers.get(u.index)
+            if parser is None:
+                parser = parsers[u.index] = make_parser(u.out.reasoning_open)
             d = parser.feed(u.text, final=u.finish_reason is not None)
             text, extra = d.content, {}
             if d.reasoning:
@@ -82,9 +84,7 @@ async def create_chat_completion(
     """
     rid = convert.new_rid(req)
     pb = convert.chat_request(req, rid)
-    starts_after = grammar_starts_after(req, config)
-    if starts_after is not None and pb.sampling_params.HasField("constraint"):
-        pb.sampling_params.constraint.starts_after = starts_after
+    mark_reasoning(pb, req, config)
     make_parser = parser_factory(req, config)
     model = await client.check_model(req.model)
     echo = _echo_text(req)
@@ -94,7 +94,7 @@ async def create_chat_completion(
         return {"prompt_logprobs": await vllm_prompt_logprobs(client, finals[0].out) if finals else None}
 
     async def final_choice(c: FinalChoice) -> dict:
-        parser = make_parser() if make_parser is not None else None
+        parser = make_parser(c.out.reasoning_open) if make_parser is not None else None
         fields = final_message(parser, c.text) if parser is not None else {"content": c.text, "tool_calls": None}
         if fields["content"] is not None or echo:
             fields["content"] = echo + (fields["content"] or "")

@@ -28,148 +28,8 @@ Formats (``--tool-call-parser``):
 from __future__ import annotations
 
 import json
-import uuid
-from dataclasses import dataclass
 
-
-@dataclass
-class ToolCallDelta:
-    index: int
-    arguments: str = ""
-    id: str | None = None  # set on the first delta of a call, with name
-    name: str | None = None
-
-
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-class _CallScanner:
-    """One JSON object ``{"name": "...", "arguments": <value>}`` arriving piece by piece.
-
-    Tracks strings, escapes and depth over the text seen so far, and notes where the top
-    level keys' values start and end. ``parameters`` is taken as ``arguments`` (Llama 3).
-    """
-
-    def __init__(self, index: int):
-        self.index = index
-        self.text = ""
-        self.name: str | None = None
-        self.args_start: int | None = None
-        self.args_end: int | None = None
-        self.end: int | None = None  # one past the closing brace, once the object is complete
-        self.header_sent = False
-        self.args_sent = 0
-        self._pos = 0
-        self._depth = 0
-        self._in_string = False
-        self._escape = False
-        self._key: str | None = None
-        self._key_start = 0
-        self._value_key: str | None = None  # the key whose value is being read at depth 1
-        self._value_start: int | None = None
-        self._expect_key = True
-
-    def feed(self, text: str) -> list[ToolCallDelta]:
-        self.text += text
-        self._scan()
-        return self._deltas()
-
-    def _scan(self) -> None:
-        t = self.text
-        while self._pos < len(t) and self.end is None:
-            i, ch = self._pos, t[self._pos]
-            self._pos += 1
-            if self._in_string:
-                if self._escape:
-                    self._escape = False
-                elif ch == "\\":
-                    self._escape = True
-                elif ch == '"':
-                    self._in_string = False
-                    if self._depth == 1 and self._expect_key:
-                        self._key = json.loads(t[self._key_start : i + 1])
-                    elif self._depth == 1 and self._value_start is not None:
-                        self._end_value(i + 1)
-                continue
-            if ch == '"':
-                self._in_string = True
-                if self._depth == 1 and self._expect_key:
-                    self._key_start = i
-                elif self._depth == 1 and self._value_start is None:
-                    self._value_start = i
-            elif ch in "{[":
-                if self._depth == 1 and self._value_start is None and not self._expect_key:
-                    self._value_start = i
-                self._depth += 1
-            elif ch in "}]":
-                self._depth -= 1
-                if self._depth == 1 and self._value_start is not None:
-                    self._end_value(i + 1)
-                elif self._depth == 0:
-                    if self._value_start is not None:
-                        self._end_value(i)
-                    self.end = i + 1
-            elif self._depth == 1:
-                if ch == ":":
-                    self._expect_key = False
-                    self._value_key = self._key
-                    self._value_start = None
-                elif ch == ",":
-                    if self._value_start is not None:
-                        self._end_value(i)
-                    self._expect_key = True
-                elif not ch.isspace() and self._value_start is None and not self._expect_key:
-                    self._value_start = i  # a number, true, false or null
-
-    def _end_value(self, end: int) -> None:
-        start, key = self._value_start, self._value_key
-        self._value_start = self._value_key = None
-        if start is None:
-            return
-        raw = self.text[start:end].strip()
-        if key == "name" and self.name is None:
-            try:
-                name = json.loads(raw)
-            except json.JSONDecodeError:
-                return
-            self.name = name if isinstance(name, str) else None
-        elif key in ("arguments", "parameters") and self.args_end is None:
-            self.args_start, self.args_end = start, start + len(raw)
-
-    def _args_available(self) -> str:
-        if self.args_start is None:
-            if self._value_key in ("arguments", "parameters") and self._value_start is not None:
-                return self.text[self._value_start :]
-            return ""
-        return self.text[self.args_start : self.args_end]
-
-    def _deltas(self) -> list[ToolCallDelta]:
-        if self.name is None:
-            return []
-        out = []
-        if not self.header_sent:
-            self.header_sent = True
-            out.append(ToolCallDelta(self.index, id=new_call_id(), name=self.name))
-        args = self._args_available()
-        if self.args_start is None and self._value_start is not None:
-            args = args.rstrip()  # trailing blanks of a value still arriving may not be its own
-        if len(args) > self.args_sent:
-            fragment = args[self.args_sent :]
-            self.args_sent = len(args)
-            if out:
-                out[0].arguments = fragment
-            else:
-                out.append(ToolCallDelta(self.index, arguments=fragment))
-        return out
-
-    def finish(self) -> list[ToolCallDelta]:
-        """At the end of the output: a call without arguments gets ``{}``."""
-        out = self._deltas()
-        if self.name is not None and self.args_sent == 0 and self.end is not None:
-            out.append(ToolCallDelta(self.index, arguments="{}"))
-            self.args_sent = 2
-        return out
+from .tool_call_scanner import ToolCallDelta, CallScanner, new_call_id
 
 
 class ToolParser:
@@ -197,7 +57,7 @@ class HermesToolParser(ToolParser):
 
     def __init__(self) -> None:
         self._buf = ""
-        self._call: _CallScanner | None = None
+        self._call: CallScanner | None = None
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         self._buf += text
@@ -212,7 +72,7 @@ class HermesToolParser(ToolParser):
                     break
                 content.append(self._buf[:at])
                 self._buf = self._buf[at + len(self.OPEN) :]
-                self._call = _CallScanner(self.calls)
+                self._call = CallScanner(self.calls)
                 self.calls += 1
                 continue
             call = self._call
@@ -244,21 +104,41 @@ class HermesToolParser(ToolParser):
 
 class JsonCallsParser(ToolParser):
     """Calls as JSON objects at the top level: the forced array format (``[{...}, {...}]``)
-    and Llama 3's ``{...}; {...}``. Anything outside the objects is punctuation, not content."""
+    and Llama 3's ``{...}; {...}``. Between calls, anything outside the objects is
+    punctuation. Output that does not open with ``[`` or ``{`` (after the prefix) is content,
+    and so is the whole output when no call in it gets a name (cut short, or not a call):
+    the text is held back until a call is named, and never dropped."""
 
     def __init__(self, prefix: str = "") -> None:
         self._prefix = prefix  # skipped once at the start (Llama 3's <|python_tag|>)
         self._buf = ""
-        self._call: _CallScanner | None = None
+        self._call: CallScanner | None = None
+        self._content: bool | None = None  # decided by the first character after blanks and the prefix
+        self._held = ""  # everything fed until a call is named: the content if none is
+        self._named = False
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        if self._content:
+            return text, []
+        if not self._named:
+            self._held += text
         self._buf += text
-        if self._prefix:
-            if len(self._buf.lstrip()) < len(self._prefix) and self._prefix.startswith(self._buf.lstrip()):
+        if self._content is None:
+            head = self._buf.lstrip()
+            if self._prefix and len(head) < len(self._prefix) and self._prefix.startswith(head):
+                return "", []  # may still become the prefix
+            if self._prefix and head.startswith(self._prefix):
+                head = head[len(self._prefix) :].lstrip()
+            if not head:
                 return "", []
-            if self._buf.lstrip().startswith(self._prefix):
-                self._buf = self._buf.lstrip()[len(self._prefix) :]
-            self._prefix = ""
+            self._content = head[0] not in "[{"
+            if self._content:
+                out, self._held, self._buf = self._held, "", ""
+                return out, []
+            self._buf = head
+        return "", self._named_now(self._scan())
+
+    def _scan(self) -> list[ToolCallDelta]:
         deltas = []
         while self._buf:
             if self._call is None:
@@ -267,7 +147,7 @@ class JsonCallsParser(ToolParser):
                     self._buf = ""
                     break
                 self._buf = self._buf[at:]
-                self._call = _CallScanner(self.calls)
+                self._call = CallScanner(self.calls)
                 self.calls += 1
             call = self._call
             start = len(call.text)
@@ -278,10 +158,19 @@ class JsonCallsParser(ToolParser):
             self._buf = self._buf[call.end - start :]
             deltas += call.finish()
             self._call = None
-        return "", deltas
+        return deltas
+
+    def _named_now(self, deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
+        if not self._named and any(d.id is not None for d in deltas):
+            self._named, self._held = True, ""  # what was held is the calls' format
+        return deltas
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
-        return "", self._call.finish() if self._call is not None else []
+        deltas = self._named_now(self._call.finish() if self._call is not None else [])
+        if self._named or self._content:
+            return "", deltas
+        held, self._held = self._held, ""
+        return held, deltas
 
 
 class MistralToolParser(ToolParser):

@@ -57,7 +57,7 @@ class SchedulerMetrics(EngineObserver):
         self.decode_time = m.histogram("request_decode_time_seconds",
                                        "Seconds from a request's first token to its end.")
         compile_time = m.histogram("grammar_compile_time_seconds",
-                                   "Seconds one output constraint took to compile (worker thread; cache hits not counted).")
+                                   "Seconds one output constraint took to compile and take its first step (worker thread; cache hits not counted).")
         engine.grammars.observe_compile = compile_time.observe
         finished = Counter(PREFIX + "scheduler_requests_finished", "Requests that left the scheduler, by finish reason.",
                            ["model_name", "finished_reason"], registry=m.registry)

@@ -25,7 +25,8 @@ def grammar_from_proto(params: common_pb2.ResolvedSamplingParams) -> GrammarSpec
     kind = c.WhichOneof("kind")
     if not kind:
         return None
-    return GrammarSpec(kind, getattr(c, kind), c.param or "response_format", tuple(c.starts_after_ids))
+    return GrammarSpec(kind, getattr(c, kind), c.param or "response_format", tuple(c.starts_after_ids),
+                       tuple(c.opens_with_ids))
 
 
 def req_input_from_proto(msg: scheduler_pb2.TokenizedGenerateReqInput, tokenizer_id: str) -> ReqInput:

@@ -169,7 +169,8 @@ class TokenizerManager:
         event = asyncio.Event()
         states = [
             ReqState(sub.rid, prepared.rid, i, prepared.prompt_len, event, scored_ids=_scored_ids(sub),
-                     constraint_param=sub.sampling_params.constraint.param or None)
+                     constraint_param=sub.sampling_params.constraint.param or None,
+                     reasoning_open=prepared.reasoning_open)
             for i, sub in enumerate(prepared.subs)
         ]
         for st in states:

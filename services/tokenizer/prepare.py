@@ -17,6 +17,7 @@ from typing import Any
 
 from ringserve.v1 import common_pb2, scheduler_pb2, tokenizer_pb2
 from services.tokenizer.chat import render_chat
+from services.tokenizer.constraints import gate_reasoning
 from services.tokenizer.errors import INVALID_REQUEST, invalid
 from services.tokenizer.model import ModelFacts
 from services.tokenizer.sampling import (
@@ -62,6 +63,7 @@ class Prepared:
     rid: str
     prompt: str | None  # rendered chat prompt or the text; None for input_ids
     subs: tuple[scheduler_pb2.TokenizedGenerateReqInput, ...]
+    reasoning_open: bool = False  # the prompt opened a reasoning block (ChatInput.reasoning_start)
 
     @property
     def prompt_len(self) -> int:
@@ -169,10 +171,8 @@ class Preparer:
             req.sampling_params, len(ids), self.facts.context_length, self.facts.vocab_size, param,
             score_only_ok=req.HasField("logprob_start_len"),
         )
-        constraint = resolved.params.constraint
-        if resolved.params.HasField("constraint") and constraint.starts_after:
-            # The grammar starts after the reasoning's end tag: the scheduler matches its ids.
-            constraint.starts_after_ids[:] = self.encode(constraint.starts_after, add_special_tokens=False)
+        start = req.chat.reasoning_start if req.WhichOneof("input") == "chat" else ""
+        opened = gate_reasoning(resolved.params, prompt, start, lambda t: self.encode(t, add_special_tokens=False))
         rid = req.rid or uuid.uuid4().hex
         subs = []
         for i in range(resolved.n):
@@ -194,7 +194,7 @@ class Preparer:
                     prompt_top_logprobs_num=req.prompt_top_logprobs_num,
                 )
             )
-        return Prepared(rid, prompt, tuple(subs))
+        return Prepared(rid, prompt, tuple(subs), opened)
 
     def tokenize(self, req: tokenizer_pb2.TokenizeRequest) -> tokenizer_pb2.TokenizeResponse:
         """Text or chat -> ids, with special tokens added only if ``add_special_tokens``.

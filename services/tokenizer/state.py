@@ -103,6 +103,7 @@ class ReqState:
     replica: Any = None  # the manager's Dispatcher it was sent to (aborts go there too)
     error: RequestError | None = None
     constraint_param: str | None = None  # the request field of its constraint: names a compile error
+    reasoning_open: bool = False  # its prompt opened a reasoning block: said on every output
     # Non-stream accumulators: chunks are joined once, at the end.
     text_chunks: list[str] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
@@ -162,6 +163,8 @@ def absorb(st: ReqState, rows: list[Row], stream: bool) -> tokenizer_pb2.Generat
         out.output_token_logprobs.extend(lps)
     if tops:
         out.output_top_logprobs.extend(tops)
+    if st.reasoning_open:
+        out.reasoning_open = True
     if prompt is not None:
         out.prompt_logprobs.SetInParent()
         out.prompt_logprobs.CopyFrom(prompt)

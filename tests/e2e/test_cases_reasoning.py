@@ -1,32 +1,54 @@
-"""Reasoning cases R01, R02 and R04 of ../shared/cases/CASES-structured.md through the ring,
-with a second gateway started with ``--reasoning-parser deepseek_r1`` on the shared ring's
-tokenizer (the parser is gateway work; R03, tags split across chunks, is checked over every
-boundary in tests/gateway/test_output_parsers.py).
+"""Reasoning through the ring, with gateways started with ``--reasoning-parser deepseek_r1``
+and ``qwen3`` on the shared tools ring's tokenizer (the parsers are gateway work; tags split
+across chunks are checked over every boundary in tests/gateway/test_output_parsers.py).
 
-SmolLM2 does not think, and under deepseek_r1 everything before ``</think>`` is reasoning
-(the opening tag may be in the prompt), so with thinking on its whole answer is reasoning:
-enough to check where the text lands and that streamed and whole responses agree.
+SmolLM2 does not think. So its answers show what a reasoning model's non-thinking answers
+get: content, and a grammar from the first token (the scheduler starts it at once unless
+the output opens with ``<think>``). Its reasoning is made by continuing an assistant
+message that opens ``<think>``: under deepseek_r1 a prompt that ends with the tag opens the
+reasoning (as DeepSeek-R1's template does), so everything SmolLM2 then writes is reasoning.
+Cases R01, R02 and R04 of the field failures; the grammar cases are the ones an outside
+battery found unenforced.
 """
 
 from __future__ import annotations
 
+import json
+
 import httpx
+import jsonschema
 import pytest
 
 from tests.ringstack import launched_gateway
 
-from .structured_helpers import chat, chat_body, error_of
+from .structured_helpers import chat, chat_body
+
+SCHEMA_S06 = {"type": "object", "properties": {"guard": {"const": "SCHEMA_ENFORCED"}, "answer": {"type": "integer"}},
+              "required": ["guard", "answer"], "additionalProperties": False}
+TOOL_W = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+    "required": ["city", "days"]}}}
+THINKING = {"messages": [{"role": "user", "content": "What is the capital of France?"},
+                         {"role": "assistant", "content": "<think>\n"}],
+            "continue_final_message": True, "add_generation_prompt": False}
 
 
 @pytest.fixture(scope="module")
-def gateway(tools_ring):
-    with launched_gateway(tools_ring.tokenizer, "--reasoning-parser", "deepseek_r1") as base:
-        yield base
+def gateways(tools_ring):
+    with launched_gateway(tools_ring.tokenizer, "--reasoning-parser", "deepseek_r1") as r1, \
+            launched_gateway(tools_ring.tokenizer, "--reasoning-parser", "qwen3") as qwen3:
+        yield {"deepseek_r1": r1, "qwen3": qwen3}
 
 
 @pytest.fixture
-async def client(gateway):
-    async with httpx.AsyncClient(base_url=gateway, timeout=120) as c:
+async def client(gateways):
+    async with httpx.AsyncClient(base_url=gateways["deepseek_r1"], timeout=120) as c:
+        yield c
+
+
+@pytest.fixture
+async def qwen3_client(gateways):
+    async with httpx.AsyncClient(base_url=gateways["qwen3"], timeout=120) as c:
         yield c
 
 
@@ -40,7 +62,7 @@ async def test_r01_enable_thinking_false_answers_in_content(tools_ring, client):
 
 
 async def test_r02_max_tokens_inside_the_reasoning_stays_reasoning(tools_ring, client):
-    body = chat_body(tools_ring.model_name, "What is the capital of France?", max_tokens=5)
+    body = {**chat_body(tools_ring.model_name, THINKING["messages"], max_tokens=5), **THINKING}
     (plain,) = await chat(client, body, stream=False)
     (streamed,) = await chat(client, body, stream=True)
     for msg in (plain, streamed):
@@ -50,12 +72,12 @@ async def test_r02_max_tokens_inside_the_reasoning_stays_reasoning(tools_ring, c
 
 async def test_r04_a_grammar_with_thinking_on_applies_only_after_the_reasoning(tools_ring, client):
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-    body = chat_body(tools_ring.model_name, "Hi", max_tokens=12, response_format={
-        "type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    body = {**chat_body(tools_ring.model_name, THINKING["messages"], max_tokens=12, response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}), **THINKING}
     (plain,) = await chat(client, body, stream=False)
     (streamed,) = await chat(client, body, stream=True)
-    # SmolLM2 never writes </think>: all of it is reasoning, and the grammar never starts, so the
-    # reasoning is exactly the unconstrained one (the grammar did not shape it).
+    # The prompt opened the reasoning and SmolLM2 never writes </think>: all of it is reasoning,
+    # and the grammar never starts, so the reasoning is exactly the unconstrained one.
     (free,) = await chat(client, {k: v for k, v in body.items() if k != "response_format"}, stream=False)
     assert free.reasoning and not free.content
     for msg in (plain, streamed):
@@ -63,3 +85,27 @@ async def test_r04_a_grammar_with_thinking_on_applies_only_after_the_reasoning(t
     (msg,) = await chat(client, {**body, "max_tokens": 64, "chat_template_kwargs": {"enable_thinking": False}},
                         stream=False)
     assert msg.reasoning is None and isinstance(msg.content, str)
+
+
+async def test_an_answer_without_a_think_block_gets_its_schema_enforced(tools_ring, qwen3_client):
+    body = chat_body(tools_ring.model_name, "Answer in one English sentence: what is 19+4?", max_tokens=48,
+                     response_format={"type": "json_schema", "json_schema": {"name": "out", "schema": SCHEMA_S06}})
+    for stream in (False, True):
+        (msg,) = await chat(qwen3_client, body, stream)
+        value = json.loads(msg.content)
+        jsonschema.validate(value, SCHEMA_S06)
+        assert (value["guard"], msg.reasoning, msg.finish_reason) == ("SCHEMA_ENFORCED", None, "stop")
+
+
+@pytest.mark.parametrize("parser,tool_choice", [
+    ("qwen3", "required"), ("deepseek_r1", {"type": "function", "function": {"name": "get_weather"}})])
+async def test_an_answer_without_a_think_block_makes_the_forced_call(tools_ring, gateways, parser, tool_choice):
+    body = chat_body(tools_ring.model_name, "What is the weather in Paris for the next 3 days?", tools=[TOOL_W],
+                     tool_choice=tool_choice, max_tokens=48)
+    async with httpx.AsyncClient(base_url=gateways[parser], timeout=120) as client:
+        for stream in (False, True):
+            (msg,) = await chat(client, body, stream)
+            assert [c["name"] for c in msg.tool_calls] == ["get_weather"], msg
+            jsonschema.validate(msg.args[0], TOOL_W["function"]["parameters"])
+            assert (msg.finish_reason, msg.content, msg.reasoning) == ("tool_calls", None, None)
+    tools_ring.wait_idle()

@@ -1,5 +1,7 @@
-"""An output constraint on a thinking request is marked to start after the reasoning's end
-tag; with thinking off, or without a reasoning parser, it starts at the first token."""
+"""An output constraint on a thinking request is marked with the reasoning's tags (the
+scheduler starts it at once unless the output opens with ``<think>``, then after
+``</think>``), and under deepseek_r1 the tokenizer is asked whether the prompt opened the
+reasoning; with thinking off, or without a reasoning parser, nothing is marked."""
 
 from __future__ import annotations
 
@@ -12,13 +14,14 @@ def _body(model: str, **extra) -> dict:
             "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}}
 
 
-async def test_the_grammar_starts_after_think_while_thinking(thinking, stack):
-    for client, extra, want in ((thinking.client, {}, "</think>"),
-                                (thinking.client, {"chat_template_kwargs": {"enable_thinking": False}}, ""),
-                                (stack.client, {}, "")):
+async def test_a_thinking_request_carries_the_reasoning_tags(thinking, stack):
+    for client, extra, want in ((thinking.client, {}, ("<think>", "</think>", "<think>")),
+                                (thinking.client, {"chat_template_kwargs": {"enable_thinking": False}}, ("", "", "")),
+                                (stack.client, {}, ("", "", ""))):
         thinking.fake.reset(thinking.out('{"a": 1}', finish="stop", completion=4))
         r = await client.post(CHAT, json=_body(thinking.model, **extra))
         assert r.status_code == 200, r.text
-        c = thinking.fake.requests[0].sampling_params.constraint
-        assert (c.param, c.starts_after) == ("response_format", want)
+        sent = thinking.fake.requests[0]
+        c = sent.sampling_params.constraint
+        assert (c.param, c.opens_with, c.starts_after, sent.chat.reasoning_start) == ("response_format", *want)
         assert c.json_schema  # the schema itself is unchanged

@@ -81,21 +81,34 @@ def test_text_without_calls_is_all_content_and_a_partial_marker_is_flushed():
     assert run("pythonic", ["  Plain (", "answer)"]) == ("  Plain (answer)", [])
 
 
+@pytest.mark.parametrize("name", ["llama3_json", "forced"])
+def test_json_call_formats_never_drop_text(name):
+    for text in ("Plain answer, no call.", "  {not a call}", '[{"na', '<|python_tag|>{"arguments": {}}'):
+        for cut in range(len(text) + 1):
+            assert run(name, [text[:cut], text[cut:]]) == (text, []), (text, cut)
+    # Once a call is named, the text around the objects is the format's punctuation.
+    content, deltas = run(name, ['[{"name": "f", "arguments": {}}, {"na'])
+    assert (content, calls_of(deltas)) == ("", [("f", "{}")])
+
+
 THINK = "<think>\nThe user asks 2+2. That is 4.\n</think>\n\nThe answer is 4."
 
 
-@pytest.mark.parametrize("name,text,reasoning,content", [
-    ("deepseek_r1", THINK, "\nThe user asks 2+2. That is 4.\n", "\n\nThe answer is 4."),
-    ("deepseek_r1", THINK.removeprefix("<think>"), "\nThe user asks 2+2. That is 4.\n", "\n\nThe answer is 4."),
-    ("qwen3", THINK, "\nThe user asks 2+2. That is 4.\n", "\n\nThe answer is 4."),
-    ("qwen3", "The answer is 4.", "", "The answer is 4."),
-    ("deepseek_r1", "<think>cut off by max_tok", "cut off by max_tok", ""),
-    ("deepseek_r1", "<think>cut off at </thi", "cut off at </thi", ""),
+@pytest.mark.parametrize("name,prompt_opened,text,reasoning,content", [
+    ("deepseek_r1", False, THINK, "\nThe user asks 2+2. That is 4.\n", "\n\nThe answer is 4."),
+    ("deepseek_r1", True, THINK, "\nThe user asks 2+2. That is 4.\n", "\n\nThe answer is 4."),
+    ("deepseek_r1", True, THINK.removeprefix("<think>"), "\nThe user asks 2+2. That is 4.\n", "\n\nThe answer is 4."),
+    ("deepseek_r1", False, "The answer is 4.", "", "The answer is 4."),
+    ("qwen3", False, THINK, "\nThe user asks 2+2. That is 4.\n", "\n\nThe answer is 4."),
+    ("qwen3", False, "The answer is 4.", "", "The answer is 4."),
+    ("qwen3", True, "The answer is 4.", "", "The answer is 4."),  # qwen3 reads only the output
+    ("deepseek_r1", True, "cut off by max_tok", "cut off by max_tok", ""),
+    ("deepseek_r1", False, "<think>cut off at </thi", "cut off at </thi", ""),
 ])
-def test_reasoning_split_at_every_boundary(name, text, reasoning, content):
+def test_reasoning_split_at_every_boundary(name, prompt_opened, text, reasoning, content):
     for cut in range(len(text) + 1):
         for chunks in ([text[:cut], text[cut:]], list(text)):
-            parser = make_reasoning_parser(name, None)
+            parser = make_reasoning_parser(name, None, prompt_opened)
             r, c = "", ""
             for chunk in chunks:
                 dr, dc = parser.feed(chunk)
@@ -107,13 +120,13 @@ def test_reasoning_split_at_every_boundary(name, text, reasoning, content):
 
 
 def test_enable_thinking_false_leaves_everything_in_content():
-    parser = make_reasoning_parser("deepseek_r1", {"enable_thinking": False})
+    parser = make_reasoning_parser("deepseek_r1", {"enable_thinking": False}, True)
     assert parser.feed("The answer is 4.") == ("", "The answer is 4.")
 
 
 def test_reasoning_then_tool_calls_in_one_message():
     text = "<think>I should call the tool.</think>" + HERMES
-    parser = ChoiceParser(make_reasoning_parser("qwen3", None), TOOL_CALL_PARSERS["hermes"]())
+    parser = ChoiceParser(make_reasoning_parser("qwen3", None, False), TOOL_CALL_PARSERS["hermes"]())
     message = final_message(parser, text)
     assert message["reasoning_content"] == "I should call the tool."
     assert message["content"] == "Let me check.\n\n"

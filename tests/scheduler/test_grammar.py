@@ -87,6 +87,8 @@ def test_one_of_is_refused_by_name_not_weakened(engine, run_all, chat_ids):
 
 class _SlowBackend:
     name = "slow"
+    vocab_size = 64
+    eos_ids = frozenset({0})
 
     def __init__(self, seconds: float):
         self.seconds = seconds
@@ -100,7 +102,7 @@ class _SlowBackend:
         return spec.text
 
     def matcher(self, compiled):
-        return compiled
+        return _FixedMask([1, 2], name=compiled)
 
 
 def _req(rid: str) -> Req:
@@ -137,7 +139,7 @@ def test_identical_constraints_share_one_compile_and_the_cache_is_bounded():
     time.sleep(0.3)
     ready, failed = manager.take_ready()
     assert sorted(r.rid for r in ready) == ["a", "b"] and failed == []
-    assert backend.compiled == 1 and a.grammar == "x"
+    assert backend.compiled == 1 and a.grammar.name == "x"
     for text in ("y", "z"):
         manager.submit(_req(text), GrammarSpec("regex", text))
     assert list(manager._cache) == [("regex", "y"), ("regex", "z")]
@@ -161,13 +163,20 @@ def test_abort_while_compiling_frees_the_request(make_engine, run_all, chat_ids)
 class _FixedMask:
     """A matcher that allows a fixed set of tokens."""
 
-    def __init__(self, allowed: list[int]):
+    error = None
+    may_end = ended = False
+
+    def __init__(self, allowed: list[int], name: str = ""):
         self.allowed = allowed
+        self.name = name
 
     def fill_bitmask(self, bitmask, row):
         for t in self.allowed:
             word = bitmask[row, t // 32].item() & 0xFFFFFFFF | (1 << (t % 32))
             bitmask[row, t // 32] = word - (1 << 32) if word >= 1 << 31 else word
+
+    def accept_token(self, token):
+        return token in self.allowed
 
 
 def test_masks_touch_only_constrained_rows_and_allow_exactly_the_set():
@@ -181,13 +190,15 @@ def test_masks_touch_only_constrained_rows_and_allow_exactly_the_set():
     reqs = [_req("a"), _req("b"), _req("c")]
     reqs[0].grammar = _FixedMask([0, 31, 32, 63, 99])
     reqs[2].grammar = _FixedMask([5])
-    out = apply_grammar_masks(logits, reqs)
+    assert apply_grammar_masks(logits, reqs) == []
+    out = logits
     assert torch.equal(out[1], before[1])
     assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [0, 31, 32, 63, 99]
     assert torch.equal(out[0, [0, 31, 32, 63, 99]], before[0, [0, 31, 32, 63, 99]])
     assert torch.isfinite(out[2]).nonzero().flatten().tolist() == [5]
     reqs[1].grammar = _FixedMask([7])
-    all_rows = apply_grammar_masks(before.clone(), reqs)
+    all_rows = before.clone()
+    apply_grammar_masks(all_rows, reqs)
     assert [torch.isfinite(r).nonzero().flatten().tolist() for r in all_rows] == [[0, 31, 32, 63, 99], [7], [5]]
 
 
@@ -214,11 +225,13 @@ def test_eos_stays_masked_until_the_grammar_may_end(engine, tokenizer):
     req = _req("eos")
     req.grammar = backend.matcher(backend.compile(GrammarSpec("regex", "ab(c)?")))
     eos = 2  # SmolLM2's <|im_end|>
-    masked = apply_grammar_masks(torch.zeros(1, engine.vocab_size), [req])
+    masked = torch.zeros(1, engine.vocab_size)
+    apply_grammar_masks(masked, [req])
     assert masked[0, eos] == float("-inf")
     for t in tokenizer.encode("ab", add_special_tokens=False).ids:
         assert req.grammar.accept_token(t)
-    masked = apply_grammar_masks(torch.zeros(1, engine.vocab_size), [req])
+    masked = torch.zeros(1, engine.vocab_size)
+    apply_grammar_masks(masked, [req])
     assert masked[0, eos] == 0.0  # "ab" may end here, or go on with "c"
     assert masked[0, tokenizer.token_to_id("c")] == 0.0
     assert not req.grammar.ended

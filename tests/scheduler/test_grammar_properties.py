@@ -1,4 +1,4 @@
-"""200 random JSON schemas through the engine (objects, arrays, enums, const, patterns,
+"""100 random JSON schemas through the engine (objects, arrays, enums, const, patterns,
 min/max items, $ref/$defs, anyOf): every request that finishes with STOP decodes to a value
 that validates against its schema, none ends with an internal error; and constrained
 requests survive retraction with the same output."""
@@ -63,14 +63,14 @@ def schema_with_defs(rng: random.Random) -> dict:
     return schema
 
 
-def test_200_random_schemas_validate_whenever_they_stop(make_engine, run_all, chat_ids, tokenizer):
+def test_100_random_schemas_validate_whenever_they_stop(make_engine, run_all, chat_ids, tokenizer):
     rng = random.Random(13)
     engine = make_engine(max_running_requests=64)
-    schemas = {f"s{i}": schema_with_defs(rng) for i in range(200)}
+    schemas = {f"s{i}": schema_with_defs(rng) for i in range(100)}
     prompt = chat_ids("Reply with JSON.")
     params = SamplingParams(temperature=0.8, max_new_tokens=48, seed=None)
     stopped = 0
-    for batch in range(0, 200, 50):
+    for batch in range(0, 100, 50):
         for rid in list(schemas)[batch : batch + 50]:
             engine.add_request(ReqInput(rid=rid, input_ids=prompt, sampling=params,
                                         grammar=GrammarSpec("json_schema", json.dumps(schemas[rid]))))
@@ -82,7 +82,7 @@ def test_200_random_schemas_validate_whenever_they_stop(make_engine, run_all, ch
                 text = tokenizer.decode(res.output_ids)
                 assert text, (rid, res.output_ids, res.finish, schemas[rid])
                 jsonschema.validate(json.loads(text), schemas[rid])
-    assert stopped >= 120  # most finish within 48 tokens; the rest run to the length cap
+    assert stopped >= 60  # most finish within 48 tokens; the rest run to the length cap
     assert engine.reqs == {} and engine.req_pool.used == 0
 
 

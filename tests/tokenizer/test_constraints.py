@@ -10,8 +10,9 @@ import pytest
 
 from ringserve.v1 import common_pb2, tokenizer_pb2
 from services.tokenizer.chat import render_chat
-from services.tokenizer.constraints import choice_grammar, resolve_constraint
+from services.tokenizer.constraints import choice_grammar, gate_reasoning, resolve_constraint
 from services.tokenizer.errors import RequestError
+from services.tokenizer.regex_repeats import max_repeat
 from services.tokenizer.sampling import resolve_sampling_params
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "ringserve" / "templates" / "chatml_tools.jinja"
@@ -57,11 +58,59 @@ def test_json_object_and_choice_become_what_the_scheduler_compiles():
      "structured_outputs.choice: a choice is an empty string"),
     (common_pb2.Constraint(json_schema=json.dumps({"type": "object", "default": nested(40)}), param="response_format"),
      "response_format: nests deeper than 32 levels of objects and arrays"),
+    (common_pb2.Constraint(choice=common_pb2.ChoiceList(choices=[f"c{i}" for i in range(1001)]),
+                           param="structured_outputs.choice"),
+     "structured_outputs.choice: 1001 choices; at most 1000 are supported"),
+    (common_pb2.Constraint(regex="a{300000}", param="structured_outputs.regex"),
+     "structured_outputs.regex: the regex counts to 300000 (nested repetitions multiplied); at most 1000 is supported"),
+    (common_pb2.Constraint(regex="(x(ab){50}){21}", param="regex"), "regex: the regex counts to 1050 "),
+    (common_pb2.Constraint(json_schema=json.dumps({"type": "string", "pattern": "^[0-9]{1001}$"}), param="response_format"),
+     "response_format: the schema pattern '^[0-9]{1001}$' counts to 1001 "),
+    (common_pb2.Constraint(json_schema=json.dumps({"type": "object", "properties": {"const": {
+        "type": "object", "patternProperties": {"k{2000}": {}}}}}), param="response_format"),
+     "response_format: the schema pattern 'k{2000}' counts to 2000 "),
 ])
 def test_bad_constraints_are_refused_naming_the_field(constraint, message):
     error = refused(constraint)
     assert error.message.startswith(message), error.message
     assert error.param == constraint.param
+
+
+def test_limits_are_inclusive_and_data_is_not_a_pattern():
+    choices = common_pb2.Constraint(choice=common_pb2.ChoiceList(choices=[f"c{i}" for i in range(1000)]))
+    assert resolve_constraint(choices).ebnf.count(" | ") == 999
+    assert resolve_constraint(common_pb2.Constraint(regex="(ab){10}[0-9]{100}|z{1000}")).regex
+    schema = {"type": "object", "properties": {"pattern": {"type": "string", "pattern": "[a-z]{1000}"}},
+              "examples": [{"pattern": "a{5000}"}]}  # examples are data
+    assert resolve_constraint(common_pb2.Constraint(json_schema=json.dumps(schema))).json_schema
+
+
+@pytest.mark.parametrize("regex,count", [
+    ("abc", 1), ("a{2,5}", 5), ("a{7,}", 7), ("a{3}{4}", 12), ("(a{100}){100}", 10000), ("((ab){10}c){20}", 200),
+    ("(?:x{3}){4}|y{50}", 50), ("[a{5000}]", 1), (r"\{5000}", 1), (r"\p{L}{3}", 3), ("[[:alpha:]]{9}", 9),
+    ("(a{1000}", 1000), ("x{0}", 1), (r"((25[0-5]|2[0-4]\d|[01]?\d\d?)\.){3}(25[0-5]|2[0-4]\d|[01]?\d\d?)", 3),
+])
+def test_max_repeat_multiplies_nested_counts_and_skips_escapes_and_classes(regex, count):
+    assert max_repeat(regex) == count
+
+
+def test_the_prompt_opens_the_reasoning_only_when_it_ends_with_the_tag():
+    def encode(text: str) -> list[int]:
+        return [ord(ch) for ch in text]
+
+    def gated(prompt: str, start: str = "<think>") -> tuple[bool, common_pb2.Constraint]:
+        params = common_pb2.ResolvedSamplingParams(constraint=common_pb2.Constraint(
+            regex="[0-9]+", starts_after="</think>", opens_with="<think>"))
+        return gate_reasoning(params, prompt, start, encode), params.constraint
+
+    opened, c = gated("<|im_start|>assistant\n<think>\n")
+    assert opened and (c.opens_with, list(c.opens_with_ids), list(c.starts_after_ids)) == ("", [], encode("</think>"))
+    for prompt, start in (("<|im_start|>assistant\n", "<think>"), ("<think>x</think>\n", "<think>"),
+                          ("a <think>", ""), (None, "<think>")):
+        opened, c = gated(prompt, start)
+        assert not opened and list(c.opens_with_ids) == encode("<think>"), prompt
+    plain = common_pb2.ResolvedSamplingParams()
+    assert gate_reasoning(plain, "x<think>", "<think>", encode) and not plain.HasField("constraint")
 
 
 def test_min_tokens_cannot_be_combined_with_a_constraint():

@@ -105,6 +105,28 @@ def test_a_constraint_after_reasoning_gets_its_start_tag_as_token_ids(manager):
     assert list(manager.prepare(plain).subs[0].sampling_params.constraint.starts_after_ids) == []
 
 
+def test_a_prompt_that_opens_the_reasoning_is_marked_and_clears_the_opening_tag(manager):
+    def chat_req(*messages) -> tokenizer_pb2.GenerateReqInput:
+        cont = messages[-1][0] == "assistant"
+        chat = tokenizer_pb2.ChatInput(messages=[tokenizer_pb2.ChatMessage(role=r, content=t) for r, t in messages],
+                                       continue_final_message=cont, add_generation_prompt=not cont,
+                                       reasoning_start="<think>")
+        req = tokenizer_pb2.GenerateReqInput(chat=chat)
+        req.sampling_params.constraint.CopyFrom(common_pb2.Constraint(regex="[0-9]+", starts_after="</think>",
+                                                                      opens_with="<think>"))
+        return req
+
+    opened = manager.prepare(chat_req(("user", "hi"), ("assistant", "<think>\n")))
+    closed = manager.prepare(chat_req(("user", "hi")))
+    assert (opened.reasoning_open, closed.reasoning_open) == (True, False)
+    think = manager.tokenizer.encode("<think>", add_special_tokens=False)
+    assert list(opened.subs[0].sampling_params.constraint.opens_with_ids) == []  # reasoning from the first token
+    assert list(closed.subs[0].sampling_params.constraint.opens_with_ids) == think
+    (st,) = manager.register(opened)
+    assert st.reasoning_open
+    manager.release([st], "test")
+
+
 def test_input_ids_are_taken_as_they_are_and_checked(manager):
     p = manager.prepare(tokenizer_pb2.GenerateReqInput(input_ids=tokenizer_pb2.TokenIds(ids=[1, 49151, 0])))
     assert list(p.subs[0].input_ids) == [1, 49151, 0]

@@ -291,7 +291,10 @@ class Engine:
             reqs, logits = self._finish_scored(reqs, logits)
             if not reqs:
                 return None
-        result = self.sampler.sample(apply_grammar_masks(logits, reqs, self.runtime.to_device), reqs)
+        failed = apply_grammar_masks(logits, reqs, self.runtime.to_device)
+        result = self.sampler.sample(logits, reqs)
+        for req, message in failed:  # their rows were sampled unmasked and are dropped in _finish
+            self.abort(req.rid, message=message, status="INVALID_ARGUMENT")
         # The step's one device-to-host copy: the sampled ids (and logprobs where asked).
         return _InFlight(reqs, result.next_ids, {r: i for i, r in enumerate(reqs)}, result.start_copy(self.runtime))
 

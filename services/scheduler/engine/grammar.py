@@ -3,14 +3,24 @@
 A request with a constraint waits in ``GrammarManager`` (not in the scheduling queue, so it
 holds no request slot and no KV) while a worker thread compiles its grammar; compiled
 grammars sit in a bounded LRU cache keyed by (kind, text), and identical constraints in
-flight share one compile. A request whose grammar fails to compile, or is not ready within
+flight share one compile. The worker also takes the grammar's first step (its first mask,
+its first token, the mask after it), where the grammar engines build most of their lazy
+state, so a grammar that fails there (an engine limit) is refused at admission. A request
+whose grammar fails to compile or at that first step, or is not ready within
 ``compile_timeout_s``, ends with FINISH_ABORT / INVALID_ARGUMENT naming the request field.
 
 Per step, ``apply_grammar_masks`` sets the logits of disallowed tokens to -inf on the rows
-that have a matcher (others untouched; the logits are changed in place), before any sampling filter (as SGLang and vLLM do);
-``accept_grammar_tokens`` advances each matcher by the token just appended and ends the
-request with STOP when its grammar has ended. Stop tokens are allowed by the mask only
-where the grammar may end.
+that have a matcher (others untouched; the logits are changed in place), before any
+sampling filter (as SGLang and vLLM do); ``accept_grammar_tokens`` advances each matcher by
+the token just appended and ends the request with STOP when its grammar has ended. A
+grammar is never trusted blindly: after every mask and every token the matcher's error
+state is checked, and a mask that allows nothing is an error too, so a grammar that fails
+mid-output ends its own request with FINISH_ABORT / INVALID_ARGUMENT (the other rows go
+on) instead of failing open or sampling from nothing.
+
+EOS and the request's stop token ids are allowed only where the grammar may end, and
+there they end the output; elsewhere a stop id is an ordinary token that the grammar
+allows or masks (``Req.stop_ids_end_output``), so a stop id never cuts a structured output.
 """
 
 from __future__ import annotations
@@ -93,7 +103,9 @@ class GrammarManager:
     def _compile(self, spec: GrammarSpec):
         started = time.perf_counter()
         try:
-            return self.backend.compile(spec)
+            compiled = self.backend.compile(spec)
+            check_first_step(self.backend, compiled)
+            return compiled
         finally:
             self.observe_compile(time.perf_counter() - started)
 
@@ -129,6 +141,62 @@ class GrammarManager:
         return ready, failed
 
 
+
+def _words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def _allowed_ids(row: torch.Tensor) -> torch.Tensor:
+    """The token ids whose bit is set in one bitmask row (int32 [W]), ascending."""
+    bits = (row.view(torch.uint8)[:, None] >> torch.arange(8, dtype=torch.uint8)) & 1  # [4W, 8], little-endian
+    return bits.reshape(-1).nonzero().flatten()
+
+
+def _allow(bitmask: torch.Tensor, row: int, tokens) -> None:
+    """Set the bits of ``tokens`` in ``bitmask[row]`` (bit j of word w = token 32w + j)."""
+    view = bitmask[row].view(torch.uint8)  # little-endian: token t is bit t % 8 of byte t // 8
+    for t in tokens:
+        if 0 <= t < 8 * view.numel():
+            view[t // 8] |= 1 << (t % 8)
+
+
+def check_first_step(backend: GrammarBackend, compiled) -> None:
+    """Take a compiled grammar's first step on a throwaway matcher: its first mask, its lowest
+    allowed token other than EOS (EOS when nothing else is), the mask after it. Runs in the
+    compile thread; this is where the engines build most of their lazy state (llguidance's
+    Earley rows and lexer states), so its limits show here.
+
+    Raises:
+        GrammarError: the matcher's error state, or a mask that allows no token at all.
+    """
+    matcher = backend.matcher(compiled)
+    bitmask = torch.zeros((1, _words(backend.vocab_size)), dtype=torch.int32)
+    for step in ("its first mask", "its first token"):
+        matcher.fill_bitmask(bitmask, 0)
+        error = _mask_error(matcher, bitmask[0])
+        if error is not None:
+            raise GrammarError(f"the grammar fails at {step}: {error}")
+        if matcher.ended or step == "its first token":
+            return
+        allowed = _allowed_ids(bitmask[0]).tolist()
+        token = next((t for t in allowed if t not in backend.eos_ids), allowed[0])
+        if not matcher.accept_token(token):
+            raise GrammarError(f"the grammar fails at its first token: {matcher.error or 'it rejected an allowed token'}")
+        bitmask.zero_()
+
+
+def _mask_error(matcher: Matcher, row: torch.Tensor) -> str | None:
+    error = matcher.error
+    if error is None and not bool(row.any()):
+        error = "no token is allowed"
+    return error
+
+
+def _failure(req: Req, error: str, position: int) -> str:
+    """The client's message for a grammar that failed at output token ``position`` (1-based)."""
+    return f"{req.grammar_param}: the grammar engine failed at output token {position}: {error}; simplify the constraint"
+
+
 # Byte value -> the additive mask of its 8 tokens (0 allowed, -inf not): one gather turns a
 # bitmask into a float mask, and one add applies it (measured on one core at 32 rows x 49,152
 # tokens: gather 0.5 ms + add 0.2 ms, where bit shifts + torch.where took 1.0 + 5.5 ms).
@@ -144,56 +212,78 @@ def _byte_masks(device: torch.device) -> torch.Tensor:
     return table
 
 
+def _allow_extras(req: Req, bitmask: torch.Tensor, row: int) -> None:
+    """Beside the grammar's tokens: the reasoning's opening tag (``Req.gate``), and the stop
+    token ids where the grammar may end."""
+    extra = [req.gate.extra_token] if req.gate.extra_token is not None else []
+    if req.sampling.stop_token_ids and req.grammar.may_end:
+        extra += req.sampling.stop_token_ids
+    _allow(bitmask, row, extra)
+
+
 @torch.inference_mode()  # the logits come from the forward pass as inference tensors
 def apply_grammar_masks(logits: torch.Tensor, reqs: list[Req],
-                        to_device: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-    """Disallowed tokens -> -inf, in place, on the rows of ``reqs`` that have a grammar; other
-    rows untouched.
+                        to_device: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[tuple[Req, str]]:
+    """Disallowed tokens -> -inf, in place, on the rows of ``reqs`` whose grammar masks this
+    position (``Req.gate``); other rows untouched.
 
     Args:
         logits: float32 [B, V], row i belongs to reqs[i].
         to_device: the step's host-to-device copy (``DeviceRuntime.to_device``: pinned and
             non-blocking on CUDA); default a plain ``.to(logits.device)``.
     Returns:
-        ``logits``. The engines fill an int32 bitmask [R, ceil(V/32)] on the host (bit j of
+        (request, error message) of each row whose grammar failed here (its error state, or
+        a mask that allows nothing): the caller ends those requests; their rows are left
+        unmasked. The engines fill an int32 bitmask [R, ceil(V/32)] on the host (bit j of
         word w = token 32w + j, as xgrammar and llguidance both lay it out); it is the only
         host-to-device copy here.
     """
-    rows = [i for i, r in enumerate(reqs) if r.grammar is not None and r.grammar_active]
+    rows = [i for i, r in enumerate(reqs) if r.grammar is not None and r.gate.masks]
     if not rows:
-        return logits
+        return []
     vocab = logits.shape[-1]
-    bitmask = torch.zeros((len(rows), (vocab + 31) // 32), dtype=torch.int32)
+    bitmask = torch.zeros((len(rows), _words(vocab)), dtype=torch.int32)
     for j, i in enumerate(rows):
         reqs[i].grammar.fill_bitmask(bitmask, j)
+    empty = (~bitmask.any(dim=1)).tolist()  # one check for every row
+    failed = []
+    for j, i in enumerate(rows):
+        req = reqs[i]
+        error = req.grammar.error or ("no token is allowed" if empty[j] else None)
+        if error is not None:
+            bitmask[j] = -1  # the row is sampled and dropped: never from an empty distribution
+            failed.append((req, _failure(req, error, len(req.output_ids) + 1)))
+        elif req.gate.extra_token is not None or req.sampling.stop_token_ids:
+            _allow_extras(req, bitmask, j)
     device = logits.device
     copy = to_device or (lambda t: t.to(device))
     byte_ids = copy(bitmask.view(torch.uint8).reshape(-1)).long()  # little-endian words
     add = _byte_masks(device).index_select(0, byte_ids).reshape(len(rows), -1).narrow(1, 0, vocab)  # [R, V]
     if len(rows) == len(reqs):
-        return logits.add_(add)
-    return logits.index_add_(0, copy(torch.tensor(rows, dtype=torch.int64)), add)
+        logits.add_(add)
+    else:
+        logits.index_add_(0, copy(torch.tensor(rows, dtype=torch.int64)), add)
+    return failed
 
 
 def accept_grammar_tokens(reqs: list[Req]) -> None:
-    """Advance each grammar by its request's newest token (after stop checks); a grammar
-    that starts after a tag (``Req.grammar_after``) turns active once the output ends with it.
+    """Advance each grammar by its request's newest token (after stop checks), through its
+    gate (``Req.gate``: the reasoning and its tags are not grammar input).
 
     A request whose grammar has ended finishes with STOP (also when the same token reached
-    max_new_tokens: the output is complete). A token the grammar rejects (it was masked, so
-    only a backend fault gets here) aborts the request.
+    max_new_tokens: the output is complete). A request that a stop ended is left as it is
+    (a stop id is sampled only where the grammar may end, and is no grammar text). A token
+    the grammar does not take, or an error state after it, ends the request with
+    FINISH_ABORT / INVALID_ARGUMENT naming the constraint.
     """
     for req in reqs:
         g = req.grammar
-        if g is None or (req.finished and req.finish_reason.type == FinishType.ABORT):
+        if g is None or req.finished and req.finish_reason.type != FinishType.LENGTH:
             continue
-        if not req.grammar_active:
-            # Free output (reasoning) until it ends with the start tag; the tag is not grammar input.
-            n = len(req.grammar_after)
-            req.grammar_active = tuple(req.output_ids[-n:]) == req.grammar_after
+        if not req.gate.advance(req.output_ids):
             continue
-        if not g.accept_token(req.output_ids[-1]):
-            req.finish_reason = FinishReason(FinishType.ABORT, message="the grammar rejected a sampled token",
-                                             status="INTERNAL")
+        if not g.accept_token(req.output_ids[-1]) or g.error is not None:
+            error = _failure(req, g.error or "it rejected the sampled token", len(req.output_ids))
+            req.finish_reason = FinishReason(FinishType.ABORT, message=error, status="INVALID_ARGUMENT")
         elif g.ended and (req.finish_reason is None or req.finish_reason.type == FinishType.LENGTH):
             req.finish_reason = FinishReason(FinishType.STOP)

@@ -16,7 +16,10 @@ measured with bench/grammar_backends.py on SmolLM2's 49,152-token vocabulary):
   non-disjoint ``oneOf`` by ``anyOf``, which we refuse rather than weaken.
 
 Both cap the whitespace a JSON grammar allows between tokens, so a JSON mode never loops
-on blanks. Errors: ``GrammarError`` with a message for the client.
+on blanks. Errors: ``GrammarError`` with a message for the client at compile time; later a
+matcher reports its engine's error state through ``Matcher.error`` (llguidance enters one
+when a grammar exceeds its parser or lexer limits, e.g. a rule of more than 2,000
+alternatives or a regex counting to 300,000), which the engine checks after every mask.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ XGRAMMAR_REFUSED_KEYWORDS = ("oneOf", "not", "if", "then", "else", "uniqueItems"
                              "dependentRequired", "dependentSchemas", "unevaluatedProperties", "unevaluatedItems")
 
 
+_NON_VERBOSE = "<non-verbose/>"  # llguidance's marker where verbose_errors would dump its state
+
+
 class GrammarError(ValueError):
     """A constraint the backend cannot compile; the message says why."""
 
@@ -44,12 +50,15 @@ class GrammarError(ValueError):
 class GrammarSpec:
     """What to compile: ``kind`` is "json_schema", "regex" or "ebnf"; ``param`` the request
     field; ``starts_after`` the token ids after which the grammar applies (a reasoning end
-    tag; empty = from the first token; not part of what is compiled)."""
+    tag; empty = from the first token) and ``opens_with`` the reasoning's opening tag (the
+    output is reasoning only when it opens with it; empty = reasoning from the first token);
+    see ``engine.grammar_gate``. Neither is part of what is compiled."""
 
     kind: str
     text: str
     param: str = "response_format"
     starts_after: tuple[int, ...] = ()
+    opens_with: tuple[int, ...] = ()
 
     @property
     def key(self) -> tuple[str, str]:
@@ -72,9 +81,21 @@ class Matcher(Protocol):
         """The grammar is complete and nothing can follow (or a stop token was accepted)."""
         ...
 
+    @property
+    def may_end(self) -> bool:
+        """The output so far is a complete sentence of the grammar (it may end here)."""
+        ...
+
+    @property
+    def error(self) -> str | None:
+        """The engine's error state (a limit exceeded, a token it could not take), else None."""
+        ...
+
 
 class GrammarBackend(Protocol):
     name: str
+    vocab_size: int
+    eos_ids: frozenset[int]
 
     def compile(self, spec: GrammarSpec) -> Any:
         """Compile ``spec`` (called off the engine thread). Raises GrammarError."""
@@ -104,7 +125,17 @@ class LLGuidanceMatcher:
 
     @property
     def ended(self) -> bool:
-        return bool(self._m.is_stopped())
+        return bool(self._m.is_stopped()) and not self._m.is_error()  # it also stops on an error
+
+    @property
+    def may_end(self) -> bool:
+        return bool(self._m.is_accepting())
+
+    @property
+    def error(self) -> str | None:
+        if not self._m.is_error():
+            return None
+        return self._m.get_error().replace(_NON_VERBOSE, "").strip() or "error state"
 
 
 class LLGuidanceBackend:
@@ -117,8 +148,11 @@ class LLGuidanceBackend:
         import llguidance.hf
 
         self._llg = llguidance
+        self.vocab_size, self.eos_ids = vocab_size, eos_ids
         self.tokenizer = llguidance.hf.from_tokenizer(_hf_tokenizer(model_dir), n_vocab=vocab_size,
                                                       eos_token=sorted(eos_ids))
+        # Its default limits; errors without the parser-state dump (it quotes the grammar).
+        self.limits = llguidance.LLParserLimits(verbose_errors=False)
 
     def compile(self, spec: GrammarSpec) -> Any:
         llg = self._llg
@@ -136,10 +170,10 @@ class LLGuidanceBackend:
             raise
         except Exception as exc:  # the engine's verdict on the client's grammar, whatever its type
             raise GrammarError(str(exc) or type(exc).__name__) from None
-        failed, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
+        failed, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer, limits=self.limits)
         if failed:
             raise GrammarError("; ".join(messages))
-        matcher = llg.LLMatcher(self.tokenizer, grammar)
+        matcher = llg.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self.limits)
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
         return matcher  # a template: each request gets a deep copy
@@ -162,6 +196,14 @@ class XGrammarMatcher:
     def ended(self) -> bool:
         return bool(self._m.is_terminated())
 
+    @property
+    def may_end(self) -> bool:
+        return bool(self._m.is_completed())
+
+    @property
+    def error(self) -> str | None:
+        return None  # no error state: a rejected token is accept_token's False, a dead end an empty mask
+
 
 class XGrammarBackend:
     """xgrammar: JSON schema, regex and its EBNF (GBNF-compatible)."""
@@ -172,6 +214,7 @@ class XGrammarBackend:
         import xgrammar
 
         self._xgr = xgrammar
+        self.vocab_size, self.eos_ids = vocab_size, eos_ids
         info = xgrammar.TokenizerInfo.from_huggingface(_hf_tokenizer(model_dir), vocab_size=vocab_size,
                                                        stop_token_ids=sorted(eos_ids))
         # Our own LRU caches compiled grammars (services/scheduler/engine/grammar.py).

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.scheduler.engine.grammar_backends import GrammarSpec, Matcher
+from services.scheduler.engine.grammar_gate import GrammarGate
 
 
 class FinishType(enum.IntEnum):
@@ -116,6 +117,8 @@ class Req:
             position ``max(1, logprob_start_len)`` on, sent with the first sampled token.
         grammar: the constraint's matcher once compiled (None when unconstrained); it
             advances with every output token and survives retraction with them.
+        gate: where the grammar applies (``engine.grammar_gate``); grammar_param the
+            request field of the constraint, named in its errors.
     """
 
     def __init__(self, spec: ReqInput):
@@ -135,9 +138,10 @@ class Req:
         self.last_node: object | None = None
         self.tree_len = 0
         self.grammar: Matcher | None = None
-        # A grammar that starts after a reasoning end tag: inactive until the output ends with it.
-        self.grammar_after: tuple[int, ...] = spec.grammar.starts_after if spec.grammar is not None else ()
-        self.grammar_active = not self.grammar_after
+        g = spec.grammar
+        # Where the grammar applies under a reasoning parser (from the first token without one).
+        self.gate = GrammarGate(g.starts_after, g.opens_with) if g is not None else GrammarGate()
+        self.grammar_param = g.param if g is not None else ""
         self.logprob_start_len = spec.logprob_start_len
         self.prompt_top_logprobs_num = spec.prompt_top_logprobs_num
         start = spec.logprob_start_len
@@ -176,3 +180,9 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def stop_ids_end_output(self) -> bool:
+        """A stop token id just sampled ends the output: always without a grammar; under one only
+        where the grammar may end (elsewhere the mask allowed it as ordinary text)."""
+        return self.grammar is None or not self.gate.grammar_decides or self.grammar.may_end

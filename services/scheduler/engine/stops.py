@@ -4,7 +4,8 @@ Sources of a stop, in the order checked (SGLang's ``Req.check_finished``, with s
 before length so a final EOS reports STOP):
   1. EOS ids: the tokenizer's ``eos_token`` plus ``generation_config.json``'s
      ``eos_token_id`` (int or list); skipped when ``ignore_eos``.
-  2. ``stop_token_ids``.
+  2. ``stop_token_ids`` (under a grammar only where the grammar may end: elsewhere the
+     mask allowed the id as ordinary text, which must not cut a structured output).
   3. stop strings, matched on the decoded text of a bounded tail of the output ids, so a
      stop spanning token boundaries is found however it is tokenized. Only an occurrence
      that ends in the newest token's text counts (vLLM's ``check_stop_strings`` searches
@@ -73,7 +74,7 @@ class StopChecker:
             out = req.output_ids
             if len(out) >= p.min_new_tokens:
                 last = out[-1]
-                if not p.ignore_eos and last in self.eos_ids or last in p.stop_token_ids:
+                if not p.ignore_eos and last in self.eos_ids or last in p.stop_token_ids and req.stop_ids_end_output:
                     req.finish_reason = FinishReason(FinishType.STOP, matched_token_id=last)
                     continue
                 if p.stop:
