@@ -8,7 +8,17 @@ from __future__ import annotations
 from tests.scheduler.conftest import run_interpreted
 
 CHECK = r"""
-import json, torch
+import json, numpy as np, torch
+
+# The interpreter runs tl.dot as numpy.matmul, and OpenBLAS's AVX2 (Haswell) sgemm gives a row
+# different bits at different positions in its tile (measured: 672 of 1024 row moves in a
+# 32x64 @ 64x64 product), which no GPU MMA does. A float64 product rounded once to fp32 is the
+# same for a row wherever it sits, so row invariance here tests the kernel, not numpy's BLAS.
+_matmul = np.matmul
+def _row_exact_matmul(a, b, dtype=None):
+    out = _matmul(np.asarray(a, np.float64), np.asarray(b, np.float64))
+    return out.astype(dtype if dtype is not None else np.result_type(a, b))
+np.matmul = _row_exact_matmul
 from services.scheduler.layers.batch_invariant import _use_triton
 from services.scheduler.layers.norm import RMSNorm
 from services.scheduler.layers.triton_batch_invariant import (TritonLinear, TritonRMSNorm, batch_invariant_linear,
