@@ -25,7 +25,7 @@ from typing import Any
 
 import pydantic_core
 from fastapi.routing import APIRoute
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from .errors import invalid
@@ -67,7 +67,13 @@ class BodyRoute(APIRoute):
 
         async def route(request: Request) -> Response:
             request = JsonRequest(request.scope, request.receive)
-            if request.method == "POST" and await request.body():
+            try:
+                has_body = request.method == "POST" and await request.body()
+            except ClientDisconnect:
+                # The client left (or the server's body timeout closed it) before its body
+                # arrived: nobody reads an answer, and there is nothing to report.
+                return Response(status_code=499)
+            if has_body:
                 await asyncio.sleep(0)  # joining the chunks and parsing are one pass each: not one block
                 try:
                     data = await request.json()

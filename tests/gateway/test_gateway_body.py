@@ -113,3 +113,38 @@ def test_the_model_cards_character_bound():
         "300 characters cannot fit (100 tokens of at most 3 characters each). Please reduce the length of the "
         "prompt."))
     assert ModelCard("m", "/m", 101, tokenizer_pb2.ModelInfo(context_length=101)).bounds.max_prompt_chars is None
+
+
+async def test_a_client_that_leaves_mid_body_ends_the_route_quietly():
+    """The server's body timeout (or the client) closes the connection while the route reads
+    the body: the route ends without an exception (uvicorn would log its traceback) and the
+    handler never runs."""
+    from fastapi import FastAPI
+
+    from services.gateway.body import BodyRoute
+
+    app = FastAPI()
+    app.router.route_class = BodyRoute
+    handled: list[dict] = []
+
+    @app.post("/echo")
+    async def echo(body: dict) -> dict:
+        handled.append(body)
+        return body
+
+    incoming = iter([{"type": "http.request", "body": b'{"a": ', "more_body": True}, {"type": "http.disconnect"}])
+
+    async def receive() -> dict:
+        return next(incoming)
+
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/echo", "headers": [(b"content-type", b"application/json")],
+             "query_string": b"", "http_version": "1.1", "scheme": "http", "server": ("127.0.0.1", 80),
+             "client": ("127.0.0.1", 1), "root_path": ""}
+    await app(scope, receive, send)
+    assert handled == [] and sent[0] == {"type": "http.response.start", "status": 499, "headers": [
+        (b"content-length", b"0")]}
