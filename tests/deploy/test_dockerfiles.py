@@ -172,7 +172,7 @@ def make_images(*variables: str) -> list[list[str]]:
 
 
 def test_make_images_builds_every_linted_dockerfile() -> None:
-    """`make images` (the README's build step) builds exactly the Dockerfiles these tests lint,
+    """`make images` (deploy/helm/README.md's build step) builds exactly the Dockerfiles these tests lint,
     with build args those Dockerfiles declare, tagged as the Helm chart's default values."""
     version = re.search(r'^appVersion: "(.+)"$', (REPO / "deploy/helm/ringserve/Chart.yaml").read_text(), re.M)[1]
     builds = []

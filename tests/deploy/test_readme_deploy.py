@@ -1,6 +1,7 @@
-"""Issue 15: the README's "Deploy on Kubernetes" commands, run as far as this machine can (no
-Docker engine, no cluster): `make -n` for the image builds, `helm template` with the exact
-`helm install` flags, and the objects the check step names must be in that render."""
+"""The install commands of deploy/helm/README.md ("Install, step by step"), run as far as this
+machine can (no Docker engine, no cluster): `make -n` for the image builds, `helm template`
+with the exact `helm install` flags, and the objects the check step names must be in that
+render."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ REPO = Path(__file__).resolve().parents[2]
 def deploy_commands() -> list[list[str]]:
     """The commands of the section's sh block, continuation lines joined, comments and
     trailing `&` dropped."""
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("## Deploy on Kubernetes", 1)[1].split("\n## ", 1)[0]
+    readme = (REPO / "deploy" / "helm" / "README.md").read_text()
+    section = readme.split("\n## Install, step by step\n", 1)[1].split("\n## ", 1)[0]
     block = re.search(r"```sh\n(.*?)```", section, re.S)[1]
     joined = block.replace("\\\n", " ")
     return [shlex.split(line.rstrip(" &")) for line in joined.splitlines()
