@@ -1,6 +1,6 @@
-"""Every service's Prometheus endpoint on the launched ring (issues 6 and 7): exact counter
-deltas after known requests, gauges back to zero when idle, the README's metric list equal
-to what the ring exports, and the Grafana dashboard querying only exported names."""
+"""Every service's Prometheus endpoint on the launched ring: exact counter deltas after known
+requests, gauges back to zero when idle, the metric list of docs/metrics.md equal to what the
+ring exports, and the Grafana dashboard querying only exported names."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import orjson
 from tests.ringstack import SERVICES
 
 REPO = Path(__file__).resolve().parents[2]
+METRICS_DOC = REPO / "docs" / "metrics.md"
 DASHBOARD = REPO / "deploy" / "grafana" / "ringserve.json"
 PROMPT = "The three primary colors are"
 NAME = re.compile(r"ringserve:[A-Za-z0-9_:]+")
@@ -56,11 +57,10 @@ def exported_names(stack) -> set[str]:
     return {n for n in names if n.startswith("ringserve:")}
 
 
-def readme_metrics() -> set[str]:
-    """The metric names listed in the README's Metrics section (first column of its tables)."""
-    text = (REPO / "README.md").read_text()
-    section = text.split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
-    return {m.group(1) for m in re.finditer(r"^\| `(ringserve:[^`]+)`", section, re.MULTILINE)}
+def documented_metrics() -> set[str]:
+    """The metric names docs/metrics.md lists (first column of its tables)."""
+    text = METRICS_DOC.read_text()
+    return {m.group(1) for m in re.finditer(r"^\| `(ringserve:[^`]+)`", text, re.MULTILINE)}
 
 
 def test_known_requests_move_every_service_metric_exactly(stack):
@@ -117,7 +117,7 @@ def test_known_requests_move_every_service_metric_exactly(stack):
     assert d("gateway", "ringserve:prompt_tokens_total") == prompt
     assert d("gateway", "ringserve:generation_tokens_total") == completion
 
-    # Idle: what each service owns is back to zero (issue 6's gauges).
+    # Idle: what each service owns is back to zero (the occupancy gauges).
     for service, name in (("tokenizer", "ringserve:req_states"), ("detokenizer", "ringserve:decode_states"),
                           ("scheduler", "ringserve:num_requests_running"),
                           ("scheduler", "ringserve:num_requests_waiting"), ("scheduler", "ringserve:req_slots_used"),
@@ -164,16 +164,16 @@ def exercise(stack) -> None:
     stack.wait_idle()
 
 
-def test_readme_lists_exactly_the_exported_metrics(stack):
+def test_docs_list_exactly_the_exported_metrics(stack):
     exercise(stack)
     exported = exported_names(stack)
-    listed = readme_metrics()
+    listed = documented_metrics()
     assert len(listed) >= 30
-    assert listed <= exported, f"listed in README.md, not exported: {sorted(listed - exported)}"
+    assert listed <= exported, f"listed in docs/metrics.md, not exported: {sorted(listed - exported)}"
     # Families as queried: counters with _total, histograms and gauges by their own name.
     families = {n for n in exported if not re.search(r"_(bucket|count|sum|created)$", n)}
     families -= {n[: -len("_total")] for n in families if n.endswith("_total")}
-    assert families <= listed, f"exported, missing from README.md: {sorted(families - listed)}"
+    assert families <= listed, f"exported, missing from docs/metrics.md: {sorted(families - listed)}"
 
 
 def test_dashboard_queries_only_exported_metrics(stack):
