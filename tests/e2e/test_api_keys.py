@@ -157,7 +157,7 @@ def scheduler_aborts(ring) -> float:
 
 
 def test_deadline_and_cancellation_abort_the_request(ring):
-    """The README's promise to direct clients: a deadline that passes, or a stream closed
+    """docs/grpc.md's promise to direct clients: a deadline that passes, or a stream closed
     early, aborts the request in the scheduler and frees every service's state."""
     aborts = scheduler_aborts(ring)
     with RingserveClient(ring.tokenizer, api_key=KEYS[0]) as client:

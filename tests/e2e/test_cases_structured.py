@@ -201,7 +201,7 @@ async def test_s10_constrained_generation_ends(ring, client):
     assert isinstance(json.loads(msg.content), dict) and msg.finish_reason == "stop"
     assert not re.search(r"\s{65}", msg.content)
     # (A prompt that invites a number can run to max_tokens on digits: a JSON number has no
-    # length limit in the grammar, and SmolLM2 repeats "1" greedily; see the README.)
+    # length limit in the grammar, and SmolLM2 repeats "1" greedily; see docs/api.md.)
     (msg,) = await chat(client, chat_body(model, "Reply with a JSON value: the number of legs of a cat.",
                                           response_format=json_schema({}), max_tokens=128), False)
     json.loads(msg.content)
