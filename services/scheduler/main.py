@@ -22,7 +22,6 @@ import asyncio
 import gc
 import importlib.util
 import logging
-import os
 import re
 import signal
 import sys
@@ -36,6 +35,7 @@ from ringserve.metrics import add_metrics_port_flag
 from ringserve.models import resolve_model
 from services.scheduler.config import (ATTENTION_BACKENDS, DTYPES, GRAMMAR_BACKENDS, LOAD_FORMATS, SCHEDULE_POLICIES, EngineConfig,
                                       SchedulerConfig)
+from services.scheduler.cpus import usable_cpus
 
 log = logging.getLogger("ringserve.scheduler")
 
@@ -177,21 +177,6 @@ def parse_args(argv: list[str] | None) -> SchedulerConfig:
                            metrics_port=a.metrics_port, served_model_name=a.served_model_name,
                            tp_size=a.tp_size, dist_init_addr=a.dist_init_addr, dist_port=a.dist_port,
                            dist_timeout_s=a.dist_timeout, internal_auth=internal_auth)
-
-
-def usable_cpus(cgroup_dir: Path = Path("/sys/fs/cgroup")) -> int:
-    """Cores this process may use: its CPU affinity, capped by a cgroup v2 CPU quota
-    (``cpu.max``, rounded up) when one is set. A Kubernetes CPU limit shows only there:
-    the affinity of a pod on a 64-core node is 64 cores even under a 4-CPU limit, and
-    64 OpenMP threads on a 4-CPU quota are throttled, not faster."""
-    cpus = len(os.sched_getaffinity(0))
-    try:
-        quota, period = (cgroup_dir / "cpu.max").read_text().split()
-        if quota != "max":
-            cpus = min(cpus, max(1, -(-int(quota) // int(period))))
-    except (FileNotFoundError, PermissionError, ValueError):
-        pass  # no cgroup v2 CPU controller here: the affinity stands
-    return cpus
 
 
 class Watchdog:
