@@ -124,11 +124,5 @@ class ServiceMetrics:
             self._server = None
 
 
-def add_metrics_port_flag(parser) -> None:
-    """``--metrics-port`` on a service's argparse parser (default: no endpoint)."""
-    parser.add_argument("--metrics-port", type=int, default=None,
-                        help="Prometheus GET /metrics HTTP port on --host (0 = a free port; default: no endpoint)")
-
-
 def ignore_seconds(_seconds: float) -> None:
     """The default latency hook of a component that no metrics object observes."""

@@ -5,40 +5,29 @@ health and reflection stay open."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import gc
 import logging
 import signal
 import socket
 from dataclasses import dataclass
-from pathlib import Path
 
 from ringserve import grpcutil
-from ringserve.internal_auth import InternalAuth, add_internal_auth_args, internal_auth_from_args
-from ringserve.metrics import ServiceMetrics, add_metrics_port_flag
-from ringserve.models import resolve_model
+from ringserve.metrics import ServiceMetrics
+from ringserve.models.gguf import resolve_model
+from ringserve.options.detokenizer import DetokenizerOptions
+from ringserve.options.parse import ConfigParser
 from ringserve.v1 import detokenizer_pb2, detokenizer_pb2_grpc
-from services.detokenizer.manager import DEFAULT_MAX_DECODE_STATES, DetokenizerManager
+from services.detokenizer.manager import DetokenizerManager
 from services.detokenizer.metrics import install_detokenizer_metrics
 from services.detokenizer.servicer import DetokenizerServicer
 
 log = logging.getLogger("ringserve.detokenizer")
 
 
-@dataclass(frozen=True)
-class DetokenizerConfig:
-    """Flags of ``ringserve detokenizer``, parsed once."""
-
-    model: Path
-    host: str = "127.0.0.1"
-    port: int = 30030
-    max_decode_states: int = DEFAULT_MAX_DECODE_STATES
-    grace_period_s: float = 5.0  # on SIGTERM, how long live decode states may run on
-    transport: grpcutil.Transport = grpcutil.Transport()  # message size, TLS
-    metrics_port: int | None = None  # Prometheus /metrics on host:port; None = off, 0 = a free port
-    served_model_name: str | None = None  # the metrics' model_name label; None = the model directory's name
-    internal_auth: InternalAuth = InternalAuth()  # tokens every Detokenizer call needs; empty: none
+@dataclass(frozen=True, kw_only=True)
+class DetokenizerConfig(DetokenizerOptions):
+    """Flags of ``ringserve detokenizer``, parsed once (fields: ``DetokenizerOptions``)."""
 
     @property
     def address(self) -> str:
@@ -46,26 +35,12 @@ class DetokenizerConfig:
 
 
 def parse_args(argv: list[str] | None = None) -> DetokenizerConfig:
-    d = DetokenizerConfig(model=Path("."))
-    p = argparse.ArgumentParser(prog="ringserve detokenizer", description=__doc__)
-    p.add_argument("--model", type=Path, required=True,
-                   help="directory holding tokenizer.json, or a GGUF file (its conversion in the cache, made once)")
-    p.add_argument("--host", default=d.host)
-    p.add_argument("--port", type=int, default=d.port, help="0 picks a free port")
-    p.add_argument("--max-decode-states", type=int, default=d.max_decode_states,
-                   help="live per-request decode states kept at most; a request beyond it is aborted")
-    p.add_argument("--grace-period", type=float, default=d.grace_period_s,
-                   help="seconds in-flight requests get to finish on SIGTERM")
-    add_metrics_port_flag(p)
-    p.add_argument("--served-model-name", default=None,
-                   help="model_name label of the metrics (default: the model directory's name)")
-    grpcutil.add_transport_args(p)
-    add_internal_auth_args(p)
-    a = p.parse_args(argv)
-    return DetokenizerConfig(model=resolve_model(a.model), host=a.host, port=a.port, max_decode_states=a.max_decode_states,
-                             grace_period_s=a.grace_period, transport=grpcutil.transport_from_args(p, a),
-                             metrics_port=a.metrics_port, served_model_name=a.served_model_name,
-                             internal_auth=internal_auth_from_args(p, a))
+    """Flags -> DetokenizerConfig (the option table, ``ringserve.options.detokenizer``). A bad
+    value exits with status 2 and argparse's message."""
+    cli = ConfigParser(DetokenizerConfig, prog="ringserve detokenizer", description=__doc__)
+    args, values = cli.parse(argv)
+    values["model"] = resolve_model(values["model"])
+    return cli.build(args, values)
 
 
 async def start(config: DetokenizerConfig) -> tuple[grpcutil.ServingServer, DetokenizerServicer]:

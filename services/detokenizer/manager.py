@@ -23,6 +23,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from ringserve.options.detokenizer import DetokenizerOptions
 from ringserve.v1 import common_pb2, detokenizer_pb2
 from services.detokenizer.offsets import offset_step
 from services.detokenizer.output import group_outputs
@@ -32,7 +33,7 @@ from services.detokenizer.vocab import (
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_DECODE_STATES = 65536
+DEFAULT_MAX_DECODE_STATES = DetokenizerOptions.max_decode_states  # the flag's default
 FINISH_NONE = common_pb2.FINISH_NONE
 FINISH_ABORT = common_pb2.FINISH_ABORT
 _TYPE = attrgetter("type")

@@ -23,6 +23,8 @@ calls only in the content after it).
 
 from __future__ import annotations
 
+from ringserve.options import names
+
 from .tool_parsers import partial_suffix
 
 OPEN, CLOSE = "<think>", "</think>"
@@ -69,6 +71,7 @@ class ReasoningParser:
 
 
 REASONING_PARSERS = {"deepseek_r1": True, "qwen3": False}  # name -> the prompt may open the reasoning
+names.check_registry("reasoning parser", REASONING_PARSERS, names.REASONING_PARSERS)
 
 
 def make_reasoning_parser(name: str, chat_template_kwargs: dict | None, prompt_opened: bool) -> ReasoningParser:

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import json
 
+from ringserve.options import names
+
 from .tool_call_scanner import ToolCallDelta, CallScanner, new_call_id
 
 
@@ -271,6 +273,7 @@ TOOL_CALL_PARSERS = {
     "mistral": MistralToolParser,
     "pythonic": PythonicToolParser,
 }
+names.check_registry("tool-call parser", TOOL_CALL_PARSERS, names.TOOL_CALL_PARSERS)
 
 
 def forced_parser() -> ToolParser:

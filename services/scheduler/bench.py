@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from services.scheduler.config import ATTENTION_BACKENDS, DTYPES, EngineConfig, SchedulerConfig
+from ringserve.options.names import ATTENTION_BACKENDS, DTYPES
+from services.scheduler.config import EngineConfig, SchedulerConfig
 from services.scheduler.engine.engine import Engine
 from services.scheduler.engine.tp import TPGroup
 from services.scheduler.layers.parallel import TensorParallel
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--attention-backend", nargs="+", default=["auto"], choices=ATTENTION_BACKENDS,
+    p.add_argument("--attention-backend", nargs="+", default=["auto"], choices=("auto", *ATTENTION_BACKENDS),
                    help="one or more; with two, the second's CPU time per step is compared to the first's")
     p.add_argument("--cuda-graph", choices=["on", "off", "both"], default="on",
                    help="CUDA: decode from CUDA graphs, eagerly, or both side by side (ratios printed)")

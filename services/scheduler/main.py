@@ -17,181 +17,42 @@ presents it (``ringserve.internal_auth``); health and reflection stay open.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import gc
 import importlib.util
 import logging
-import os
-import re
 import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
 from ringserve import grpcutil
-from ringserve.internal_auth import add_internal_auth_args, internal_auth_from_args
-from ringserve.metrics import add_metrics_port_flag
-from ringserve.models import resolve_model
-from services.scheduler.config import (ATTENTION_BACKENDS, DTYPES, GRAMMAR_BACKENDS, LOAD_FORMATS, SCHEDULE_POLICIES, EngineConfig,
-                                      SchedulerConfig)
+from ringserve.models.gguf import resolve_model
+from ringserve.options.parse import ConfigParser
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.cpus import usable_cpus
 
 log = logging.getLogger("ringserve.scheduler")
 
 
 def parse_args(argv: list[str] | None) -> SchedulerConfig:
-    """Flags -> SchedulerConfig; defaults come from the dataclasses."""
-    e, s = EngineConfig(model=Path(".")), SchedulerConfig(engine=EngineConfig(model=Path(".")))
-    p = argparse.ArgumentParser(prog="ringserve scheduler", description=__doc__)
-    p.add_argument("--model", type=Path, required=True,
-                   help="HF model directory (config.json, *.safetensors, tokenizer.json), or a GGUF file: "
-                        "converted once into the cache ($RINGSERVE_CACHE_DIR) and reused")
-    p.add_argument("--host", default=s.host)
-    p.add_argument("--port", type=int, default=s.port, help="gRPC port (0 = any free port)")
-    p.add_argument("--detokenizer", default=s.detokenizer, help="detokenizer gRPC address host:port")
-    p.add_argument("--instance-id", default=s.instance_id)
-    p.add_argument("--device", default=e.device, metavar="{auto,cpu,cuda,cuda:N}",
-                   help="where weights, KV cache and sampling live; auto = the first CUDA device torch sees, else cpu")
-    p.add_argument("--dtype", choices=DTYPES, default=e.dtype, help="weights and KV cache dtype (attention, softmax and sampling run in fp32); "
-                   "auto = on CUDA bfloat16 (compute capability >= 8.0) else float16; on CPU bfloat16 with "
-                   "AMX / AVX-512-BF16, else float32; float16 on CUDA only")
-    p.add_argument("--max-running-requests", type=int, default=e.max_running_requests, help="req slots")
-    kv = p.add_mutually_exclusive_group()
-    kv.add_argument("--max-total-tokens", type=int, default=e.max_total_tokens, help="KV pool size in tokens")
-    kv.add_argument("--kv-cache-gib", type=float, default=e.kv_cache_gib, help="KV pool size in GiB")
-    p.add_argument("--kv-cache-mem-fraction", type=float, default=e.kv_cache_mem_fraction,
-                   help="CPU, without either size: this fraction of the memory available after the weights load")
-    p.add_argument("--mem-fraction-static", type=float, default=e.mem_fraction_static,
-                   help="CUDA, without either size: weights, KV pool and the activation/CUDA-graph reserve take "
-                        "this fraction of the device's memory")
-    p.add_argument("--cuda-graph-max-bs", type=int, default=e.cuda_graph_max_bs,
-                   help="CUDA: decode batches up to this size replay CUDA graphs captured at start-up")
-    p.add_argument("--disable-cuda-graph", action="store_true", help="CUDA: run every decode step eagerly")
-    det = p.add_mutually_exclusive_group()
-    det.add_argument("--enable-deterministic-inference", dest="deterministic_inference", action="store_const",
-                     const=True, default=None,
-                     help="a request's tokens and logprobs do not depend on its batch, chunking or prefix-cache hits "
-                          "(batch-invariant attention and linears; cpu or triton attention backend). Default: on for "
-                          "bf16 on the CPU, off elsewhere")
-    det.add_argument("--disable-deterministic-inference", dest="deterministic_inference", action="store_const",
-                     const=False, help="turn the default deterministic inference off")
-    p.add_argument("--quantization", choices=["int8", "int8wo"], default=None,
-                   help="CPU with AVX-512-VNNI: quantize every linear and the LM head to per-channel int8 at load; "
-                        "int8 runs W8A8 or weight-only per shape and batch size, whichever measured faster; int8wo "
-                        "weight-only (closer to bf16). Default: the checkpoint's weights in --dtype (layers/quant.py)")
-    p.add_argument("--disable-overlap-schedule", action="store_true",
-                   help="CUDA: plan each step only after the previous one's sampled ids reach the host "
-                        "(overlap is off on the CPU, where the forward holds the planning thread)")
-    p.add_argument("--max-prefill-tokens", type=int, default=e.max_prefill_tokens, help="token budget of one prefill batch")
-    p.add_argument("--context-length", type=int, default=None, help="default: the model's max_position_embeddings")
-    p.add_argument("--seed", type=int, default=None, help="seed for requests that give none")
-    p.add_argument("--chunked-prefill-size", type=int, default=e.chunked_prefill_size,
-                   help="most prompt tokens prefilled per step, mixed with running decodes (<= 0: no chunking)")
-    p.add_argument("--disable-radix-cache", action="store_true", help="run without the prefix (radix) cache")
-    p.add_argument("--schedule-policy", choices=SCHEDULE_POLICIES, default=e.schedule_policy,
-                   help="admission order: first come first served, or longest cached prefix first")
-    p.add_argument("--load-format", choices=LOAD_FORMATS, default=e.load_format,
-                   help="dummy = random weights of config.json's shapes (benchmarks)")
-    p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=e.attention_backend,
-                   help="auto = triton on CUDA devices, cpu (C kernels, built once with cc) on CPU; "
-                        "torch = the reference; triton on CPU needs TRITON_INTERPRET=1 (tests)")
-    p.add_argument("--grammar-backend", choices=GRAMMAR_BACKENDS, default=e.grammar_backend,
-                   help="constrained decoding engine (structured outputs, forced tool calls)")
-    p.add_argument("--grammar-compile-timeout", type=float, default=e.grammar_compile_timeout_s,
-                   help="seconds a constrained request waits for its grammar to compile, else INVALID_ARGUMENT")
-    p.add_argument("--torch-threads", type=int, default=None,
-                   help="default: the usable cores (CPU affinity, capped by a cgroup CPU limit)")
-    p.add_argument("--max-queued-requests", type=int, default=s.max_queued_requests,
-                   help="requests allowed to wait for a request slot; beyond it refuse with RESOURCE_EXHAUSTED")
-    p.add_argument("--grace-period", type=float, default=s.grace_period_s,
-                   help="seconds in-flight requests get to finish on SIGTERM")
-    p.add_argument("--watchdog-timeout", type=float, default=s.watchdog_timeout_s,
-                   help="health NOT_SERVING after this many seconds with work pending and no step finished")
-    p.add_argument("--max-queued-tokens", type=int, default=s.max_queued_tokens,
-                   help="prompt tokens of the requests held (waiting and running) plus the new one's; "
-                        "beyond it refuse with RESOURCE_EXHAUSTED (a request is never refused on an idle scheduler)")
-    p.add_argument("--tp-size", type=int, default=s.tp_size,
-                   help="tensor parallelism: ranks (processes, one device each) this replica is sharded over")
-    p.add_argument("--dist-init-addr", default=s.dist_init_addr,
-                   help="tensor parallelism: the address rank 0 hosts the group's rendezvous on")
-    p.add_argument("--dist-port", type=int, default=s.dist_port,
-                   help="tensor parallelism: the rendezvous port (0 = a free port)")
-    p.add_argument("--dist-timeout", type=float, default=s.dist_timeout_s,
-                   help="tensor parallelism: seconds any collective waits for the other ranks before failing")
-    add_metrics_port_flag(p)
-    p.add_argument("--served-model-name", default=None,
-                   help="model_name label of the metrics (default: the model directory's name)")
-    grpcutil.add_transport_args(p)
-    add_internal_auth_args(p)
-    a = p.parse_args(argv)
-    internal_auth = internal_auth_from_args(p, a)
-    if a.max_queued_requests is not None and a.max_queued_requests < 0:
-        p.error("--max-queued-requests must be >= 0")
-    if a.max_queued_tokens is not None and a.max_queued_tokens <= 0:
-        p.error("--max-queued-tokens must be > 0")
-    if a.max_total_tokens is not None and a.max_total_tokens <= 0:
-        p.error("--max-total-tokens must be > 0")
-    if a.kv_cache_gib is not None and a.kv_cache_gib <= 0:
-        p.error("--kv-cache-gib must be > 0")
-    if not 0 < a.kv_cache_mem_fraction < 1:
-        p.error("--kv-cache-mem-fraction must be in (0, 1)")
-    if not 0 < a.mem_fraction_static < 1:
-        p.error("--mem-fraction-static must be in (0, 1)")
-    if a.cuda_graph_max_bs < 1:
-        p.error("--cuda-graph-max-bs must be >= 1")
-    if a.device != "auto" and not re.fullmatch(r"cpu|cuda(:\d+)?", a.device):
-        p.error(f"--device {a.device!r}: use auto, cpu, cuda or cuda:N")
-    if a.grammar_compile_timeout <= 0:
-        p.error("--grammar-compile-timeout must be > 0")
-    if a.tp_size < 1:
-        p.error("--tp-size must be >= 1")
-    if a.dist_timeout <= 0:
-        p.error("--dist-timeout must be > 0")
-    if a.quantization:  # refused here, before the model loads (torch imported only for it)
+    """Flags -> SchedulerConfig (the option table, ``ringserve.options.scheduler``). A bad value
+    exits with status 2 and argparse's message, before the model loads."""
+    cli = ConfigParser(SchedulerConfig, prog="ringserve scheduler", description=__doc__)
+    args, values = cli.parse(argv)
+    method = values["engine.quantization"]
+    if method:  # refused here, before the model loads (torch imported only for it)
         from services.scheduler.engine.device import resolve_device
         from services.scheduler.layers.quant import QuantizationError, check_supported
         try:
-            check_supported(a.quantization, resolve_device(a.device))
+            check_supported(method, resolve_device(values["engine.device"]))
         except (QuantizationError, ValueError, RuntimeError) as exc:
-            p.error(str(exc))
-    if importlib.util.find_spec(a.grammar_backend) is None:
-        p.error(f"--grammar-backend {a.grammar_backend} needs the {a.grammar_backend} package: "
-                f"pip install 'ringserve[{a.grammar_backend}]'")
-    engine = EngineConfig(
-        model=resolve_model(a.model), dtype=a.dtype, max_running_requests=a.max_running_requests, max_total_tokens=a.max_total_tokens,
-        kv_cache_gib=a.kv_cache_gib, kv_cache_mem_fraction=a.kv_cache_mem_fraction,
-        max_prefill_tokens=a.max_prefill_tokens, context_length=a.context_length, seed=a.seed,
-        chunked_prefill_size=a.chunked_prefill_size, disable_radix_cache=a.disable_radix_cache,
-        schedule_policy=a.schedule_policy, load_format=a.load_format, attention_backend=a.attention_backend,
-        device=a.device, mem_fraction_static=a.mem_fraction_static, cuda_graph_max_bs=a.cuda_graph_max_bs,
-        disable_cuda_graph=a.disable_cuda_graph, overlap_schedule=False if a.disable_overlap_schedule else None,
-        grammar_backend=a.grammar_backend, grammar_compile_timeout_s=a.grammar_compile_timeout,
-        deterministic_inference=a.deterministic_inference, quantization=a.quantization,
-    )
-    return SchedulerConfig(engine=engine, host=a.host, port=a.port, detokenizer=a.detokenizer,
-                           instance_id=a.instance_id, torch_threads=a.torch_threads,
-                           max_queued_requests=a.max_queued_requests, grace_period_s=a.grace_period,
-                           watchdog_timeout_s=a.watchdog_timeout, max_queued_tokens=a.max_queued_tokens,
-                           transport=grpcutil.transport_from_args(p, a),
-                           metrics_port=a.metrics_port, served_model_name=a.served_model_name,
-                           tp_size=a.tp_size, dist_init_addr=a.dist_init_addr, dist_port=a.dist_port,
-                           dist_timeout_s=a.dist_timeout, internal_auth=internal_auth)
-
-
-def usable_cpus(cgroup_dir: Path = Path("/sys/fs/cgroup")) -> int:
-    """Cores this process may use: its CPU affinity, capped by a cgroup v2 CPU quota
-    (``cpu.max``, rounded up) when one is set. A Kubernetes CPU limit shows only there:
-    the affinity of a pod on a 64-core node is 64 cores even under a 4-CPU limit, and
-    64 OpenMP threads on a 4-CPU quota are throttled, not faster."""
-    cpus = len(os.sched_getaffinity(0))
-    try:
-        quota, period = (cgroup_dir / "cpu.max").read_text().split()
-        if quota != "max":
-            cpus = min(cpus, max(1, -(-int(quota) // int(period))))
-    except (FileNotFoundError, PermissionError, ValueError):
-        pass  # no cgroup v2 CPU controller here: the affinity stands
-    return cpus
+            cli.error(str(exc))
+    backend = values["engine.grammar_backend"]
+    if importlib.util.find_spec(backend) is None:
+        cli.error(f"--grammar-backend {backend} needs the {backend} package: pip install 'ringserve[{backend}]'")
+    values["engine.model"] = resolve_model(values["engine.model"])
+    return cli.build(args, values)
 
 
 class Watchdog:

@@ -25,7 +25,6 @@ ring's internal credential (``ringserve.internal_auth``: ``$RINGSERVE_INTERNAL_T
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import gc
 import logging
@@ -34,14 +33,14 @@ import signal
 import socket
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from ringserve import grpcutil
-from ringserve.apikeys import ApiKeyInterceptor, ApiKeys, add_api_key_args, api_keys_from_args
+from ringserve.apikeys import ApiKeyInterceptor
 from ringserve.grpcutil import ServingServer, start_server
-from ringserve.internal_auth import InternalAuth, add_internal_auth_args, internal_auth_from_args
-from ringserve.metrics import ServiceMetrics, add_metrics_port_flag
-from ringserve.models import resolve_model
+from ringserve.metrics import ServiceMetrics
+from ringserve.models.gguf import resolve_model
+from ringserve.options.parse import ConfigParser
+from ringserve.options.tokenizer import TokenizerOptions
 from ringserve.v1 import tokenizer_pb2_grpc
 from services.tokenizer.errors import unavailable
 from services.tokenizer.links import DetokenizerLink, Link, SchedulerLink
@@ -64,27 +63,11 @@ def default_instance_id() -> str:
     return f"tok-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
 
-@dataclass(frozen=True)
-class TokenizerConfig:
-    """Configuration of one tokenizer instance (one field per flag)."""
+@dataclass(frozen=True, kw_only=True)
+class TokenizerConfig(TokenizerOptions):
+    """Configuration of one tokenizer instance; every field is a flag (``TokenizerOptions``)."""
 
-    model: Path
-    host: str = "127.0.0.1"
-    port: int = 30010  # 0 picks a free port
-    scheduler: str = "127.0.0.1:30020"
-    detokenizer: str = "127.0.0.1:30030"
-    # "SCHED_ADDR,DETOK_ADDR" per model replica; empty: the one replica scheduler + detokenizer.
-    replicas: tuple[str, ...] = ()
     instance_id: str = field(default_factory=default_instance_id)
-    served_model_name: str | None = None  # default: the model directory's name
-    context_length: int | None = None  # default: config.json max_position_embeddings
-    grace_period_s: float = 5.0  # on SIGTERM, how long in-flight calls may run on
-    allow_special_tokens_in_messages: bool = False  # control tokens spelled in messages stay text
-    chat_template: Path | None = None  # a Jinja chat template file replacing the model's
-    metrics_port: int | None = None  # Prometheus /metrics on host:port; None = off, 0 = a free port
-    transport: grpcutil.Transport = grpcutil.Transport()  # message size and TLS, server and both links
-    api_keys: ApiKeys = ApiKeys()  # keys the Tokenizer service requires; empty: none
-    internal_auth: InternalAuth = InternalAuth()  # presented to the schedulers and detokenizers; empty: none
     readiness: ReadinessConfig = ReadinessConfig()  # health-check interval and timeout, stall bound
     # threads that render and tokenize, off the event loop (services/tokenizer/workers.py)
     tokenize_workers: int = field(default_factory=default_workers)
@@ -207,78 +190,17 @@ class TokenizerService:
 
 
 def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
-    p = argparse.ArgumentParser(prog="ringserve tokenizer", description="The tokenizer service (public gRPC API).")
-    p.add_argument("--model", type=Path, required=True,
-                   help="HF-format model directory, or a GGUF file (its conversion in the cache, made once)")
-    p.add_argument("--host", default=TokenizerConfig.host)
-    p.add_argument("--port", type=int, default=TokenizerConfig.port, help="0 picks a free port")
-    p.add_argument("--scheduler", default=TokenizerConfig.scheduler, help="scheduler address")
-    p.add_argument("--detokenizer", default=TokenizerConfig.detokenizer, help="detokenizer address")
-    p.add_argument("--replica", action="append", default=[], metavar="SCHED_ADDR,DETOK_ADDR",
-                   help="a model replica (a scheduler and its detokenizer); repeat for several; "
-                        "given, it replaces --scheduler/--detokenizer")
-    p.add_argument("--instance-id", default=None,
-                   help="default: tok-<hostname>-<pid>-<random>; must be unique (schedulers and detokenizers "
-                        "refuse a second stream for a connected id)")
-    p.add_argument("--served-model-name", default=None, help="default: the model directory's name")
-    p.add_argument("--context-length", type=int, default=None, help="default: config.json max_position_embeddings")
-    p.add_argument("--grace-period", type=float, default=TokenizerConfig.grace_period_s,
-                   help="seconds in-flight calls get to finish on SIGTERM")
-    p.add_argument("--allow-special-tokens-in-messages", action="store_true",
-                   help="parse control tokens spelled in chat message text (e.g. <|im_end|>) as those "
-                        "tokens; by default they are tokenized as plain text")
-    p.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
-                   help="Jinja chat template replacing the model's (e.g. ringserve/templates/chatml_tools.jinja "
-                        "to call tools with a ChatML model whose template cannot render them)")
-    r = ReadinessConfig()
-    p.add_argument("--readiness-check-interval", type=float, default=r.check_interval_s,
-                   help="seconds between health checks of each replica's scheduler and detokenizer (default %(default)s)")
-    p.add_argument("--readiness-check-timeout", type=float, default=r.check_timeout_s,
-                   help="a peer that does not answer its health check SERVING within this many seconds makes its "
-                        "replica not ready (default %(default)s)")
-    p.add_argument("--readiness-stall-timeout", type=float, default=r.stall_s,
-                   help="a replica with requests dispatched and no output back for this many seconds is not ready; "
-                        "must exceed the longest prefill (default %(default)s)")
-    p.add_argument("--tokenize-workers", type=int, default=None, metavar="N",
-                   help="threads that render chat templates and tokenize, off the event loop "
-                        f"(default: the usable cores, at most 4: {default_workers()} here)")
-    add_metrics_port_flag(p)
-    grpcutil.add_transport_args(p)
-    add_api_key_args(p, "every RPC of the Tokenizer service (health and reflection stay open)")
-    add_internal_auth_args(p)
-    a = p.parse_args(argv)
-    for flag in ("check_interval", "check_timeout", "stall_timeout"):
-        if getattr(a, f"readiness_{flag}") <= 0:
-            p.error(f"--readiness-{flag.replace('_', '-')} must be > 0")
-    if a.tokenize_workers is not None and a.tokenize_workers < 1:
-        p.error(f"--tokenize-workers must be at least 1, got {a.tokenize_workers}")
-    if a.chat_template is not None and not a.chat_template.is_file():
-        p.error(f"--chat-template {a.chat_template}: no such file")
-    for spec in a.replica:
+    """Flags -> TokenizerConfig (the option table, ``ringserve.options.tokenizer``). A bad value
+    exits with status 2 and argparse's message."""
+    cli = ConfigParser(TokenizerConfig, prog="ringserve tokenizer", description="The tokenizer service (public gRPC API).")
+    args, values = cli.parse(argv)
+    for spec in values["replicas"]:
         try:
             ReplicaAddress.parse(spec)
         except ValueError as exc:
-            p.error(str(exc))
-    return TokenizerConfig(
-        model=resolve_model(a.model),
-        host=a.host,
-        port=a.port,
-        scheduler=a.scheduler,
-        detokenizer=a.detokenizer,
-        replicas=tuple(a.replica),
-        instance_id=a.instance_id or default_instance_id(),
-        served_model_name=a.served_model_name,
-        context_length=a.context_length,
-        grace_period_s=a.grace_period,
-        allow_special_tokens_in_messages=a.allow_special_tokens_in_messages,
-        chat_template=a.chat_template,
-        metrics_port=a.metrics_port,
-        transport=grpcutil.transport_from_args(p, a),
-        api_keys=api_keys_from_args(p, a),
-        internal_auth=internal_auth_from_args(p, a),
-        readiness=ReadinessConfig(a.readiness_check_interval, a.readiness_check_timeout, a.readiness_stall_timeout),
-        tokenize_workers=a.tokenize_workers or default_workers(),
-    )
+            cli.error(str(exc))
+    values["model"] = resolve_model(values["model"])
+    return cli.build(args, values)
 
 
 async def serve(config: TokenizerConfig) -> None:

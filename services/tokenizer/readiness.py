@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ringserve.options.tokenizer import ReadinessOptions
 from ringserve.v1 import tokenizer_pb2
 from services.tokenizer.links import Link
 from services.tokenizer.replicas import Replica
@@ -42,13 +43,9 @@ PEERS = ("scheduler", "detokenizer")
 REASONS = (*(f"{peer}_link_down" for peer in PEERS), *(f"{peer}_health_check" for peer in PEERS), "outputs_stalled")
 
 
-@dataclass(frozen=True)
-class ReadinessConfig:
-    """Bounds of the readiness checks, in seconds (see the module docstring)."""
-
-    check_interval_s: float = 1.0
-    check_timeout_s: float = 2.0
-    stall_s: float = 30.0
+@dataclass(frozen=True, kw_only=True)
+class ReadinessConfig(ReadinessOptions):
+    """Bounds of the readiness checks, in seconds (see the module docstring); the fields are flags."""
 
 
 # A peer's health check: None when it answered SERVING in time, else why not (a phrase

@@ -1,7 +1,8 @@
 """The launcher's life cycle: killed with SIGKILL (no chance to stop its children) every
 service still exits, through the parent-death signal each one sets for itself after exec;
 Ctrl-C stops the ring even when the launcher inherited SIGINT ignored (started in the
-background by a shell); its KV memory share is split over the replicas; its ports are distinct."""
+background by a shell); its KV memory share is split over the replicas; its ports are distinct;
+each process is wired to its peers and gets the options passed on to its service."""
 
 from __future__ import annotations
 
@@ -91,3 +92,25 @@ def test_free_ports_are_distinct_and_avoid_the_fixed_ones() -> None:
     for _ in range(20):
         ports = free_ports(16, exclude={taken})
         assert len(ports) == len(set(ports)) == 16 and taken not in ports
+
+
+def test_each_process_is_wired_to_its_peers_and_gets_what_is_passed_on() -> None:
+    launcher = Launcher(parse_args(["--model", "m", "--replicas", "2", "--tokenizers", "2", "--served-model-name", "x",
+                                    "--reasoning-parser", "qwen3", "--allow-special-tokens-in-messages"]))
+    launcher.plan()
+    addr = launcher.addresses
+    args = {name: launcher.args(name) for name in addr} | {"gateway": launcher.args("gateway")}
+    replicas = [f"{addr[f'scheduler-{i}']},{addr[f'detokenizer-{i}']}" for i in (0, 1)]
+    for i in (0, 1):
+        tok = args[f"tokenizer-{i}"]
+        assert [tok[j + 1] for j, a in enumerate(tok) if a == "--replica"] == replicas
+        assert tok[tok.index("--port") + 1] == addr[f"tokenizer-{i}"].rsplit(":", 1)[1]
+        assert tok[-3:] == ["--served-model-name", "x", "--allow-special-tokens-in-messages"]
+        assert args[f"detokenizer-{i}"][-2:] == ["--served-model-name", "x"]
+        sched = args[f"scheduler-{i}"]
+        assert sched[sched.index("--detokenizer") + 1] == addr[f"detokenizer-{i}"]
+        assert sched[sched.index("--instance-id") + 1] == f"scheduler-{i}"
+    assert args["gateway"][args["gateway"].index("--tokenizer") + 1] == \
+        f"ipv4:{addr['tokenizer-0']},{addr['tokenizer-1']}"
+    assert args["gateway"][-2:] == ["--reasoning-parser", "qwen3"]
+    assert len({a.rsplit(':', 1)[1] for a in addr.values()} | set(map(str, launcher.metrics_ports.values()))) == 12

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from ringserve.launch import parse_args as launch_args
-from services.scheduler.config import ATTENTION_BACKENDS
+from ringserve.options.names import ATTENTION_BACKENDS
 from services.scheduler.layers.attention_backend import ATTENTION_BACKENDS as REGISTRY
 from services.scheduler.layers.attention_backend import create_attention_backend
 from services.scheduler.main import parse_args
@@ -160,7 +160,7 @@ def test_triton_on_cpu_without_the_interpreter_is_refused(tmp_path, smollm2_dir)
 
 
 def test_registry_refuses_unknown_names_listing_the_known_ones():
-    assert set(ATTENTION_BACKENDS) == {"auto", *REGISTRY}
+    assert set(ATTENTION_BACKENDS) == set(REGISTRY)
     with pytest.raises(ValueError, match=r"^unknown attention backend 'flash'; known: auto, cpu, torch, triton$"):
         create_attention_backend("flash", torch.device("cpu"))
     assert create_attention_backend("auto", torch.device("cpu")).name == "cpu"
@@ -174,5 +174,5 @@ def test_flag_reaches_the_frozen_configs(capsys):
     assert exc.value.code == 2
     assert "argument --attention-backend: invalid choice: 'flash' (choose from 'auto', 'torch', 'cpu', 'triton')" \
         in capsys.readouterr().err
-    assert launch_args(["--attention-backend", "triton"]).attention_backend == "triton"
-    assert launch_args([]).attention_backend == "auto"
+    assert launch_args(["--attention-backend", "triton"]).passed("scheduler") == ("--attention-backend", "triton")
+    assert launch_args([]).passed("scheduler") == ()  # auto is the scheduler's own default

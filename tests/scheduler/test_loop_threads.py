@@ -51,7 +51,7 @@ def test_engine_thread_sets_its_torch_threads_and_leaves_the_caller_alone():
 
 
 def test_usable_cpus_caps_the_affinity_by_the_cgroup_quota(tmp_path):
-    from services.scheduler.main import usable_cpus
+    from services.scheduler.cpus import usable_cpus
 
     cores = len(os.sched_getaffinity(0))
     assert usable_cpus(tmp_path) == cores  # no cpu.max: the affinity

@@ -32,6 +32,8 @@ from typing import Any, Protocol
 
 import torch
 
+from ringserve.options import names
+
 # Whitespace allowed between JSON tokens: enough for indented output, never an endless run.
 JSON_WHITESPACE_MAX = 16
 # JSON Schema keywords a backend would approximate rather than enforce: refused by name.
@@ -258,6 +260,7 @@ def _refuse_keywords(schema: Any) -> None:
 
 
 GRAMMAR_BACKENDS = {"llguidance": LLGuidanceBackend, "xgrammar": XGrammarBackend}
+names.check_registry("grammar backend", GRAMMAR_BACKENDS, names.GRAMMAR_BACKENDS)
 
 
 def load_backend(name: str, model_dir: Path, vocab_size: int, eos_ids: frozenset[int]) -> GrammarBackend:

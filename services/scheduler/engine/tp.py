@@ -184,7 +184,7 @@ def worker_main(rank: int, cfg: SchedulerConfig) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp-rank-{rank} %(name)s: %(message)s")
-    from services.scheduler.main import usable_cpus
+    from services.scheduler.cpus import usable_cpus
 
     torch.set_num_threads(rank_threads(cfg, usable_cpus()))
     ec = cfg.engine

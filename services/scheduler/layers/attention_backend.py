@@ -29,6 +29,7 @@ from typing import ClassVar
 
 import torch
 
+from ringserve.options import names
 from services.scheduler.layers.attention import (AttnMetadata, KVBuffers, extend_attention, gather_kv,
                                                  gather_layouts, paged_attention, store_kv)
 from services.scheduler.layers.rotary import apply_rotary_packed
@@ -237,6 +238,7 @@ ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {
     TritonAttnBackend.name: TritonAttnBackend,
     CpuAttnBackend.name: CpuAttnBackend,
 }
+names.check_registry("attention backend", ATTENTION_BACKENDS, names.ATTENTION_BACKENDS)
 
 
 def create_attention_backend(name: str, device: torch.device) -> AttentionBackend:

@@ -47,12 +47,13 @@ import time
 
 import torch
 
+from ringserve.options import names
 from services.scheduler.layers.cpu_kernels import cache_dir, cpu_flags, library, library_path, load_json, save_json
 from services.scheduler.layers.linear import PackedLinear
 
 log = logging.getLogger(__name__)
 
-QUANTIZATION_METHODS = ("int8", "int8wo")
+QUANTIZATION_METHODS = names.QUANTIZATION_METHODS  # the flag's choices; check_supported refuses others
 KERNELS = ("w8a8", "w8", "w8bf16")  # rs_int8_linear's kernel ids, in order
 WEIGHT_ONLY = ("w8", "w8bf16")
 ROW_BUCKETS = (1, 4, 16, 64)  # a call of M rows runs the kernel measured for the largest bucket <= M

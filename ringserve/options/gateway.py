@@ -1,0 +1,73 @@
+"""The gateway's options: ``ringserve gateway`` (``GatewayConfig`` and ``HttpTimeouts`` in
+services/gateway/config.py subclass these)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ringserve.apikeys import ApiKeys
+from ringserve.grpcutil import Transport
+from ringserve.options import names
+from ringserve.options.common import BY_CHART, HOST, TRANSPORT, api_keys
+from ringserve.options.spec import Above, option
+
+
+def _deadline(seconds: float) -> float | None:
+    """--request-timeout: <= 0 means no deadline (None)."""
+    return seconds if seconds > 0 else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class HttpTimeoutOptions:
+    """Read timeouts of one HTTP connection, in seconds (``services.gateway.http_server``)."""
+
+    header_s: float = option("--http-header-timeout", 20.0, check=Above(0), chart="config.gateway.httpHeaderTimeout",
+                             help="seconds from a request head's first byte to its end, else HTTP 408 and close")
+    body_s: float = option("--http-body-timeout", 30.0, check=Above(0), chart="config.gateway.httpBodyTimeout",
+                           help="seconds a request body may stall between two reads, else HTTP 408 and close")
+    # Longer than the idle timeout of the proxies in front (ingress-nginx keeps upstream
+    # connections 60 s, an AWS ALB 60 s), so that the proxy, not the gateway, closes an idle
+    # connection: a proxy reusing one the gateway has just closed fails that request.
+    idle_s: float = option("--http-idle-timeout", 75.0, check=Above(0), chart="config.gateway.httpIdleTimeout",
+                           help="seconds a connection may stay open with no request in progress (after accept or a "
+                                "response) before it is closed")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GatewayOptions:
+    """The OpenAI-compatible HTTP front: where it listens, its tokenizers, limits, output parsing."""
+
+    host: str = HOST.field()
+    port: int = option("--port", 8000, not_in_chart=f"{BY_CHART}: ports.gateway", help="HTTP port")
+    tokenizer: str = option("--tokenizer", "127.0.0.1:30010", help="gRPC address of the tokenizer service",
+                            not_in_chart=f"{BY_CHART}: the tokenizer Service's DNS name (round_robin over its pods)")
+    # Non-empty: every route but the probes and /metrics needs "Authorization: Bearer <key>" with one
+    # of these keys, and the first is presented to the tokenizer on every call.
+    api_keys: ApiKeys = api_keys("the API routes (the first key is also sent to the tokenizer)").field()
+    served_model_name: str | None = option(
+        "--served-model-name", None, not_in_chart=f"{BY_CHART}: model.servedModelName when set",
+        help="model name to serve (default: the tokenizer's served model name)")
+    # Deadline of each generation's Generate call (HTTP 504 timeout_error when it passes);
+    # None: no deadline. Ten minutes lets a long CPU generation finish under load.
+    request_timeout_s: float | None = option(
+        "--request-timeout", 600.0, convert=_deadline, launch=True, chart="config.gateway.requestTimeout",
+        help="seconds a generation may take before it is aborted with HTTP 504 (the Generate call's gRPC "
+             "deadline; <= 0: none)")
+    max_request_body_bytes: int = option(
+        "--max-request-body-bytes", 16 * 1024 * 1024, check=Above(0), launch=True,
+        chart="config.gateway.maxRequestBodyBytes", help="larger request bodies get HTTP 413 before parsing")
+    log_requests: bool = option("--log-requests", False, launch=True,
+                                not_in_chart="prompts and outputs in the pods' logs: opt in with config.gateway.extraArgs",
+                                help="log prompts and outputs; by default they are never written to the log")
+    tool_call_parser: str = option(
+        "--tool-call-parser", "hermes", choices=(*names.TOOL_CALL_PARSERS, "none"), launch=True,
+        chart="config.gateway.toolCallParser",
+        help="format of the model's own tool calls under tool_choice auto: hermes (<tool_call> JSON: Hermes, "
+             "Qwen2.5/3, chatml_tools.jinja), llama3_json (Llama 3.x), mistral ([TOOL_CALLS]), pythonic "
+             "([f(a=1)]); none = leave them in content")
+    reasoning_parser: str | None = option(
+        "--reasoning-parser", None, choices=names.REASONING_PARSERS, launch=True, chart="config.gateway.reasoningParser",
+        help="split <think>...</think> into reasoning_content: deepseek_r1 (the opening tag may be in the prompt) "
+             "or qwen3 (default: off)")
+    transport: Transport = TRANSPORT.field()
+    http_timeouts: HttpTimeoutOptions = HttpTimeoutOptions()

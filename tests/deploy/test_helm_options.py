@@ -1,0 +1,180 @@
+"""The Helm chart against the option table (ringserve/options): every option of the four
+services has its value in values.yaml, or says why not (``Option.not_in_chart``). For each
+value: the schema's type and choices are the option's, the chart's default renders the
+service's own default (or no flag), a value set in a values file reaches the container as
+that flag, and every flag the chart renders is one its service has."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from ringserve.options.parse import ConfigParser, Placed, options
+from ringserve.options.table import SERVICES
+from tests.deploy.test_helm_chart import CHART, FULL, VALUE_SETS, by, container, render
+
+# Where each service runs: (workload kind, name, container).
+CONTAINERS = {
+    "scheduler": ("StatefulSet", f"{FULL}-replica", "scheduler"),
+    "detokenizer": ("StatefulSet", f"{FULL}-replica", "detokenizer"),
+    "tokenizer": ("Deployment", f"{FULL}-tokenizer", "tokenizer"),
+    "gateway": ("Deployment", f"{FULL}-gateway", "gateway"),
+}
+# Defaults the chart resolves before the service would: device auto -> cpu without
+# replica.gpu.enabled (what the scheduler's auto picks on a node without a GPU; cuda with it).
+CHART_RESOLVES = {"--device": "cpu"}
+VALUES = yaml.safe_load((CHART / "values.yaml").read_text())
+SCHEMA = json.loads((CHART / "values.schema.json").read_text())
+
+CHARTED = [(service, p) for service, cls in SERVICES.items() for p in options(cls) if p.option.chart]
+
+
+def _id(item: tuple[str, Placed]) -> str:
+    return f"{item[0]}{item[1].option.flag}"
+
+
+def lookup(tree: dict, path: str) -> Any:
+    for key in path.split("."):
+        tree = tree[key]
+    return tree
+
+
+def schema_of(path: str) -> dict:
+    node = SCHEMA
+    for key in path.split("."):
+        node = node["properties"][key]
+    return node
+
+
+def service_args(docs: list[dict], service: str) -> dict[str, str]:
+    """The service container's flags -> values ("" for a switch), $(VAR)s filled in from the
+    ConfigMap as Kubernetes does."""
+    kind, name, cname = CONTAINERS[service]
+    env = by(docs, "ConfigMap", f"{FULL}-config")["data"] | {"POD_NAME": "pod-0"}
+    out = {}
+    for arg in container(by(docs, kind, name)["spec"]["template"]["spec"], cname)["args"]:
+        flag, _, value = arg.partition("=")
+        for var, text in env.items():
+            value = value.replace(f"$({var})", text)
+        out[flag] = value
+    return out
+
+
+def parsed(placed: Placed, text: str) -> Any:
+    """``text`` as the service's parser reads it; a ``ValueError`` string when it would refuse it."""
+    try:
+        return placed.kind(text)
+    except ValueError as exc:
+        return f"ValueError: {exc}"
+
+
+def sample(placed: Placed) -> Any:
+    """A valid value for the option other than its default, as a values file holds it."""
+    opt, schema = placed.option, schema_of(placed.option.chart)
+    if opt.negative is not None:
+        return False
+    if opt.choices:
+        return next(c for c in opt.choices if c != opt.default)
+    if placed.kind is bool:
+        return True
+    if placed.kind is str:
+        return "cuda:1"  # the one free-form string charted: --device
+    # Above a million: Helm holds values-file numbers as floats and prints 1e+06 unless told.
+    return 2_500_000 if schema.get("type") == "integer" else 2.5
+
+
+def expected_words(placed: Placed, value: Any) -> dict[str, str]:
+    """The flags a service gets for ``value``."""
+    words = placed.option.argv(value)
+    return {w: "" for w in words} if len(words) == 1 else {words[0]: words[1]}
+
+
+def test_every_service_option_has_a_chart_value_or_a_reason() -> None:
+    for service, cls in SERVICES.items():
+        for p in options(cls):
+            assert (p.option.chart is None) != (p.option.not_in_chart is None), (service, p.option.flag)
+
+
+@pytest.mark.parametrize("item", CHARTED, ids=_id)
+def test_values_and_schema_take_what_the_option_takes(item: tuple[str, Placed]) -> None:
+    _, placed = item
+    opt = placed.option
+    lookup(VALUES, opt.chart)  # present in values.yaml
+    schema = schema_of(opt.chart)
+    if opt.negative is not None:  # auto | true | false
+        assert schema["enum"] == ["auto", True, False, "true", "false"]
+    elif opt.choices:
+        unset = [""] if opt.default is None else []  # "": the flag is left out
+        assert schema["enum"] == unset + list(opt.choices)
+    elif placed.kind is bool:
+        assert schema["type"] == "boolean"
+    elif placed.kind is int:
+        assert schema["type"] == "integer"
+    elif placed.kind is float:  # an integer-only value is still a valid float (gracePeriod: pod seconds)
+        assert schema["type"] in ("number", "integer")
+    else:
+        assert schema["type"] == "string"
+
+
+@pytest.fixture(scope="module")
+def defaults(helm: Path) -> list[dict]:
+    return render(helm, None)
+
+
+@pytest.mark.parametrize("item", CHARTED, ids=_id)
+def test_chart_default_is_the_services_default(defaults: list[dict], item: tuple[str, Placed]) -> None:
+    service, placed = item
+    opt = placed.option
+    args = service_args(defaults, service)
+    flags = [f for f in (opt.flag, opt.negative) if f]
+    given = [f for f in flags if f in args]
+    if not given:
+        return  # left out: the service's default
+    assert given == [opt.flag] and opt.negative is None and placed.kind is not bool, (service, given)
+    assert parsed(placed, args[opt.flag]) == CHART_RESOLVES.get(opt.flag, opt.default)  # "5" is 5.0
+
+
+@pytest.fixture(scope="module")
+def sampled(helm: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """The chart rendered with every charted option set to its sample, from a values file."""
+    values: dict = {}
+    for _, placed in CHARTED:
+        *parents, leaf = placed.option.chart.split(".")
+        node = values
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = sample(placed)
+    path = tmp_path_factory.mktemp("values") / "sampled.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return render(helm, None, "-f", str(path))
+
+
+@pytest.mark.parametrize("item", CHARTED, ids=_id)
+def test_a_chart_value_reaches_the_services_flag(sampled: list[dict], item: tuple[str, Placed]) -> None:
+    service, placed = item
+    value = sample(placed)
+    args = service_args(sampled, service)
+    for flag, word in expected_words(placed, value).items():
+        assert flag in args, (service, flag)
+        assert args[flag] == word or parsed(placed, args[flag]) == placed.kind(word), (service, flag, args[flag])
+
+
+def _flags(service: str) -> set[str]:
+    return set(ConfigParser(SERVICES[service], prog=service).parser._option_string_actions)
+
+
+@pytest.mark.parametrize("values", [None, *VALUE_SETS])
+def test_every_rendered_flag_is_one_its_service_has(helm: Path, values: str | None) -> None:
+    docs = render(helm, values)
+    for service in CONTAINERS:
+        unknown = set(service_args(docs, service)) - _flags(service)
+        assert not unknown, (values, service, unknown)
+
+
+def test_every_sampled_flag_is_one_its_service_has(sampled: list[dict]) -> None:
+    for service in CONTAINERS:
+        assert set(service_args(sampled, service)) <= _flags(service), service
