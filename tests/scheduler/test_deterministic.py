@@ -11,6 +11,7 @@ differ is printed, not asserted.
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -134,41 +135,101 @@ def test_default_is_on_for_bf16_on_the_cpu_only(bf16_engine, make_engine, smollm
         Engine(torch_backend, tokenizer, engine.stops.eos_ids, replace(engine.cfg, deterministic_inference=True))
 
 
-def test_fp32_linears_are_padded_to_their_floor_and_then_agree():
+def test_fp32_linears_are_called_in_their_window_and_then_agree():
+    """fp32 (MKL) gives small row counts other bits on every CPU seen: each linear is wrapped
+    with a floor above 1, and then a row's bits are the same alone, in a batch of 64, in a call
+    padded to a power of two (100 rows) and in one split at the cap (300 rows)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(576, 1536, bias=False), torch.nn.Linear(1536, 576, bias=False))
     wrapped = make_batch_invariant(model, max_rows=256)
     assert set(wrapped) == {"0", "1"} and all(isinstance(m, RowPaddedLinear) for m in model)
-    floor = wrapped["0"]
-    assert 1 < floor <= batch_invariant.MAX_PAD_ROWS
+    assert all(1 < w.floor <= batch_invariant.MAX_PAD_ROWS and w.cap >= w.floor for w in wrapped.values())
     assert make_batch_invariant(model, max_rows=256) == {}  # idempotent
-    x = torch.randn(64, 576) * torch.exp2(torch.randint(-12, 13, (64, 576)).float())
+    x = torch.randn(300, 576) * torch.exp2(torch.randint(-12, 13, (300, 576)).float())
     with torch.inference_mode():
         full = model(x)
-        assert all(torch.equal(model(x.narrow(0, i, 1)), full.narrow(0, i, 1)) for i in range(64))
+        assert all(torch.equal(model(x.narrow(0, i, 1)), full.narrow(0, i, 1)) for i in range(0, 300, 7))
+        for start, rows in ((0, 64), (5, 100), (17, 3)):
+            assert torch.equal(model(x.narrow(0, start, rows)), full.narrow(0, start, rows)), rows
         assert model(x.narrow(0, 0, 3)).shape == (3, 576)
 
 
-def test_a_gemm_that_depends_on_the_row_count_is_refused(monkeypatch):
+def test_a_row_window_pads_and_splits_calls_to_measured_counts():
+    window = batch_invariant.RowWindow(floor=3, cap=128)
+    assert [window.call_rows(m) for m in (1, 3, 4, 64, 65, 100, 128)] == [3, 3, 4, 64, 128, 128, 128]
+    assert window.counts() == [*range(3, 65), 128]
+    calls = []
+
+    def record(x):
+        calls.append(x.shape[0])
+        return x * 2
+
+    x = torch.arange(300.0).unsqueeze(1)
+    assert torch.equal(window.apply(record, x), x * 2)
+    assert calls == [128, 128, 44]  # 300 = 128 + 128 + 44, and 44 runs as it is
+    calls.clear()
+    assert torch.equal(window.apply(record, x.narrow(0, 0, 2)), x.narrow(0, 0, 2) * 2) and calls == [3]
+    calls.clear()
+    assert torch.equal(window.apply(record, x.narrow(0, 0, 90)), x.narrow(0, 0, 90) * 2) and calls == [128]
+
+
+def test_the_probe_finds_the_widest_window_that_agrees(monkeypatch):
+    """A GEMM whose rows change bits at 150-256 rows (as oneDNN bf16 on an AMX Xeon) and below 4
+    rows: the cap drops to 128, and the floor is 4."""
+    def kinked(linear):  # element-wise (no summation order to vary), plus the kink
+        return lambda x: x * 2 + (1e-3 if 150 <= x.shape[0] or x.shape[0] < 4 else 0.0)
+
+    monkeypatch.setattr(batch_invariant, "_call", kinked)
+    assert measure(64, 64, torch.float32, "cpu", False, 2, 1024) == batch_invariant.RowWindow(4, 128)
+
+
+
+def test_a_gemm_that_depends_on_the_row_count_runs_at_one_count_and_one_on_the_position_is_refused(monkeypatch):
     def row_count_dependent(linear):
-        return lambda x: torch.nn.functional.linear(x, linear.weight) + x.shape[0] * 1e-3
+        return lambda x: x * 2 + x.shape[0] * 1e-3
 
     monkeypatch.setattr(batch_invariant, "_call", row_count_dependent)
-    with pytest.raises(NotBatchInvariantError, match=r"\[64, 32\] torch.float32 linear on cpu .* at row counts \[1, 2,"):
-        measure(32, 64, torch.float32, "cpu", False, torch.get_num_threads(), 128)
+    # No two counts agree: every call is padded to 64 rows, the most a floor may cost.
+    assert measure(64, 64, torch.float32, "cpu", False, 2, 128) == batch_invariant.RowWindow(64, 64)
+
+    def position_dependent(linear):
+        return lambda x: x * 2 + torch.arange(x.shape[0], dtype=x.dtype).unsqueeze(1) * 1e-3
+
+    monkeypatch.setattr(batch_invariant, "_call", position_dependent)
+    with pytest.raises(NotBatchInvariantError, match=r"\[64, 64\] torch.float32 linear on cpu \(2 threads\) gives a "
+                                                     r"row other bits at another position of a call of 128 rows"):
+        measure(64, 64, torch.float32, "cpu", False, 2, 128)
+
+    def floor_over_64(linear):  # counts below 100 disagree with the rest, and 2 rows with 1
+        return lambda x: x * 2 + (1e-3 if x.shape[0] < 100 else 0.0) + (1e-3 if x.shape[0] == 2 else 0.0)
+
+    monkeypatch.setattr(batch_invariant, "_call", floor_over_64)
+    assert measure(64, 64, torch.float32, "cpu", False, 2, 1024) == batch_invariant.RowWindow(3, 64)
+
+
+def test_the_default_bound_on_the_floor_refuses_before_wrapping(monkeypatch):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8, bias=False), torch.nn.Linear(8, 8, bias=False))
+    floors = iter([2, 16])
+    monkeypatch.setattr(batch_invariant, "probe", lambda *args: batch_invariant.RowWindow(next(floors), 256))
+    with pytest.raises(NotBatchInvariantError, match="^1 would run every call of fewer than 16 rows padded to 16 rows "
+                                                     r"\(more than 4\): deterministic inference would cost small "
+                                                     "batches too much here$"):
+        make_batch_invariant(model, max_floor=4)
+    assert all(type(m) is torch.nn.Linear for m in model)  # nothing wrapped
 
 
 def test_probe_results_persist_in_the_kernel_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("RINGSERVE_CACHE_DIR", str(tmp_path))
     batch_invariant.probe.cache_clear()
     try:
-        floor = batch_invariant.probe(48, 40, torch.float32, "cpu", False, torch.get_num_threads(), 64)
+        window = batch_invariant.probe(48, 40, torch.float32, "cpu", False, torch.get_num_threads(), 64)
         files = list((tmp_path / "kernels").glob("batch-invariance-*.json"))
         assert len(files) == 1
-        text = files[0].read_text()
-        assert f'"48x40 torch.float32 packed=False threads={torch.get_num_threads()} rows=64": {floor}' in text
+        known = json.loads(files[0].read_text())
+        assert known[f"v2 48x40 torch.float32 packed=False threads={torch.get_num_threads()} rows=64"] == [
+            window.floor, window.cap]
         batch_invariant.probe.cache_clear()
         monkeypatch.setattr(batch_invariant, "measure", lambda *a: pytest.fail("measured again"))
-        assert batch_invariant.probe(48, 40, torch.float32, "cpu", False, torch.get_num_threads(), 64) == floor
+        assert batch_invariant.probe(48, 40, torch.float32, "cpu", False, torch.get_num_threads(), 64) == window
     finally:
         batch_invariant.probe.cache_clear()

@@ -373,7 +373,7 @@ def test_moe_deterministic_inference_is_batch_invariant(checkpoints, smollm2_dir
     experts = model.layers[0].mlp.experts
     from services.scheduler.layers.linear import can_pack
 
-    assert (experts.packed is not None) == can_pack(experts.gate_up) and experts.min_rows >= 1
+    assert (experts.packed is not None) == can_pack(experts.gate_up) and experts.window.floor >= 1
     assert alone["outputs"]["p0"] == together["outputs"]["p0"]
     assert torch.equal(alone["rows"]["p0"], together["rows"]["p0"])
     assert torch.equal(alone["rows"]["hit"], together["rows"]["hit"])
@@ -389,9 +389,13 @@ def test_expert_row_floor_pads_every_expert_call(monkeypatch):
     with torch.inference_mode():
         before = block(x)
         packed = linear.pack_linears(block) > 0  # 0 where oneDNN has no bf16: the stacked weights run
-        monkeypatch.setattr(batch_invariant, "probe", lambda i, o, *args: 5 if (i, o) in ((64, 64), (32, 64)) else 1)
-        assert batch_invariant.make_batch_invariant(block) == {"experts": 5}
-        assert block.experts.min_rows == 5 and batch_invariant.make_batch_invariant(block) == {}
+        window = batch_invariant.RowWindow
+        monkeypatch.setattr(batch_invariant, "probe", lambda i, o, *args: window(5, 128) if (i, o) == (64, 64) else
+                            window(2, 256) if (i, o) == (32, 64) else window(1, 256))
+        wrapped = batch_invariant.make_batch_invariant(block)
+        assert wrapped["experts"] == window(5, 128) and block.experts.window == window(5, 128)
+        assert all(w == window(1, 256) for name, w in wrapped.items() if name != "experts")
+        assert batch_invariant.make_batch_invariant(block) == {}
         seen = []
         if packed:
             real = moe.packed_linear

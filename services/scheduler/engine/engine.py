@@ -40,6 +40,11 @@ from services.scheduler.models import load_model
 
 log = logging.getLogger(__name__)
 
+# The default (bf16 on the CPU) turns deterministic inference on only where no linear pads a
+# call of fewer rows than this: measured, a floor of 2 (one GEMM, AVX-512-BF16) keeps it
+# within 10 % of the default arithmetic; a floor of 16 would cost a batch-1 step several times.
+AUTO_MAX_FLOOR = 4
+
 
 @dataclass(frozen=True)
 class LoadStats:
@@ -433,15 +438,16 @@ def _make_deterministic(model: torch.nn.Module, cfg: EngineConfig, device: torch
 
     None (the default) turns it on for a bf16 model on the CPU with the cpu attention
     backend, where it was measured within 10 % of the default throughput (bench/RESULTS.md),
-    unless the probe finds the CPU's GEMM not batch-invariant (then off, with a warning);
-    off elsewhere (fp32 pads small batches to 15 rows; on CUDA cuBLAS is not batch-invariant).
+    unless the probe finds the CPU's GEMM not batch-invariant or a linear would pad calls of
+    fewer than ``AUTO_MAX_FLOOR`` rows (then off, with a warning);
+    off elsewhere (fp32 pads small batches to 16-57 rows; on CUDA cuBLAS is not batch-invariant).
 
     Returns:
         Whether deterministic inference is on.
 
     Raises:
         ValueError: asked for (True) with an attention backend that is not batch-invariant (torch).
-        NotBatchInvariantError: asked for, and a linear's GEMM has no batch-invariant row floor here.
+        NotBatchInvariantError: asked for, and a linear's GEMM has no batch-invariant row window here.
     """
     backend = model.attn_backend
     asked = cfg.deterministic_inference
@@ -460,7 +466,7 @@ def _make_deterministic(model: torch.nn.Module, cfg: EngineConfig, device: torch
                          f"triton), not {backend.name!r}: its SDPA and batched matmuls reduce in a batch-dependent order")
     pack_linears(model)
     try:
-        wrapped = make_batch_invariant(model, max_rows=probe_rows(cfg))
+        wrapped = make_batch_invariant(model, max_rows=probe_rows(cfg), max_floor=None if asked else AUTO_MAX_FLOOR)
     except NotBatchInvariantError as exc:
         if asked:
             raise
@@ -470,8 +476,8 @@ def _make_deterministic(model: torch.nn.Module, cfg: EngineConfig, device: torch
     tp = getattr(model, "tp", None)
     if tp is not None and tp.size > 1:
         tp.fixed_order = True  # every layer holds this one object
-    log.info("deterministic inference on: extend attention through the %s decode kernel, %d linears padded to a "
-             "row floor%s%s", backend.name, len(wrapped), ", all-reduce in rank order" if tp and tp.size > 1 else "",
+    log.info("deterministic inference on: extend attention through the %s decode kernel, %d linears at measured "
+             "row counts%s%s", backend.name, len(wrapped), ", all-reduce in rank order" if tp and tp.size > 1 else "",
              f", {pinned} int8 linears pinned to one kernel ({describe(model)})" if pinned else "")
     return True
 

@@ -209,5 +209,8 @@ def _filter(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p
     drop |= (sorted_p.cumsum(dim=-1) - sorted_p) > top_p.unsqueeze(1)
     drop |= sorted_p < (min_p.unsqueeze(1) * sorted_p.narrow(1, 0, 1))
     sorted_p = sorted_p.masked_fill(drop, 0.0)
-    out = torch.zeros_like(probs).scatter_(1, sorted_idx, sorted_p)
-    return out / out.sum(dim=-1, keepdim=True)
+    # The kept mass as a running sum (one thread per row, in rank order): torch's ``sum`` over
+    # the vocabulary splits a row across threads when the batch has few rows, so its bits
+    # would depend on the batch and break deterministic inference.
+    mass = sorted_p.cumsum(dim=-1).narrow(1, vocab - 1, 1)
+    return torch.zeros_like(probs).scatter_(1, sorted_idx, sorted_p / mass)

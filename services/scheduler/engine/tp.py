@@ -205,7 +205,7 @@ def worker_main(rank: int, cfg: SchedulerConfig) -> None:
             wrapped = make_batch_invariant(model, max_rows=probe_rows(ec))
             fix_kernels(model)
             tp.fixed_order = True
-            log.info("rank %d: deterministic inference on, %d linears padded, all-reduce in rank order", rank,
+            log.info("rank %d: deterministic inference on, %d linears at measured row counts, all-reduce in rank order", rank,
                      len(wrapped))
         log.info("rank %d of %d ready: KV pool %d tokens, %d KV heads", rank, cfg.tp_size, shape.max_total_tokens,
                  model.num_kv_heads)

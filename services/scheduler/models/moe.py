@@ -18,8 +18,8 @@ import re
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from services.scheduler.layers.batch_invariant import RowWindow
 from services.scheduler.layers.linear import can_pack, pack_weight, packed_linear
 from services.scheduler.layers.moe import ExpertMLP, fused_experts_cpu, select_experts, stacked_expert
 from services.scheduler.models.llama import LlamaConfig, LlamaForCausalLM, LlamaMLP, _Linear, silu_and_mul
@@ -71,8 +71,8 @@ class Experts(torch.nn.Module):
     expert's two weights in oneDNN's blocked layout, as ``PackedLinear`` does for dense layers
     (the stacked tensors stay: the Triton path and ``state_dict`` read them). For
     deterministic inference ``layers.batch_invariant`` probes ``linear_shapes`` and sets
-    ``min_rows``: an expert given fewer rows runs them zero-padded to that floor, so a token's
-    bits do not depend on how many others chose the same expert.
+    ``window``: an expert's rows run only at the row counts it measured (``RowWindow``), so a
+    token's bits do not depend on how many others chose the same expert.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
@@ -82,7 +82,7 @@ class Experts(torch.nn.Module):
                                           requires_grad=False)
         self.down = torch.nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
         self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        self.min_rows = 1
+        self.window: RowWindow | None = None
 
     def linear_shapes(self) -> list[tuple[int, int]]:
         """(in_features, out_features) of each expert's two matmuls: gate_up, then down."""
@@ -106,11 +106,10 @@ class Experts(torch.nn.Module):
 
             def run(e: int, rows: torch.Tensor) -> torch.Tensor:
                 return packed_linear(act(packed_linear(rows, packed[e][0])), packed[e][1])
-        floor = self.min_rows
-        if floor == 1:
+        window = self.window
+        if window is None:
             return run
-        return lambda e, rows: (run(e, rows) if rows.shape[0] >= floor else
-                                run(e, F.pad(rows, (0, 0, 0, floor - rows.shape[0]))).narrow(0, 0, rows.shape[0]))
+        return lambda e, rows: window.apply(lambda part: run(e, part), rows)
 
 
 class SparseMoeBlock(torch.nn.Module):
