@@ -23,6 +23,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from ringserve.modelfacts import tokenizer_vocab_size
 from ringserve.v1 import common_pb2, detokenizer_pb2
 from services.detokenizer.offsets import offset_step
 from services.detokenizer.output import group_outputs
@@ -77,7 +78,7 @@ class DetokenizerManager:
         self.max_decode_states = max_decode_states
         self.table = (table or build_byte_table(self.tokenizer)) if use_fast_path else None
         self._plain = _plain_texts(self.table) if self.table is not None else None
-        self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        self.vocab_size = tokenizer_vocab_size(self.tokenizer)
         self.special_ids = frozenset(
             i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special)
         self.byte_ids = byte_fallback_ids(self.tokenizer)
