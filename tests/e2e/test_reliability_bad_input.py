@@ -31,6 +31,7 @@ from google.protobuf import message_factory
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ringserve import sampling_params
 from ringserve.v1 import (
     common_pb2,
     detokenizer_pb2,
@@ -50,7 +51,7 @@ FUZZ = settings(max_examples=25, deadline=None, suppress_health_check=list(Healt
 
 bad_id = st.integers(-(2**31), -1) | st.integers(VOCAB, 2**31 - 1)
 bad_float = st.sampled_from([math.nan, math.inf, -math.inf])
-FLOAT_PARAMS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+FLOAT_PARAMS = tuple(p.name for p in sampling_params.TABLE if p.type is float)
 
 
 # --- tokenizer -----------------------------------------------------------------------------
