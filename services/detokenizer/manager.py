@@ -23,6 +23,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from ringserve import columns
 from ringserve.modelfacts import tokenizer_vocab_size
 from ringserve.v1 import common_pb2, detokenizer_pb2
 from services.detokenizer.offsets import offset_step
@@ -241,14 +242,11 @@ class DetokenizerManager:
     def _general_step(self, batch, rids, ids, ftypes, errors) -> list[str]:
         """Any mix of counts (prefill, speculative steps), unknown rids, or the offset path."""
         n = len(rids)
-        counts = batch.new_token_counts
         fins = batch.finish_reasons
         texts = [""] * n
         slow: list[tuple[int, DecodeStatus, list[int], bool]] = []
-        pos = 0
-        for i in range(n):
-            row_ids = ids[pos:pos + counts[i]]
-            pos += counts[i]
+        counts = batch.new_token_counts if len(batch.new_token_counts) == n else [0] * n  # missing: no new ids
+        for i, row_ids in enumerate(columns.split(ids, counts)):
             if i in errors:
                 continue
             if self.table is not None:
