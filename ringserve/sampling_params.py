@@ -110,6 +110,12 @@ TOP_LOGPROBS = Param("top_logprobs_num", int, 0, "Most likely tokens returned wi
                      lo=0, hi=20, http="top_logprobs")
 
 
+def resolved_defaults() -> dict[str, bool | int | float]:
+    """The constant default of every resolved parameter, by name: what the tokenizer fills in
+    (max_new_tokens and seed have none), for code that builds a ResolvedSamplingParams itself."""
+    return {p.name: p.default for p in RESOLVED if p.default is not None}
+
+
 def _float32_text(value: float) -> str | None:
     """The shortest spelling of ``value`` when it is a float32 (what a proto float carries), else None."""
     try:

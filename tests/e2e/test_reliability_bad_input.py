@@ -212,9 +212,8 @@ def test_deep_json_in_the_grpc_api_is_invalid_argument_naming_the_field(stack, r
 
 
 def resolved(**overrides) -> common_pb2.ResolvedSamplingParams:
-    p = common_pb2.ResolvedSamplingParams(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, max_new_tokens=4,
-                                          repetition_penalty=1.0, skip_special_tokens=True,
-                                          spaces_between_special_tokens=True)
+    p = common_pb2.ResolvedSamplingParams(**{**sampling_params.resolved_defaults(), "temperature": 0.0,
+                                             "max_new_tokens": 4})
     for name, value in overrides.items():
         setattr(p, name, value)
     return p
