@@ -82,6 +82,8 @@ TABLE: tuple[Param, ...] = (
           lo=0, hi=1, lo_open=True),
     Param("top_k", int, -1, "Keep the k most likely tokens; -1 keeps all.", lo=1, hi=INT32_MAX, off=-1),
     Param("min_p", float, 0.0, "Drop tokens less likely than min_p times the most likely one.", lo=0, hi=1),
+    Param("typical_p", float, 1.0, "Locally typical sampling: keep the tokens whose surprisal is closest to the "
+          "entropy until their mass reaches typical_p; 1 is off.", lo=0, hi=1, lo_open=True),
     Param("max_new_tokens", int, None, "Most tokens to generate; default: what the context window leaves.",
           lo=1, hi=INT32_MAX, http="max_tokens"),
     Param("min_new_tokens", int, 0, "Fewest tokens to generate before EOS or a stop token may end the output.",
