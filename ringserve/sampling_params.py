@@ -160,8 +160,12 @@ def bound_message(path: str, words: str, bound: Number, value: object) -> str:
     value is never echoed ("got a negative value").
     """
     if isinstance(value, float) and not math.isfinite(value):
-        return f"{path} must be a finite number, got {value}"
+        return _not_finite(path, value)
     return f"{path} must be {words} {_number(bound)}, got {_got(value)}"
+
+
+def _not_finite(path: str, value: float) -> str:
+    return f"{path} must be a finite number, got {value}"
 
 
 def violation(p: Param, value: Number, path: str | None = None) -> str | None:
@@ -181,7 +185,7 @@ def violation(p: Param, value: Number, path: str | None = None) -> str | None:
         return None
     path = path or p.name
     if isinstance(value, float) and not math.isfinite(value):
-        return bound_message(path, "", 0, value)
+        return _not_finite(path, value)
     if p.off is not None and value == p.off:
         return None
     if p.lo is not None and (value <= p.lo if p.lo_open else value < p.lo):

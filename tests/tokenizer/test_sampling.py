@@ -169,3 +169,13 @@ def test_top_logprobs_range(manager):
     with pytest.raises(RequestError) as info:
         manager.prepare(tokenizer_pb2.GenerateReqInput(text="hi", return_logprob=True, top_logprobs_num=21))
     assert info.value.message == "top_logprobs_num must be at most 20, got 21"
+
+
+def test_the_docs_table_is_generated_from_the_table():
+    lines = table.markdown().splitlines()
+    assert len(lines) == 2 + len(table.TABLE)
+    assert lines[2] == ("| `temperature` | `temperature` | float | 1 | [0, 2] | "
+                        "Divides the logits before sampling; 0 is greedy. |")
+    assert "| `top_k` | `top_k` | int | -1 | -1 or [1, 2147483647] |" in table.markdown()
+    assert "| `max_new_tokens` | `max_tokens` | int | — | [1, 2147483647] |" in table.markdown()
+    assert "| `seed` | `seed` | int | — | [0, 18446744073709551616) |" in table.markdown()
