@@ -23,6 +23,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from ringserve import columns
+from ringserve.modelfacts import tokenizer_vocab_size
 from ringserve.options.detokenizer import DetokenizerOptions
 from ringserve.v1 import common_pb2, detokenizer_pb2
 from services.detokenizer.offsets import offset_step
@@ -78,7 +80,7 @@ class DetokenizerManager:
         self.max_decode_states = max_decode_states
         self.table = (table or build_byte_table(self.tokenizer)) if use_fast_path else None
         self._plain = _plain_texts(self.table) if self.table is not None else None
-        self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        self.vocab_size = tokenizer_vocab_size(self.tokenizer)
         self.special_ids = frozenset(
             i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special)
         self.byte_ids = byte_fallback_ids(self.tokenizer)
@@ -241,14 +243,11 @@ class DetokenizerManager:
     def _general_step(self, batch, rids, ids, ftypes, errors) -> list[str]:
         """Any mix of counts (prefill, speculative steps), unknown rids, or the offset path."""
         n = len(rids)
-        counts = batch.new_token_counts
         fins = batch.finish_reasons
         texts = [""] * n
         slow: list[tuple[int, DecodeStatus, list[int], bool]] = []
-        pos = 0
-        for i in range(n):
-            row_ids = ids[pos:pos + counts[i]]
-            pos += counts[i]
+        counts = batch.new_token_counts if len(batch.new_token_counts) == n else [0] * n  # missing: no new ids
+        for i, row_ids in enumerate(columns.split(ids, counts)):
             if i in errors:
                 continue
             if self.table is not None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from operator import itemgetter
+
+from ringserve import columns
 from ringserve.v1 import common_pb2, detokenizer_pb2
 
 # An empty BatchStrOutput.finish_reasons element on the wire (field 5, length 0): parsing
@@ -54,48 +57,47 @@ def group_outputs(batch: detokenizer_pb2.BatchTokenIDOutput, rids: list[str], te
         return {tids[0]: out}
     return _group_rows(batch, rids, texts, errors, top_ns)
 
+
 def _group_rows(batch, rids, texts, errors, top_ns) -> dict[str, detokenizer_pb2.BatchStrOutput]:
-    """Rows split between tokenizers, or with error rows: column by column, row by row."""
-    out: dict[str, detokenizer_pb2.BatchStrOutput] = {}
+    """Rows split between tokenizers, or with error rows: each tokenizer's rows gathered column
+    by column (``ringserve.columns``), in batch order."""
     n = len(rids)
-    counts = batch.new_token_counts
-    fins = batch.finish_reasons
-    lp_counts = batch.logprob_counts if len(batch.logprob_counts) == n else [0] * n
-    pos = lp_pos = top_pos = 0
+    groups: dict[str, list[int]] = {}
+    for i, tid in enumerate(batch.tokenizer_ids):
+        if i not in errors or errors[i] is not None:  # None: a row already answered, dropped
+            groups.setdefault(tid, []).append(i)
+    counts = list(batch.new_token_counts)
+    # A missing column reads as zeros. A row without a state has no known top-k width (0).
+    lp_counts = list(batch.logprob_counts) if len(batch.logprob_counts) == n else [0] * n
+    top = top_ns or [0] * n
+    usage = [list(col) if len(col) == n else [0] * n
+             for col in (batch.prompt_tokens, batch.completion_tokens, batch.cached_tokens)]
+    ids_at = columns.offsets(counts)
+    lp_at = columns.offsets(lp_counts)
+    top_at = columns.offsets(lp_counts, top)
+    fins = batch.finish_reasons if len(batch.finish_reasons) == n else None
     prompt = {p.row: p for p in batch.prompt_logprobs}
-    for i in range(n):
-        c = counts[i]
-        lc = lp_counts[i]
-        # A row without a state has no known top-k width (0); only its own slice is lost.
-        top_n = top_ns[i] if top_ns else 0
-        if not (i in errors and errors[i] is None):
-            tid = batch.tokenizer_ids[i]
-            o = out.get(tid)
-            if o is None:
-                o = out[tid] = detokenizer_pb2.BatchStrOutput()
-            o.rids.append(rids[i])
-            o.texts.append(texts[i])
-            o.new_token_counts.append(c)
-            o.output_ids.extend(batch.output_ids[pos:pos + c])
+    out: dict[str, detokenizer_pb2.BatchStrOutput] = {}
+    for tid, rows in groups.items():
+        pick = itemgetter(*rows) if len(rows) > 1 else lambda col, i=rows[0]: (col[i],)
+        o = out[tid] = detokenizer_pb2.BatchStrOutput(
+            rids=pick(rids), texts=pick(texts), new_token_counts=pick(counts),
+            output_ids=columns.gather(batch.output_ids, ids_at, rows),
+            prompt_tokens=pick(usage[0]), completion_tokens=pick(usage[1]), cached_tokens=pick(usage[2]),
+            logprob_counts=pick(lp_counts), top_logprobs_nums=pick(top))
+        if lp_at[-1]:
+            o.output_token_logprobs.extend(columns.gather(batch.output_token_logprobs, lp_at, rows))
+        if top_at[-1]:
+            o.top_logprob_ids.extend(columns.gather(batch.top_logprob_ids, top_at, rows))
+            o.top_logprob_vals.extend(columns.gather(batch.top_logprob_vals, top_at, rows))
+        for j, i in enumerate(rows):
             if i in errors:
                 o.finish_reasons.append(errors[i])
-            elif len(fins) == n:
+            elif fins is not None:
                 o.finish_reasons.append(fins[i])
             else:
                 o.finish_reasons.add()
-            for src, dst in ((batch.prompt_tokens, o.prompt_tokens),
-                             (batch.completion_tokens, o.completion_tokens),
-                             (batch.cached_tokens, o.cached_tokens)):
-                dst.append(src[i] if len(src) == n else 0)
-            o.logprob_counts.append(lc)
-            o.output_token_logprobs.extend(batch.output_token_logprobs[lp_pos:lp_pos + lc])
-            o.top_logprobs_nums.append(top_n)
-            o.top_logprob_ids.extend(batch.top_logprob_ids[top_pos:top_pos + lc * top_n])
-            o.top_logprob_vals.extend(batch.top_logprob_vals[top_pos:top_pos + lc * top_n])
             if i in prompt:
                 o.prompt_logprobs.append(prompt[i])
-                o.prompt_logprobs[-1].row = len(o.rids) - 1
-        pos += c
-        lp_pos += lc
-        top_pos += lc * top_n
+                o.prompt_logprobs[-1].row = j
     return out

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from ringserve import columns
 from ringserve.metrics import ServiceMetrics, ignore_seconds
 from ringserve.v1 import common_pb2, detokenizer_pb2, detokenizer_pb2_grpc
 from services.detokenizer.manager import DetokenizerManager
@@ -19,32 +20,23 @@ log = logging.getLogger(__name__)
 LOAD_REPORT_INTERVAL_S = 1.0
 
 
-_ROW_COLUMNS = ("tokenizer_ids", "new_token_counts", "finish_reasons", "prompt_tokens", "completion_tokens",
-                "cached_tokens", "logprob_counts")
-
-
 def check_batch(batch: detokenizer_pb2.BatchTokenIDOutput, vocab_size: int) -> str | None:
     """Why ``batch`` breaks the columnar layout of detokenizer.proto, or None when it is sound.
 
     Checked before any state changes, so a malformed batch (a bug or a hostile peer) is
-    refused whole instead of failing half-way through a step. A RowInit's prompt tail with
-    ids outside the vocabulary is cleared in place (it is decode context only).
+    refused whole instead of failing half-way through a step: the layout
+    (``ringserve.columns.check``; the top-logprob widths are per rid, so only that the two
+    top-logprob columns pair up), then ids against the vocabulary, prompt logprobs and RowInits. A RowInit's
+    prompt tail with ids outside the vocabulary is cleared in place (it is decode context only).
     """
+    error = columns.check(batch, columns.TOKEN_IDS)
+    if error is not None:
+        return error
     n = len(batch.rids)
-    for name in _ROW_COLUMNS:
-        got = len(getattr(batch, name))
-        if got not in (0, n):
-            return f"{name} has {got} entries for {n} rows"
-    counts = batch.new_token_counts
-    if (counts and min(counts) < 0) or sum(counts) != len(batch.output_ids):
-        return f"new_token_counts (sum {sum(counts)}) do not cover output_ids ({len(batch.output_ids)} ids)"
     for name in ("output_ids", "top_logprob_ids"):
         ids = getattr(batch, name)
         if ids and (min(ids) < 0 or max(ids) >= vocab_size):
             return f"{name} hold ids outside the vocabulary [0, {vocab_size})"
-    lp = batch.logprob_counts
-    if (lp and min(lp) < 0) or sum(lp) != len(batch.output_token_logprobs):
-        return "logprob_counts do not cover output_token_logprobs"
     for p in batch.prompt_logprobs:
         if not (0 <= p.row < n and p.top_n >= 0 and len(p.top_ids) == len(p.top_vals) == p.top_n * len(p.logprobs)):
             return f"a PromptLogprobs (row {p.row} of {n}) is malformed"

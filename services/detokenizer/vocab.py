@@ -25,17 +25,18 @@ from __future__ import annotations
 
 import logging
 import random
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from ringserve.modelfacts import tokenizer_vocab_size
+from ringserve.token_bytes import byte_level_bytes, byte_token_value
+
 log = logging.getLogger(__name__)
 
 BYTE_LEVEL = "byte_level"
 BYTE_FALLBACK = "byte_fallback"
-_BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
@@ -50,19 +51,6 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     if not path.is_file():
         raise FileNotFoundError(f"no tokenizer.json at {model_dir}")
     return Tokenizer.from_file(str(path))
-
-
-def _gpt2_bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map (openai/gpt-2 encoder.py)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
 
 
 @dataclass(frozen=True)
@@ -153,7 +141,7 @@ def byte_fallback_ids(tok: Tokenizer) -> dict[int, int]:
     if '"ByteFallback"' not in json.dumps(json.loads(tok.to_str()).get("decoder")):
         return {}
     vocab = tok.get_vocab(with_added_tokens=False)
-    return {i: int(m.group(1), 16) for t, i in vocab.items() if (m := _BYTE_TOKEN.match(t))}
+    return {i: b for t, i in vocab.items() if (b := byte_token_value(t)) is not None}
 
 
 def build_byte_table(tok: Tokenizer, seed: int = 0) -> ByteTable | None:
@@ -170,22 +158,19 @@ def build_byte_table(tok: Tokenizer, seed: int = 0) -> ByteTable | None:
     if kind is None:
         log.info("decoder does not concatenate per-token pieces; using the offset algorithm")
         return None
-    size = tok.get_vocab_size(with_added_tokens=True)
+    size = tokenizer_vocab_size(tok)
     special = _special_ids(tok)
     keep: list = [None] * size
     if kind == BYTE_LEVEL:
-        char_to_byte = {c: b for b, c in _gpt2_bytes_to_unicode().items()}
         for i in range(size):
             token = tok.id_to_token(i)
             if token is None:
                 log.info("id %d has no token; using the offset algorithm", i)
                 return None
-            try:
-                keep[i] = bytes(char_to_byte[c] for c in token)
-            except KeyError:
-                # tokenizers' ByteLevel decoder keeps a token with a character outside the
-                # byte map (an added token such as "  ") as its UTF-8 text.
-                keep[i] = token.encode("utf-8")
+            # tokenizers' ByteLevel decoder keeps a token with a character outside the byte
+            # map (an added token such as "  ") as its UTF-8 text.
+            raw = byte_level_bytes(token)
+            keep[i] = token.encode("utf-8") if raw is None else raw
         skip = [b"" if i in special else p for i, p in enumerate(keep)]
     else:
         for i in range(size):
@@ -193,9 +178,9 @@ def build_byte_table(tok: Tokenizer, seed: int = 0) -> ByteTable | None:
             if token is None:
                 log.info("id %d has no token; using the offset algorithm", i)
                 return None
-            m = _BYTE_TOKEN.match(token)
-            if m:
-                keep[i] = int(m.group(1), 16)
+            byte = byte_token_value(token)
+            if byte is not None:
+                keep[i] = byte
             else:
                 for pattern, content in replaces:
                     token = token.replace(pattern, content)

@@ -1,9 +1,10 @@
 """Validated OpenAI / native requests -> ``GenerateReqInput`` protos.
 
 Only the fields a client gave are set on ``SamplingParams`` (proto3 ``optional``), so the
-tokenizer's defaults apply to the rest. Cross-field checks that need no model knowledge
-(min_tokens <= max_tokens, the continue_final_message rules, content part types) raise a
-400 here, before anything is sent.
+tokenizer's defaults apply to the rest; the table of ``ringserve.sampling_params`` says which
+fields there are and checks each value with the message the tokenizer would give.
+Cross-field checks that need no model knowledge (min_tokens <= max_tokens, the
+continue_final_message rules, content part types) raise a 400 here, before anything is sent.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import uuid
 from collections.abc import Sequence
 
 from ringserve import limits
+from ringserve import sampling_params as table
 from ringserve.v1 import common_pb2, tokenizer_pb2
 
 from .constraints import forced_tool_constraint, forced_tools, native_constraint, request_constraint
@@ -30,27 +32,30 @@ from .protocol import (
 # for a batch grows with it (a 16 MiB body holds millions of one-character prompts).
 MAX_BATCH_PROMPTS = 2048
 
-# Fields copied one to one from a request onto SamplingParams when the client set them.
-_PLAIN_FIELDS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "ignore_eos",
-    "skip_special_tokens",
-    "spaces_between_special_tokens",
-    "seed",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "n",
-)
-
-
 def new_rid(req: SamplingFields | GenerateRequest) -> str:
     """The client's rid (``rid`` or vLLM's ``request_id``), else a fresh uuid4 hex."""
     rid = req.rid or getattr(req, "request_id", None)
     return rid or uuid.uuid4().hex
+
+
+def _table_params(req: object, out: common_pb2.SamplingParams, http_names: bool, prefix: str = "") -> None:
+    """Copy every table parameter the client gave onto ``out`` (OpenAI names or the proto's).
+
+    The pydantic fields checked the bounds (``protocol.bounded``) but the lower one of a
+    parameter with an ``off`` value, checked here with the tokenizer's message (top_k: "-1
+    (disabled) or at least 1").
+
+    Raises:
+        GatewayError(400): the table's message naming ``prefix + name``.
+    """
+    for p in table.TABLE:
+        name = p.http_name if http_names else p.name
+        value = getattr(req, name)
+        if value is not None:
+            error = table.violation(p, value, prefix + name) if p.off is not None else None
+            if error is not None:
+                raise invalid(error, prefix.rstrip(".") or name)  # the top-level field, as pydantic's errors
+            setattr(out, p.name, value)
 
 
 def _logit_bias(bias: dict[str, float] | None, out: common_pb2.SamplingParams) -> None:
@@ -61,8 +66,9 @@ def _logit_bias(bias: dict[str, float] | None, out: common_pb2.SamplingParams) -
             raise invalid(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
         if not 0 <= token_id < 2**31:
             raise invalid(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
-        if not -100 <= value <= 100:
-            raise invalid(f"logit_bias values must be in [-100, 100], got {value}", "logit_bias")
+        error = table.violation(table.LOGIT_BIAS, value, f"logit_bias[{token_id}]")
+        if error is not None:
+            raise invalid(error, "logit_bias")
         out.logit_bias[token_id] = value
 
 
@@ -87,14 +93,9 @@ def sampling_params(req: SamplingFields) -> common_pb2.SamplingParams:
     if req.min_tokens is not None and max_tokens is not None and req.min_tokens > max_tokens:
         raise invalid(f"min_tokens ({req.min_tokens}) must not exceed {param} ({max_tokens})", "min_tokens")
     out = common_pb2.SamplingParams(stop=_stops(req.stop), stop_token_ids=req.stop_token_ids or ())
-    for name in _PLAIN_FIELDS:
-        value = getattr(req, name)
-        if value is not None:
-            setattr(out, name, value)
+    _table_params(req, out, http_names=True)
     if max_tokens is not None:
         out.max_new_tokens = max_tokens
-    if req.min_tokens is not None:
-        out.min_new_tokens = req.min_tokens
     if req.no_stop_trim is not None or req.include_stop_str_in_output is not None:
         out.no_stop_trim = bool(req.no_stop_trim or req.include_stop_str_in_output)
     _logit_bias(req.logit_bias, out)
@@ -115,9 +116,8 @@ def native_sampling_params(params: NativeSamplingParams) -> common_pb2.SamplingP
             f"min_new_tokens ({params.min_new_tokens}) must not exceed max_new_tokens ({params.max_new_tokens})",
             "sampling_params.min_new_tokens",
         )
-    fields = params.model_dump(exclude_none=True,
-                               exclude={"stop", "stop_token_ids", "logit_bias", "json_schema", "regex", "ebnf"})
-    out = common_pb2.SamplingParams(stop=_stops(params.stop), stop_token_ids=params.stop_token_ids or (), **fields)
+    out = common_pb2.SamplingParams(stop=_stops(params.stop), stop_token_ids=params.stop_token_ids or ())
+    _table_params(params, out, http_names=False, prefix="sampling_params.")
     _logit_bias(params.logit_bias, out)
     return out
 

@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from ringserve.limits import MAX_JSON_DEPTH, LimitExceeded
+from ringserve.sampling_params import bound_message
 
 logger = logging.getLogger(__name__)
 
@@ -174,11 +175,8 @@ def from_validation_errors(errors: Sequence[Mapping[str, Any]]) -> GatewayError:
     if kind in _BOUND_WORDS:
         words, key = _BOUND_WORDS[kind]
         bound = (err.get("ctx") or {}).get(key)
-        given = err.get("input")
-        # A negative number is never echoed: a client reading "max_tokens ... -5" cannot tell
-        # whether it gave -5 or the server computed it.
-        got = "a negative value" if isinstance(given, (int, float)) and given < 0 else repr(given)
-        return invalid(f"{path} must be {words} {bound}, got {got}", param, "invalid_value")
+        # Worded as the tokenizer and the scheduler word it (the sampling parameters' table).
+        return invalid(bound_message(path, words, bound, err.get("input")), param, "invalid_value")
     what = f"Invalid '{path}'" if path else "Invalid request body"
     code = "invalid_type" if kind.endswith("_type") or kind.endswith("_parsing") else "invalid_value"
     return invalid(f"{what}: {err.get('msg', 'invalid value')}", param, code)

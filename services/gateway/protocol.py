@@ -3,8 +3,10 @@
 Every model forbids unknown fields: a silently ignored parameter is how clients get wrong
 results. Ranges that need no model knowledge are checked here (they also appear in the
 OpenAPI schema); the tokenizer service checks the rest (context length, template errors).
-Optional sampling fields default to None so that only what the client gave reaches the
-tokenizer, which fills in the real defaults.
+The sampling fields are generated from the table of ``ringserve.sampling_params`` (names,
+types, bounds, help), under their OpenAI names in chat/completions and under the proto's in
+``/generate``. They default to None so that only what the client gave reaches the tokenizer,
+which fills in the real defaults.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model, model_validator
 from pydantic_core import PydanticCustomError
+
+from ringserve import sampling_params as table
 
 
 class Strict(BaseModel):
@@ -93,7 +97,7 @@ class Body(Strict):
 
 
 # Token counts and ids travel as proto int32: a larger number is a 400 here, not a 500 later.
-INT32_MAX = 2**31 - 1
+INT32_MAX = table.INT32_MAX
 # Messages per chat request (Azure OpenAI's limit): what bounds the gateway's validation
 # work on the event loop (services/gateway/body.py).
 MAX_CHAT_MESSAGES = 2048
@@ -107,6 +111,31 @@ def _integral(value: Any) -> Any:
 JsonInt = Annotated[int, BeforeValidator(_integral)]
 NonNegInt = Annotated[JsonInt, Field(ge=0, le=INT32_MAX)]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
+_JSON_TYPES: dict[type, Any] = {bool: bool, int: JsonInt, float: float}
+
+
+def bounded(p: table.Param, default: Any = None) -> Any:
+    """A pydantic field with ``p``'s bounds and help.
+
+    A parameter with an ``off`` value (top_k: -1, or at least 1) shows ``off`` as its
+    schema's minimum and is checked below by ``convert`` with the table's message, which
+    names both; every other bound is a pydantic constraint, whose error ``errors`` words as
+    the table does.
+    """
+    bounds: dict[str, Any] = {}
+    if p.off is not None:
+        bounds["json_schema_extra"] = {"minimum": p.off}
+    elif p.lo is not None:
+        bounds["gt" if p.lo_open else "ge"] = p.lo
+    if p.hi is not None:
+        bounds["lt" if p.hi_open else "le"] = p.hi
+    return Field(default, description=p.help, **bounds)
+
+
+def table_fields(http_names: bool) -> dict[str, Any]:
+    """Every parameter of the table as ``create_model`` field definitions (type | None, default None),
+    under its OpenAI name (``http_names``) or its proto name."""
+    return {p.http_name if http_names else p.name: (_JSON_TYPES[p.type] | None, bounded(p)) for p in table.TABLE}
 
 
 class StreamOptions(Strict):
@@ -209,30 +238,15 @@ class StructuredOutputs(Strict):
     grammar: str | None = None
 
 
-class SamplingFields(Body):
-    """Fields shared by chat and completions requests (OpenAI plus the SGLang/vLLM extensions)."""
+class _RequestFields(Body):
+    """Fields shared by chat and completions requests besides the table's sampling parameters."""
 
     model: str | None = None
-    max_tokens: JsonInt | None = Field(None, ge=1, le=INT32_MAX)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: JsonInt | None = Field(None, ge=-1, le=INT32_MAX)
-    min_p: float | None = Field(None, ge=0, le=1)
-    n: JsonInt | None = Field(None, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[NonNegInt] | None = None
-    seed: JsonInt | None = Field(None, ge=0, lt=2**64)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0, le=2)
     logit_bias: dict[str, float] | None = None
-    min_tokens: JsonInt | None = Field(None, ge=0, le=INT32_MAX)
-    ignore_eos: bool | None = None
-    skip_special_tokens: bool | None = None
-    spaces_between_special_tokens: bool | None = None
-    no_stop_trim: bool | None = None
     include_stop_str_in_output: bool | None = None
     user: str | None = None
     rid: str | None = Field(None, min_length=1)
@@ -241,11 +255,17 @@ class SamplingFields(Body):
     structured_outputs: StructuredOutputs | None = None
 
 
-class ChatCompletionRequest(SamplingFields):
+SamplingFields = create_model(
+    "SamplingFields", __base__=_RequestFields, __module__=__name__, **table_fields(http_names=True),
+    __doc__="Fields shared by chat and completions requests (OpenAI plus the SGLang/vLLM extensions).",
+)
+
+
+class ChatCompletionRequest(SamplingFields):  # type: ignore[misc,valid-type]
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_CHAT_MESSAGES)
-    max_completion_tokens: JsonInt | None = Field(None, ge=1, le=INT32_MAX)
+    max_completion_tokens: JsonInt | None = bounded(table.PARAMS["max_new_tokens"])
     logprobs: bool = False
-    top_logprobs: JsonInt | None = Field(None, ge=0, le=20)
+    top_logprobs: JsonInt | None = bounded(table.TOP_LOGPROBS)
     add_generation_prompt: bool | None = None
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -253,43 +273,34 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     echo: bool = False  # vLLM: prepend the final assistant message (when continuing it)
-    prompt_logprobs: JsonInt | None = Field(None, ge=0, le=20)  # vLLM: logprobs of the prompt's tokens
+    prompt_logprobs: JsonInt | None = bounded(table.TOP_LOGPROBS)  # vLLM: logprobs of the prompt's tokens
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(SamplingFields):  # type: ignore[misc,valid-type]
     prompt: NonEmptyStr | list[NonNegInt] | list[list[NonNegInt]] | list[NonEmptyStr]
     # 0 only with echo or prompt_logprobs: score the prompt, generate nothing.
     max_tokens: JsonInt | None = Field(None, ge=0, le=INT32_MAX)
     echo: bool = False  # with logprobs: the prompt's tokens get entries too (the first: null)
-    logprobs: JsonInt | None = Field(None, ge=0, le=20)
-    prompt_logprobs: JsonInt | None = Field(None, ge=0, le=20)  # vLLM
+    logprobs: JsonInt | None = bounded(table.TOP_LOGPROBS)
+    prompt_logprobs: JsonInt | None = bounded(table.TOP_LOGPROBS)  # vLLM
 
 
-class NativeSamplingParams(Strict):
-    """``sampling_params`` of ``POST /generate``: the fields of the proto's SamplingParams."""
+class _NativeFields(Strict):
+    """``/generate``'s sampling_params besides the table's parameters."""
 
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: JsonInt | None = Field(None, ge=-1, le=INT32_MAX)
-    min_p: float | None = Field(None, ge=0, le=1)
-    max_new_tokens: JsonInt | None = Field(None, ge=1, le=INT32_MAX)
-    min_new_tokens: JsonInt | None = Field(None, ge=0, le=INT32_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[NonNegInt] | None = None
-    ignore_eos: bool | None = None
-    skip_special_tokens: bool | None = None
-    spaces_between_special_tokens: bool | None = None
-    no_stop_trim: bool | None = None
-    seed: JsonInt | None = Field(None, ge=0, lt=2**64)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0, le=2)
     logit_bias: dict[str, float] | None = None
-    n: JsonInt | None = Field(None, ge=1, le=128)
     # SGLang's constraints (at most one, here or at the top level of the request).
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+
+
+NativeSamplingParams = create_model(
+    "NativeSamplingParams", __base__=_NativeFields, __module__=__name__, **table_fields(http_names=False),
+    __doc__="``sampling_params`` of ``POST /generate``: the fields of the proto's SamplingParams.",
+)
 
 
 class GenerateRequest(Body):
@@ -301,7 +312,7 @@ class GenerateRequest(Body):
     stream: bool = False
     rid: str | None = Field(None, min_length=1)
     return_logprob: bool = False
-    top_logprobs_num: JsonInt = Field(0, ge=0, le=20)
+    top_logprobs_num: JsonInt = bounded(table.TOP_LOGPROBS, 0)
     # With return_logprob: prompt logprobs from this position (SGLang); -1 = none.
     logprob_start_len: JsonInt = Field(-1, ge=-1, le=INT32_MAX)
     json_schema: str | None = None

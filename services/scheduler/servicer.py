@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 
 import grpc
 
@@ -13,21 +12,6 @@ from services.scheduler.engine.loop import EngineLoop
 from services.scheduler.wire import load_to_proto, req_input_from_proto
 
 log = logging.getLogger(__name__)
-
-_FLOAT_PARAMS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
-
-
-def non_finite(msg: scheduler_pb2.TokenizedGenerateReqInput) -> str | None:
-    """Name the first NaN or infinite float of ``msg``'s sampling params (the engine's range
-    checks let NaN through), or None."""
-    p = msg.sampling_params
-    for name in _FLOAT_PARAMS:
-        if not math.isfinite(getattr(p, name)):
-            return f"sampling_params.{name} must be finite, got {getattr(p, name)}"
-    if any(not math.isfinite(v) for v in p.logit_bias.values()):
-        return "sampling_params.logit_bias values must be finite"
-    return None
-
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     """One Connect stream per tokenizer instance; rids it owns die with its stream.
@@ -89,12 +73,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         async for msg in request_iterator:
             kind = msg.WhichOneof("msg")
             if kind == "req":
-                spec = req_input_from_proto(msg.req, tokenizer_id)
-                error = non_finite(msg.req)
-                if error is not None:
-                    self.loop.refuse(spec, error, "INVALID_ARGUMENT")
-                else:
-                    self.loop.submit(spec)
+                # The engine validates it (NaN and every bound included: engine/validate.py).
+                self.loop.submit(req_input_from_proto(msg.req, tokenizer_id))
             elif kind == "abort":
                 # Only this stream's own requests: an AbortReq naming another tokenizer (or
                 # another tokenizer's rid) aborts nothing.

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ringserve.prompt_bounds import PromptBounds
+from ringserve.token_bytes import BYTE_TOKENS
 from services.tokenizer.model import ModelFacts
 
 # Normalizers that never return fewer characters than they read, and the most characters one
@@ -45,7 +46,6 @@ _NON_SHRINKING_NORMALIZERS = frozenset({"NFD", "NFKD", "Lowercase", "Prepend", "
 _COMPOSING_NORMALIZERS = {"NFC": 4, "NFKC": 18}
 # Pre-tokenizers that only split (or map characters one to one); others may drop text.
 _KEEPING_PRE_TOKENIZERS = frozenset({"ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "Split", "Punctuation"})
-_BYTE_PIECES = frozenset(f"<0x{b:02X}>" for b in range(256))
 
 
 class NoBound(Exception):
@@ -92,7 +92,7 @@ def _check_unknown(backend: Any) -> None:
     model = backend.model
     kind = type(model).__name__
     byte_fallback = getattr(model, "byte_fallback", False) and all(
-        backend.token_to_id(piece) is not None for piece in _BYTE_PIECES)
+        backend.token_to_id(piece) is not None for piece in BYTE_TOKENS)
     if kind == "BPE" and (model.unk_token is None or byte_fallback or not model.fuse_unk):
         return
     if kind == "Unigram" and byte_fallback:

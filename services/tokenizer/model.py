@@ -1,8 +1,8 @@
 """Load the tokenizer and the model facts the tokenizer service needs from a model directory.
 
 Reads ``tokenizer.json`` / ``tokenizer_config.json`` / ``chat_template.jinja``
-through transformers, and ``config.json`` / ``generation_config.json`` for the
-context length and EOS ids. It never imports torch: ``AutoTokenizer`` pulls in
+through transformers, and ``config.json`` for the context length; the EOS ids and the
+vocabulary size follow the shared definitions of ``ringserve.modelfacts``. It never imports torch: ``AutoTokenizer`` pulls in
 ``transformers.configuration_utils`` and, through it, torch whenever torch is
 installed, so the class is resolved here the way AutoTokenizer resolves it for
 a local directory (``tokenizer_class`` in tokenizer_config.json, a top-level
@@ -18,6 +18,8 @@ from typing import Any
 
 import transformers
 
+from ringserve.modelfacts import eos_token_ids, tokenizer_vocab_size
+
 
 @dataclass(frozen=True)
 class ModelFacts:
@@ -26,8 +28,8 @@ class ModelFacts:
     model_path: str
     served_model_name: str
     context_length: int  # tokens: prompt + completion must fit
-    vocab_size: int  # valid ids are [0, vocab_size)
-    eos_token_ids: tuple[int, ...]
+    vocab_size: int  # the tokenizer vocabulary size: valid ids are [0, vocab_size)
+    eos_token_ids: tuple[int, ...]  # ringserve.modelfacts.eos_token_ids: what the scheduler stops on
     has_chat_template: bool
 
 
@@ -51,40 +53,30 @@ def load_tokenizer(model_dir: Path) -> Any:
     return cls.from_pretrained(str(model_dir))
 
 
-def _ids(value: Any) -> list[int]:
-    if value is None:
-        return []
-    return [value] if isinstance(value, int) else [int(v) for v in value]
-
-
 def model_facts(
     model_dir: Path, tokenizer: Any, served_model_name: str | None = None, context_length: int | None = None
 ) -> ModelFacts:
     """Facts of ``model_dir``: context length from the flag or config.json's max_position_embeddings.
 
-    EOS ids are the union (in order) of the tokenizer's eos token, config.json's and
-    generation_config.json's eos_token_id.
+    EOS ids and the vocabulary size are ``ringserve.modelfacts``'s: the EOS ids every file
+    names (the set the scheduler stops on) and the tokenizer vocabulary size.
 
     Raises:
         ValueError: no context length given and none in config.json, or it is < 2.
     """
     config = _read_json(model_dir / "config.json")
-    gen_config = _read_json(model_dir / "generation_config.json")
     if context_length is None:
         context_length = config.get("max_position_embeddings")
         if context_length is None:
             raise ValueError(f"{model_dir}/config.json has no max_position_embeddings; pass --context-length")
     if context_length < 2:
         raise ValueError(f"context length must be at least 2 tokens, got {context_length}")
-    eos: list[int] = []
-    for tid in _ids(tokenizer.eos_token_id) + _ids(config.get("eos_token_id")) + _ids(gen_config.get("eos_token_id")):
-        if tid not in eos:
-            eos.append(tid)
+    vocabulary = tokenizer.backend_tokenizer
     return ModelFacts(
         model_path=str(model_dir),
         served_model_name=served_model_name or model_dir.resolve().name,
         context_length=int(context_length),
-        vocab_size=len(tokenizer),
-        eos_token_ids=tuple(eos),
+        vocab_size=tokenizer_vocab_size(vocabulary),
+        eos_token_ids=eos_token_ids(model_dir, vocabulary.token_to_id),
         has_chat_template=bool(tokenizer.chat_template),
     )

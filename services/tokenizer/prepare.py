@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from ringserve.token_bytes import byte_level_bytes, byte_token_value
 from ringserve.v1 import common_pb2, scheduler_pb2, tokenizer_pb2
 from services.tokenizer.chat import render_chat
 from services.tokenizer.constraints import gate_reasoning
@@ -29,31 +30,15 @@ from services.tokenizer.sampling import (
 from services.tokenizer.special import SpecialTokenGuard
 
 
-def _gpt2_byte_of_char() -> dict[str, int]:
-    """Inverse of GPT-2's byte -> printable character map (openai/gpt-2 encoder.py)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    chars = [chr(b) for b in bs]
-    extra = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            chars.append(chr(256 + extra))
-            extra += 1
-    return dict(zip(chars, bs))
-
-
-_BYTE_OF_CHAR = _gpt2_byte_of_char()
-
-
 def _token_bytes(text: str, piece: str) -> bytes:
     """The raw bytes of one token: ``text`` when it decoded cleanly, else from its piece."""
     if "\ufffd" not in text:
         return text.encode()
-    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-        return bytes([int(piece[3:5], 16)])
-    if all(c in _BYTE_OF_CHAR for c in piece):
-        return bytes(_BYTE_OF_CHAR[c] for c in piece)
-    return text.encode()
+    byte = byte_token_value(piece)
+    if byte is not None:
+        return bytes([byte])
+    raw = byte_level_bytes(piece)
+    return text.encode() if raw is None else raw
 
 
 @dataclass(frozen=True)

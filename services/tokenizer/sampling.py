@@ -1,44 +1,36 @@
 """Validate a request's sampling parameters and fill in every default.
 
-Ranges follow the OpenAI API where it defines them (temperature, top_p, n,
-penalties, logit_bias, top_logprobs) and vLLM/SGLang's ``SamplingParams.verify``
-otherwise (top_k, min_p, repetition_penalty, min_new_tokens). NaN and infinite
-floats are rejected. Errors are ``RequestError`` (gRPC INVALID_ARGUMENT); the
-message names the proto field, the "param" trailer names the OpenAI parameter
-(``max_new_tokens`` -> "max_tokens", ``min_new_tokens`` -> "min_tokens").
+The scalar parameters, their defaults and their bounds are the table of
+``ringserve.sampling_params`` (ranges from the OpenAI API where it defines them, vLLM/SGLang's
+``SamplingParams.verify`` otherwise); every message is the table's, which the gateway and the
+scheduler give too. What the table cannot state is checked here: ids against the vocabulary,
+stop strings, the context window, min_new_tokens against max_new_tokens. Errors are
+``RequestError`` (gRPC INVALID_ARGUMENT); the message names the proto field, the "param"
+trailer the OpenAI parameter (``max_new_tokens`` -> "max_tokens", ``min_new_tokens`` ->
+"min_tokens").
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Any
 
-import math
-from dataclasses import dataclass
-
+from ringserve import sampling_params as table
 from ringserve.prompt_bounds import context_overflow_message
 from ringserve.v1 import common_pb2
 from services.tokenizer.constraints import resolve_constraint
 from services.tokenizer.errors import CONTEXT_LENGTH_EXCEEDED, invalid
 
-MAX_N = 128
-MAX_TOP_LOGPROBS = 20
 UINT64 = 1 << 64
-
-OPENAI_PARAM = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "top_logprobs_num": "top_logprobs"}
-
-
-def _param(name: str) -> str:
-    return OPENAI_PARAM.get(name, name)
+# max_new_tokens may be 0 when the request only scores its prompt.
+_SCORE_ONLY = replace(table.PARAMS["max_new_tokens"], lo=0)
 
 
-def _float(sp: common_pb2.SamplingParams, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
-    if not sp.HasField(name):
-        return default
-    v = getattr(sp, name)
-    ok = math.isfinite(v) and (lo < v if lo_open else lo <= v) and v <= hi
-    if not ok:
-        raise invalid(f"{name} must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v:g}", _param(name))
-    return v
+def _check(p: table.Param, value: Any, path: str | None = None, param: str | None = None) -> None:
+    """Raise the table's refusal of ``value`` (RequestError; param: the OpenAI name), if any."""
+    error = table.violation(p, value, path)
+    if error is not None:
+        raise invalid(error, param or p.http_name)
 
 
 @dataclass(frozen=True)
@@ -75,24 +67,14 @@ def resolve_sampling_params(
         RequestError: INVALID_ARGUMENT; code "context_length_exceeded" when the prompt
             (plus max_new_tokens) does not fit, else "invalid_value".
     """
-    temperature = _float(sp, "temperature", 1.0, 0.0, 2.0)
-    top_p = _float(sp, "top_p", 1.0, 0.0, 1.0, lo_open=True)
-    min_p = _float(sp, "min_p", 0.0, 0.0, 1.0)
-    presence_penalty = _float(sp, "presence_penalty", 0.0, -2.0, 2.0)
-    frequency_penalty = _float(sp, "frequency_penalty", 0.0, -2.0, 2.0)
-    repetition_penalty = _float(sp, "repetition_penalty", 1.0, 0.0, 2.0, lo_open=True)
-
-    top_k = sp.top_k if sp.HasField("top_k") else -1
-    if top_k != -1 and top_k < 1:
-        raise invalid(f"top_k must be -1 (disabled) or at least 1, got {top_k}", "top_k")
-    n = sp.n if sp.HasField("n") else 1
-    if not 1 <= n <= MAX_N:
-        raise invalid(f"n must be in [1, {MAX_N}], got {n}", "n")
-    lowest = 0 if score_only_ok else 1
-    if sp.HasField("max_new_tokens") and sp.max_new_tokens < lowest:
-        raise invalid(f"max_new_tokens must be at least {lowest}, got {sp.max_new_tokens}", "max_tokens")
-    if sp.HasField("min_new_tokens") and sp.min_new_tokens < 0:
-        raise invalid(f"min_new_tokens must be at least 0, got {sp.min_new_tokens}", "min_tokens")
+    values: dict[str, Any] = {}
+    for p in table.TABLE:
+        if not sp.HasField(p.name):
+            values[p.name] = p.default
+            continue
+        value = getattr(sp, p.name)
+        _check(_SCORE_ONLY if score_only_ok and p.name == "max_new_tokens" else p, value)
+        values[p.name] = value
     for s in sp.stop:
         if not s:
             raise invalid("stop strings must not be empty", "stop")
@@ -102,10 +84,9 @@ def resolve_sampling_params(
     for tid, bias in sp.logit_bias.items():
         if not 0 <= tid < vocab_size:
             raise invalid(f"logit_bias: token id {tid} is outside the vocabulary [0, {vocab_size})", "logit_bias")
-        if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
-            raise invalid(f"logit_bias: the bias of token {tid} must be in [-100, 100], got {bias:g}", "logit_bias")
+        _check(table.LOGIT_BIAS, bias, f"logit_bias[{tid}]")
 
-    max_new = sp.max_new_tokens if sp.HasField("max_new_tokens") else None
+    max_new = values["max_new_tokens"]
     if prompt_len >= context_length or (max_new is not None and prompt_len + max_new > context_length):
         raise invalid(
             context_overflow_message(context_length, prompt_len, max_new, prompt_param),
@@ -113,41 +94,25 @@ def resolve_sampling_params(
             CONTEXT_LENGTH_EXCEEDED,
         )
     if max_new is None:
-        max_new = context_length - prompt_len
-    min_new = sp.min_new_tokens if sp.HasField("min_new_tokens") else 0
+        max_new = values["max_new_tokens"] = context_length - prompt_len
+    min_new = values["min_new_tokens"]
     if min_new > max_new:
         bound = "" if sp.HasField("max_new_tokens") else ", what the context window leaves after the prompt"
         raise invalid(f"min_new_tokens ({min_new}) must not exceed max_new_tokens ({max_new}{bound})", "min_tokens")
 
     params = common_pb2.ResolvedSamplingParams(
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        min_p=min_p,
-        max_new_tokens=max_new,
-        min_new_tokens=min_new,
+        **{p.name: values[p.name] for p in table.RESOLVED if values[p.name] is not None},
         stop=list(sp.stop),
         stop_token_ids=list(sp.stop_token_ids),
-        ignore_eos=sp.ignore_eos if sp.HasField("ignore_eos") else False,
-        skip_special_tokens=sp.skip_special_tokens if sp.HasField("skip_special_tokens") else True,
-        spaces_between_special_tokens=(
-            sp.spaces_between_special_tokens if sp.HasField("spaces_between_special_tokens") else True
-        ),
-        no_stop_trim=sp.no_stop_trim if sp.HasField("no_stop_trim") else False,
-        presence_penalty=presence_penalty,
-        frequency_penalty=frequency_penalty,
-        repetition_penalty=repetition_penalty,
         logit_bias=dict(sp.logit_bias),
     )
-    if sp.HasField("seed"):
-        params.seed = sp.seed
     if sp.HasField("constraint"):
         if min_new:
             # The grammar may allow only a stop token before min_new_tokens: nothing could be sampled.
             raise invalid(f"min_tokens cannot be combined with {sp.constraint.param or 'a constraint'}",
                           "min_tokens")
         params.constraint.CopyFrom(resolve_constraint(sp.constraint))
-    return Resolved(params, n)
+    return Resolved(params, values["n"])
 
 
 def check_top_logprobs_num(top_logprobs_num: int) -> None:
@@ -156,8 +121,7 @@ def check_top_logprobs_num(top_logprobs_num: int) -> None:
     Raises:
         RequestError: INVALID_ARGUMENT, param "top_logprobs".
     """
-    if not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
-        raise invalid(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs_num}", "top_logprobs")
+    _check(table.TOP_LOGPROBS, top_logprobs_num)
 
 
 def check_prompt_logprobs(req: Any, prompt_len: int) -> None:
@@ -169,9 +133,7 @@ def check_prompt_logprobs(req: Any, prompt_len: int) -> None:
     if req.HasField("logprob_start_len") and not 0 <= req.logprob_start_len < prompt_len:
         raise invalid(f"logprob_start_len must be in [0, {prompt_len}) (the prompt has {prompt_len} tokens), "
                       f"got {req.logprob_start_len}", "logprob_start_len")
-    if not 0 <= req.prompt_top_logprobs_num <= MAX_TOP_LOGPROBS:
-        raise invalid(f"prompt_top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], "
-                      f"got {req.prompt_top_logprobs_num}", "prompt_logprobs")
+    _check(table.TOP_LOGPROBS, req.prompt_top_logprobs_num, "prompt_top_logprobs_num", "prompt_logprobs")
 
 
 def seed_for_choice(seed: int, index: int) -> int:

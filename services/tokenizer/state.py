@@ -9,11 +9,13 @@ GenerateOutput its call sends.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
+from ringserve import columns
 from ringserve.v1 import common_pb2, detokenizer_pb2, tokenizer_pb2
 from services.tokenizer.errors import INTERNAL_ERROR, INVALID_REQUEST, SERVER_OVERLOADED, SERVICE_UNAVAILABLE, RequestError
 
@@ -47,43 +49,47 @@ class Row:
 
 
 def split_rows(batch: detokenizer_pb2.BatchStrOutput) -> list[Row]:
-    """The rows of a columnar BatchStrOutput (layout in detokenizer.proto).
+    """The rows of a columnar BatchStrOutput (``ringserve.columns``).
 
-    Called once per step: each column is read once (indexing a protobuf repeated field per
-    row costs more than one copy to a list), and the logprob columns only when the batch
-    carries logprobs.
+    Called once per step: each column is read once and cut into rows by its offsets
+    (indexing a protobuf repeated field per row costs more than one copy to a list), and the
+    logprob columns only when the batch carries logprobs.
     """
     rids = batch.rids
     fins = batch.finish_reasons
     prompt = {p.row: p for p in batch.prompt_logprobs} if batch.prompt_logprobs else {}
-    if len(rids) == 1 and not batch.output_token_logprobs:  # one row without logprobs (concurrency 1)
-        return [Row(rids[0], batch.texts[0], list(batch.output_ids), fins[0], batch.completion_tokens[0],
-                    batch.cached_tokens[0], [], [], prompt.get(0))]
-    texts = list(batch.texts)
-    completion = list(batch.completion_tokens)
-    cached = list(batch.cached_tokens)
-    ids = list(batch.output_ids)
-    lp_counts = list(batch.logprob_counts) if batch.output_token_logprobs else []
-    top_nums = list(batch.top_logprobs_nums) if batch.top_logprob_ids else []
-    rows = []
-    ids_at = lp_at = top_at = 0
-    for i, n_ids in enumerate(batch.new_token_counts):
+    if len(rids) == 1:  # one row (concurrency 1) owns every column whole
         logprobs: list[float] = []
         top: list[tokenizer_pb2.TopLogprobs] = []
-        if lp_counts:
-            n_lp = lp_counts[i]
-            logprobs = list(batch.output_token_logprobs[lp_at:lp_at + n_lp])
-            lp_at += n_lp
-            k = top_nums[i] if top_nums else 0
-            if k > 0:
-                for at in range(top_at, top_at + n_lp * k, k):
-                    top.append(tokenizer_pb2.TopLogprobs(token_ids=batch.top_logprob_ids[at:at + k],
-                                                         logprobs=batch.top_logprob_vals[at:at + k]))
-                top_at += n_lp * k
-        rows.append(Row(rids[i], texts[i], ids[ids_at:ids_at + n_ids], fins[i], completion[i], cached[i],
-                        logprobs, top, prompt.get(i)))
-        ids_at += n_ids
-    return rows
+        if batch.output_token_logprobs:
+            logprobs = list(batch.output_token_logprobs)
+            if batch.top_logprob_ids and batch.top_logprobs_nums:
+                top = _top_logprobs(batch.top_logprob_ids, batch.top_logprob_vals, batch.top_logprobs_nums[0])
+        return [Row(rids[0], batch.texts[0], list(batch.output_ids), fins[0], batch.completion_tokens[0],
+                    batch.cached_tokens[0], logprobs, top, prompt.get(0))]
+    n = len(rids)
+    ids = columns.split(batch.output_ids, batch.new_token_counts)
+    row_logprobs = tops = None
+    if batch.output_token_logprobs and len(batch.logprob_counts) == n:
+        lp_counts = list(batch.logprob_counts)
+        row_logprobs = columns.split(batch.output_token_logprobs, lp_counts)
+        widths = batch.top_logprobs_nums
+        if batch.top_logprob_ids and len(widths) == n:
+            tops = list(map(_top_logprobs, columns.split(batch.top_logprob_ids, lp_counts, widths),
+                            columns.split(batch.top_logprob_vals, lp_counts, widths), widths))
+    row_logprobs = row_logprobs or [[] for _ in range(n)]
+    tops = tops or [[] for _ in range(n)]
+    if prompt:
+        return [Row(*cols, prompt.get(i)) for i, cols in enumerate(zip(
+            rids, batch.texts, ids, fins, batch.completion_tokens, batch.cached_tokens, row_logprobs, tops))]
+    return list(map(Row, rids, batch.texts, ids, fins, batch.completion_tokens, batch.cached_tokens, row_logprobs,
+                    tops))
+
+
+def _top_logprobs(ids: Sequence[int], vals: Sequence[float], k: int) -> list[tokenizer_pb2.TopLogprobs]:
+    """One row's top logprobs: k ids and values per token."""
+    return [tokenizer_pb2.TopLogprobs(token_ids=ids[at:at + k], logprobs=vals[at:at + k])
+            for at in range(0, len(ids), k)] if k > 0 else []
 
 
 @dataclass(eq=False)

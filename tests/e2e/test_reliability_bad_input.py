@@ -31,6 +31,7 @@ from google.protobuf import message_factory
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ringserve import sampling_params
 from ringserve.v1 import (
     common_pb2,
     detokenizer_pb2,
@@ -50,7 +51,7 @@ FUZZ = settings(max_examples=25, deadline=None, suppress_health_check=list(Healt
 
 bad_id = st.integers(-(2**31), -1) | st.integers(VOCAB, 2**31 - 1)
 bad_float = st.sampled_from([math.nan, math.inf, -math.inf])
-FLOAT_PARAMS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+FLOAT_PARAMS = tuple(p.name for p in sampling_params.TABLE if p.type is float)
 
 
 # --- tokenizer -----------------------------------------------------------------------------
@@ -211,9 +212,8 @@ def test_deep_json_in_the_grpc_api_is_invalid_argument_naming_the_field(stack, r
 
 
 def resolved(**overrides) -> common_pb2.ResolvedSamplingParams:
-    p = common_pb2.ResolvedSamplingParams(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, max_new_tokens=4,
-                                          repetition_penalty=1.0, skip_special_tokens=True,
-                                          spaces_between_special_tokens=True)
+    p = common_pb2.ResolvedSamplingParams(**{**sampling_params.resolved_defaults(), "temperature": 0.0,
+                                             "max_new_tokens": 4})
     for name, value in overrides.items():
         setattr(p, name, value)
     return p

@@ -45,3 +45,90 @@ def test_top_k_one_is_greedy_and_logprobs(make_engine, chat_ids, greedy_req, run
         assert math.isclose(vals[0], lp.logprobs[t], abs_tol=1e-6) and vals == sorted(vals, reverse=True)
         assert lp.logprobs[t] <= 0.0
     assert res["g"].logprobs == []  # no logprob columns for rows that did not ask
+
+
+# --- typical_p (locally typical sampling), without a model ------------------------------------
+
+# Entropy 1.2130 nats; |surprisal - entropy| per token: 0.520, 0.173, 0.866, 0.866. Sorted by it,
+# tokens 1, 0, then 2 and 3 tied, with cumulative mass 0.25, 0.75, 0.875, 1.
+PROBS = [0.5, 0.25, 0.125, 0.125]
+
+
+def test_typical_keeps_the_tokens_nearest_the_entropy():
+    import torch
+
+    from services.scheduler.engine.sampling import typical
+
+    masses = [0.2, 0.25, 0.5, 0.75, 0.76, 1.0]
+    out = typical(torch.tensor([PROBS] * len(masses)), torch.tensor(masses))
+    assert (out > 0).tolist() == [
+        [False, True, False, False],  # token 1 alone reaches 0.2 and 0.25
+        [False, True, False, False],
+        [True, True, False, False],  # 0.25 < 0.5: token 0 too, 0.75 reaches 0.5 and 0.75
+        [True, True, False, False],
+        [True, True, True, True],  # 2 and 3 are tied: both stay
+        [True, True, True, True],  # 1 is off
+    ]
+    assert out[0].tolist() == [0.0, 1.0, 0.0, 0.0]
+    assert torch.allclose(out[2], torch.tensor([2 / 3, 1 / 3, 0.0, 0.0]))
+    assert out[5].tolist() == PROBS
+
+
+def test_typical_keeps_what_hf_transformers_keeps():
+    import torch
+    from transformers.generation.logits_process import TypicalLogitsWarper
+
+    from services.scheduler.engine.sampling import typical
+
+    gen = torch.Generator().manual_seed(0)
+    for mass in (0.1, 0.5, 0.9, 0.99):
+        logits = torch.randn(16, 500, generator=gen) * 3
+        kept = typical(torch.softmax(logits, dim=-1), torch.full((16,), mass)) > 0
+        assert torch.equal(kept, torch.isfinite(TypicalLogitsWarper(mass=mass)(None, logits.clone()))), mass
+
+
+def _typical_reqs(masses: list[float], return_logprob: bool = False) -> list:
+    from services.scheduler.engine.req import Req
+
+    return [Req(ReqInput(rid=f"r{i}", input_ids=[1], return_logprob=return_logprob,
+                         sampling=SamplingParams(temperature=1.0, typical_p=m))) for i, m in enumerate(masses)]
+
+
+def test_sampler_draws_only_kept_tokens_batched():
+    import torch
+
+    from services.scheduler.engine.device import DeviceRuntime
+    from services.scheduler.engine.sampling import Sampler
+
+    sampler = Sampler(DeviceRuntime(torch.device("cpu")), seed=0)
+    masses = [0.2] * 100 + [0.5] * 100 + [1.0] * 100
+    logits = torch.tensor(PROBS).log().repeat(len(masses), 1)
+    result = sampler.sample(logits, _typical_reqs(masses, return_logprob=True))
+    ids = result.next_ids.tolist()
+    assert set(ids[:100]) == {1} and set(ids[100:200]) == {0, 1} and set(ids[200:]) == {0, 1, 2, 3}
+    assert result.logprobs[:100].tolist() == [0.0] * 100  # the one kept token has all the mass
+
+
+def test_typical_on_fake_cuda_tensors_reads_nothing_back():
+    """Under FakeTensorMode a host sync (``.item()``, ``bool(t)``) would raise: none happens."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from services.scheduler.engine.device import CudaRuntime
+    from services.scheduler.engine.sampling import Sampler
+
+    cuda = torch.device("cuda:0")
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+
+    class FakeCuda(CudaRuntime):
+        def to_device(self, host):
+            return FakeTensor(mode, host.to("meta"), cuda)
+
+        def generator(self, seed):
+            return None
+
+    with mode:
+        logits = torch.empty(3, 64, device=cuda)
+        result = Sampler(FakeCuda(cuda)).sample(logits, _typical_reqs([0.3, 0.9, 1.0], return_logprob=True))
+    assert result.next_ids.device == cuda and tuple(result.next_ids.shape) == (3,)
+    assert result.logprobs.device == cuda

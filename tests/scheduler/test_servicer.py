@@ -6,6 +6,7 @@ import asyncio
 
 import grpc
 
+from ringserve import sampling_params
 from ringserve.grpcutil import insecure_channel, start_server, wait_serving
 from ringserve.v1 import common_pb2, detokenizer_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.config import EngineConfig, SchedulerConfig
@@ -40,10 +41,9 @@ class RecordingDetokenizer(detokenizer_pb2_grpc.DetokenizerServicer):
 
 
 def request(rid: str, ids: list[int], max_new_tokens: int, **kw) -> scheduler_pb2.SchedulerInput:
-    params = common_pb2.ResolvedSamplingParams(
-        temperature=0.0, top_p=1.0, top_k=-1, max_new_tokens=max_new_tokens, ignore_eos=True,
-        skip_special_tokens=True, spaces_between_special_tokens=True, repetition_penalty=1.0, stop=["zz top"],
-    )
+    params = common_pb2.ResolvedSamplingParams(**{
+        **sampling_params.resolved_defaults(), "temperature": 0.0, "max_new_tokens": max_new_tokens,
+        "ignore_eos": True}, stop=["zz top"])
     return scheduler_pb2.SchedulerInput(req=scheduler_pb2.TokenizedGenerateReqInput(
         rid=rid, input_ids=ids, sampling_params=params, **kw))
 

@@ -219,7 +219,7 @@ async def test_generate_streams_the_rows_back(ring):
 @pytest.mark.parametrize(
     "sp, message, code, param",
     [
-        ({"temperature": 3.0}, "temperature must be in [0, 2], got 3", "invalid_value", "temperature"),
+        ({"temperature": 3.0}, "temperature must be at most 2, got 3", "invalid_value", "temperature"),
         ({"max_new_tokens": 9000}, "This model's maximum context length is 8192 tokens.", "context_length_exceeded", "max_tokens"),
     ],
 )

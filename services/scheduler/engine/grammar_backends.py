@@ -266,6 +266,10 @@ names.check_registry("grammar backend", GRAMMAR_BACKENDS, names.GRAMMAR_BACKENDS
 def load_backend(name: str, model_dir: Path, vocab_size: int, eos_ids: frozenset[int]) -> GrammarBackend:
     """The backend ``name`` for a model directory (reads its tokenizer.json).
 
+    ``eos_ids`` end a grammar: the model's EOS set (``ringserve.modelfacts.eos_token_ids``),
+    the same the scheduler stops on and the tokenizer reports, so a grammar can end on any
+    id that ends the output.
+
     Raises:
         ValueError: a name outside GRAMMAR_BACKENDS, or its package is not installed.
     """

@@ -38,12 +38,13 @@ class PromptLogprobsRow:
 
 @dataclass
 class StepOutput:
-    """Every row that produced tokens or finished in one step.
+    """Every row that produced tokens or finished in one step: the scheduler's writer of the
+    columnar layout ``ringserve.columns.TOKEN_IDS`` (which states how rows own segments).
 
-    Row i owns ``output_ids[sum(new_token_counts[:i]) : sum(new_token_counts[:i+1])]``;
-    logprob columns follow the same rule with ``logprob_counts`` (0 for rows without
-    logprobs), and top logprobs are ``top_logprobs_num`` ids/values per logprob.
-    ``finish_reasons[i]`` is None while the request runs.
+    Rows are appended whole (``add_row``, then its logprobs), so every row column stays one
+    entry per row; ``logprob_counts`` is 0 for rows without logprobs, and a row's top
+    logprobs are its ``top_logprobs_num`` ids/values per logprob. ``finish_reasons[i]`` is
+    None while the request runs.
     """
 
     rids: list[str] = field(default_factory=list)

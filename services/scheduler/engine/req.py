@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 
 import torch
+
+from ringserve import sampling_params as table
 
 from services.scheduler.engine.grammar_backends import GrammarSpec, Matcher
 from services.scheduler.engine.grammar_gate import GrammarGate
@@ -36,27 +38,29 @@ class FinishReason:
     status: str = ""  # gRPC status code name for aborts, e.g. "CANCELLED", "INVALID_ARGUMENT"
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """Resolved sampling parameters (every default filled in by the tokenizer service)."""
+def _sampling_fields() -> list[tuple[str, object, object]]:
+    """The resolved parameters of ``ringserve.sampling_params`` as dataclass fields (name, type, default).
 
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = -1  # -1 = disabled
-    min_p: float = 0.0
-    max_new_tokens: int = 128
-    min_new_tokens: int = 0
-    stop: tuple[str, ...] = ()
-    stop_token_ids: frozenset[int] = frozenset()
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    no_stop_trim: bool = False
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
+    A parameter without a constant default is None (seed: unseeded), except
+    ``max_new_tokens``: the tokenizer always sends it; a request built in code (tests,
+    benchmarks) gets 128.
+    """
+    out: list[tuple[str, object, object]] = []
+    for p in table.RESOLVED:
+        default = 128 if p.name == "max_new_tokens" else p.default
+        kind = p.type if default is not None else p.type | None
+        out.append((p.name, kind, field(default=default)))
+    return out
+
+
+SamplingParams = make_dataclass("SamplingParams", [
+    *_sampling_fields(),
+    ("stop", tuple[str, ...], field(default=())),
+    ("stop_token_ids", frozenset[int], field(default=frozenset())),
+    ("logit_bias", tuple[tuple[int, float], ...], field(default=())),  # (token id, bias), sorted by id
+], frozen=True, namespace={"__module__": __name__, "__doc__": """Resolved sampling parameters (every default
+    filled in by the tokenizer service): one field per resolved row of ``ringserve.sampling_params``
+    under the proto's name (``wire`` copies them by name), then stop, stop_token_ids and logit_bias."""})
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
 """Batched token sampling on the logits' device: greedy, temperature, top-k, top-p, min-p,
-penalties, logit bias, min tokens, seeds.
+typical-p, penalties, logit bias, min tokens, seeds.
 
 The filter order follows SGLang's sampler: temperature scaling, softmax, then top-k,
 top-p (nucleus, Holtzman et al. 2019) and min-p (Nguyen et al. 2024) on the sorted
-probabilities, renormalized. The draw is the exponential race ``argmax(p / E)``,
+probabilities, renormalized; then locally typical sampling (Meister et al. 2022), after them
+as in HF transformers' warpers. The draw is the exponential race ``argmax(p / E)``,
 ``E ~ Exp(1)`` (equivalent to the Gumbel-max trick), which lets each seeded request take
 its noise from its own generator on the device while the arithmetic stays batched.
 Everything runs in float32.
@@ -99,15 +100,17 @@ class Sampler:
             next_ids = logits.argmax(dim=-1)
             logp = torch.log_softmax(logits, dim=-1) if want_logprob else None
         else:
-            # One copy for every row's parameters: temperature, top-k, top-p, min-p, greedy.
+            # One copy for every row's parameters: temperature, top-k, top-p, min-p, greedy, typical-p.
             rows = self._dev([[p.temperature or 1.0 for p in params],
                               [float(p.top_k if p.top_k > 0 else logits.shape[-1]) for p in params],
                               [p.top_p for p in params], [p.min_p for p in params],
-                              [float(g) for g in greedy]], torch.float32)
-            temps, top_k, top_p, min_p, is_greedy = rows.unbind(0)
+                              [float(g) for g in greedy], [p.typical_p for p in params]], torch.float32)
+            temps, top_k, top_p, min_p, is_greedy, typical_p = rows.unbind(0)
             probs = torch.softmax(logits / temps.unsqueeze(1), dim=-1)
             if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
                 probs = _filter(probs, top_k, top_p, min_p)
+            if any(p.typical_p < 1.0 for p in params):
+                probs = typical(probs, typical_p)
             noise = self._exponential(probs.shape, reqs)
             next_ids = (probs / noise).argmax(dim=-1)
             mask = is_greedy.bool()
@@ -196,7 +199,8 @@ class Sampler:
 
 
 def _filter(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Zero out tokens outside top-k / top-p / min-p per row, then renormalize.
+    """Zero out tokens outside top-k / top-p / min-p per row, then renormalize; a row with
+    none of the three comes back with its bits unchanged.
 
     Args:
         probs: float32 [B, V]; top_k (as float, V = off), top_p, min_p: float32 [B].
@@ -209,8 +213,43 @@ def _filter(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p
     drop |= (sorted_p.cumsum(dim=-1) - sorted_p) > top_p.unsqueeze(1)
     drop |= sorted_p < (min_p.unsqueeze(1) * sorted_p.narrow(1, 0, 1))
     sorted_p = sorted_p.masked_fill(drop, 0.0)
-    # The kept mass as a running sum (one thread per row, in rank order): torch's ``sum`` over
-    # the vocabulary splits a row across threads when the batch has few rows, so its bits
-    # would depend on the batch and break deterministic inference.
-    mass = sorted_p.cumsum(dim=-1).narrow(1, vocab - 1, 1)
-    return torch.zeros_like(probs).scatter_(1, sorted_idx, sorted_p / mass)
+    active = ((top_k < vocab) | (top_p < 1.0) | (min_p > 0.0)).unsqueeze(1)
+    kept = sorted_p / row_sum(sorted_p)
+    return torch.where(active, torch.zeros_like(probs).scatter_(1, sorted_idx, kept), probs)  # other rows keep their bits
+
+
+def row_sum(x: torch.Tensor) -> torch.Tensor:
+    """x: float32 [B, V] -> [B, 1], each row summed in index order by one thread.
+
+    torch's ``sum`` over a long last dimension splits a row across threads when the batch
+    has few rows, so a row's bits would depend on the batch and break deterministic
+    inference; a running sum is computed per row whatever the batch.
+    """
+    return x.cumsum(dim=-1).narrow(1, x.shape[-1] - 1, 1)
+
+
+def typical(probs: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+    """Locally typical sampling (Meister et al. 2022, "Locally Typical Sampling"), per row.
+
+    Keeps the tokens whose surprisal ``-log p`` is closest to the distribution's entropy,
+    closest first, until their mass reaches the row's ``mass``, and every token as close as the
+    last one kept (ties stay together, as HF transformers' ``TypicalLogitsWarper``), then
+    renormalizes. The most typical token always stays. Batched: one sort of the vocabulary,
+    no per-row loop, nothing read back to the host.
+
+    Args:
+        probs: float32 [B, V], rows summing to 1 (zeros allowed: they stay zero).
+        mass: float32 [B], each in (0, 1]; a row with 1 is left as it is.
+
+    Returns:
+        float32 [B, V], renormalized.
+    """
+    entropy = -row_sum(torch.special.xlogy(probs, probs))  # [B, 1]; 0 log 0 = 0
+    shift = (-torch.log(probs) - entropy).abs()  # [B, V]; inf where p = 0
+    sorted_shift, order = shift.sort(dim=-1)
+    reached = (probs.gather(1, order).cumsum(dim=-1) < mass.unsqueeze(1)).sum(dim=-1, keepdim=True)
+    cutoff = sorted_shift.gather(1, reached.clamp(max=probs.shape[-1] - 1))  # the last kept token's shift
+    # A row at 1 keeps everything: its cumulative sum may pass 1 early in float32.
+    active = (mass < 1.0).unsqueeze(1)
+    out = probs.masked_fill((shift > cutoff) & active, 0.0)
+    return torch.where(active, out / row_sum(out), probs)  # other rows keep their bits

@@ -2,8 +2,8 @@
 
 Sources of a stop, in the order checked (SGLang's ``Req.check_finished``, with stops
 before length so a final EOS reports STOP):
-  1. EOS ids: the tokenizer's ``eos_token`` plus ``generation_config.json``'s
-     ``eos_token_id`` (int or list); skipped when ``ignore_eos``.
+  1. EOS ids: every id the model's files name as EOS (``ringserve.modelfacts``, the set
+     the tokenizer reports); skipped when ``ignore_eos``.
   2. ``stop_token_ids`` (under a grammar only where the grammar may end: elsewhere the
      mask allowed the id as ordinary text, which must not cut a structured output).
   3. stop strings, matched on the decoded text of a bounded tail of the output ids, so a
@@ -18,11 +18,11 @@ Nothing but length stops a request before ``min_new_tokens`` outputs.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from ringserve.modelfacts import eos_token_ids
 from services.scheduler.engine.req import FinishReason, FinishType, Req
 
 # Every token decodes to at least one byte, so a stop string of B UTF-8 bytes lies within
@@ -34,25 +34,14 @@ _REPLACEMENT = "\ufffd"
 
 
 def load_eos_ids(model_dir: Path, tokenizer: Tokenizer) -> frozenset[int]:
-    """EOS ids of a model directory: tokenizer_config's eos_token and generation_config's eos_token_id.
-
-    Falls back to config.json's eos_token_id when neither file names one.
+    """The EOS ids of a model directory: ``ringserve.modelfacts.eos_token_ids``, the set the
+    tokenizer service reports in ModelInfo (every id that tokenizer_config, config.json or
+    generation_config names as EOS).
 
     Raises:
-        ValueError: no EOS id can be found at all.
+        ValueError: no file names an EOS id (nothing but length could end a request).
     """
-    ids: set[int] = set()
-    tok_cfg_path = model_dir / "tokenizer_config.json"
-    if tok_cfg_path.exists():
-        eos = json.loads(tok_cfg_path.read_text()).get("eos_token")
-        eos = eos.get("content") if isinstance(eos, dict) else eos
-        if eos is not None and tokenizer.token_to_id(eos) is not None:
-            ids.add(tokenizer.token_to_id(eos))
-    for name in ("generation_config.json", "config.json"):
-        path = model_dir / name
-        if path.exists() and (not ids or name == "generation_config.json"):
-            value = json.loads(path.read_text()).get("eos_token_id")
-            ids.update([value] if isinstance(value, int) else (value or []))
+    ids = eos_token_ids(model_dir, tokenizer.token_to_id)
     if not ids:
         raise ValueError(f"no EOS token id in {model_dir} (tokenizer_config, generation_config, config)")
     return frozenset(ids)

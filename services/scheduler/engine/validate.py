@@ -2,16 +2,27 @@
 
 The tokenizer service validates first and gives clients their error messages; these checks
 keep a bad or hostile request from breaking the engine (an id outside the embedding
-table, a request that could never fit the KV pool).
+table, a NaN temperature, a request that could never fit the KV pool). The sampling
+parameters' bounds and messages are the table's (``ringserve.sampling_params``), the same
+the tokenizer and the gateway refuse with.
 """
 
 from __future__ import annotations
 
+from ringserve import sampling_params as table
 from services.scheduler.engine.req import ReqInput
+
+# Checked below against what the engine can do (0 new tokens only to score the prompt).
+_OWN_CHECKS = frozenset({"max_new_tokens", "min_new_tokens"})
 
 
 def validate(spec: ReqInput, vocab_size: int, context_length: int, max_total_tokens: int) -> str | None:
-    """Return why ``spec`` cannot run, or None when it can."""
+    """Return why ``spec`` cannot run, or None when it can.
+
+    Args:
+        spec: the request; vocab_size: the model vocabulary size (ids index the embedding);
+        context_length / max_total_tokens: the model's window and the KV pool, in tokens.
+    """
     ids = spec.input_ids
     p = spec.sampling
     if not spec.rid:
@@ -32,18 +43,18 @@ def validate(spec: ReqInput, vocab_size: int, context_length: int, max_total_tok
         return f"prompt + max_new_tokens = {total} exceeds the KV pool ({max_total_tokens} tokens, --max-total-tokens / --kv-cache-gib)"
     if not 0 <= p.min_new_tokens <= p.max_new_tokens:
         return f"min_new_tokens {p.min_new_tokens} not in [0, max_new_tokens={p.max_new_tokens}]"
-    if p.temperature < 0:
-        return f"temperature must be >= 0, got {p.temperature}"
-    if not 0 < p.top_p <= 1:
-        return f"top_p must be in (0, 1], got {p.top_p}"
-    if p.top_k == 0 or p.top_k < -1:
-        return f"top_k must be -1 (disabled) or positive, got {p.top_k}"
-    if not 0 <= p.min_p <= 1:
-        return f"min_p must be in [0, 1], got {p.min_p}"
-    if p.repetition_penalty <= 0:
-        return f"repetition_penalty must be positive, got {p.repetition_penalty}"
-    if any(not 0 <= t < vocab_size for t, _ in p.logit_bias):
-        return f"logit_bias names ids outside [0, {vocab_size})"
+    for param in table.RESOLVED:
+        value = getattr(p, param.name)
+        if param.name not in _OWN_CHECKS and value is not None:
+            error = table.violation(param, value)
+            if error is not None:
+                return error
+    for token, bias in p.logit_bias:
+        if not 0 <= token < vocab_size:
+            return f"logit_bias names ids outside [0, {vocab_size})"
+        error = table.violation(table.LOGIT_BIAS, bias, f"logit_bias[{token}]")
+        if error is not None:
+            return error
     if spec.top_logprobs_num < 0 or spec.top_logprobs_num > vocab_size:
         return f"top_logprobs_num must be in [0, {vocab_size}], got {spec.top_logprobs_num}"
     if spec.logprob_start_len is not None and not 0 <= spec.logprob_start_len < len(ids):
