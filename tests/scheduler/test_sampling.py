@@ -132,3 +132,27 @@ def test_typical_on_fake_cuda_tensors_reads_nothing_back():
         result = Sampler(FakeCuda(cuda)).sample(logits, _typical_reqs([0.3, 0.9, 1.0], return_logprob=True))
     assert result.next_ids.device == cuda and tuple(result.next_ids.shape) == (3,)
     assert result.logprobs.device == cuda
+
+
+def test_filters_give_a_row_the_same_bits_whatever_its_batch():
+    """Deterministic inference needs the filters batch-invariant: a row filtered alone and among
+    63 others is equal bit for bit (torch's ``sum`` over the vocabulary is not: it splits a row
+    across threads for small batches), and a row with no filter keeps its exact probabilities
+    when another row of its batch is filtered."""
+    import torch
+
+    from services.scheduler.engine.sampling import _filter, row_sum, typical
+
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(64, 49152, generator=gen) * 3, dim=-1)
+    vocab = float(probs.shape[-1])
+
+    def filtered(rows: int) -> torch.Tensor:
+        top_k = torch.tensor([40.0] + [vocab] * (rows - 1))
+        top_p = torch.tensor([0.9] + [1.0] * (rows - 1))
+        return typical(_filter(probs[:rows], top_k, top_p, torch.zeros(rows)), torch.tensor([0.95] + [1.0] * (rows - 1)))
+
+    alone, batched = filtered(1), filtered(64)
+    assert torch.equal(alone, batched[:1]) and torch.equal(batched[1:], probs[1:])
+    assert torch.equal(row_sum(probs[:1]), row_sum(probs)[:1])
+    assert 0 < int((alone > 0).sum()) <= 40 and abs(float(alone.sum()) - 1.0) < 1e-5
