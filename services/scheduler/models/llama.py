@@ -297,11 +297,8 @@ class LlamaForCausalLM(torch.nn.Module):
         """The layers with the cpu backend's fused kernels (``layers.cpu_kernels``): each residual
         add rides on the next RMSNorm, SiLU-and-mul is one kernel. The same roundings as
         ``LlamaDecoderLayer.forward``, in a third of the ops."""
-        if self.fuse_int8:
-            if self._int8_fusable is None:  # decided at the first forward: quantization happens at load
-                self._int8_fusable = self._int8_layers()
-            if self._int8_fusable:
-                return self._forward_fused_int8(h, rope, meta, kv)
+        if self.int8_fused:
+            return self._forward_fused_int8(h, rope, meta, kv)
         residual = h  # the embedding's fresh output, updated in place from here on
         norm = self.layers[0].input_layernorm
         x = ops.add_rms_norm(h, norm.weight, norm.eps)
@@ -315,20 +312,21 @@ class LlamaForCausalLM(torch.nn.Module):
                 x = ops.add_rms_norm(mlp, norm.weight, norm.eps, residual)
         return residual.add_(mlp)
 
-    fuse_int8 = True  # tests turn it off to compare
-    _int8_fusable: bool | None = None
+    int8_fused = False  # ``fuse_int8_norms`` turns it on
 
-    def _int8_layers(self) -> bool:
-        """Whether every layer is the plain Llama block with int8 linears on one rank
-        (``layers.quant``), so ``_forward_fused_int8`` can run it."""
+    def fuse_int8_norms(self) -> bool:
+        """Run each RMSNorm and SiLU-and-mul inside the C call of the int8 linear it feeds
+        (``_forward_fused_int8``) from now on, if every layer is the plain Llama block with int8
+        linears (``layers.quant``) on one rank; returns whether it does."""
         if self.tp.size != 1:
             return False
         from services.scheduler.layers.quant import Int8Linear
 
-        return all(type(layer.self_attn) is LlamaAttention and type(layer.mlp) is LlamaMLP
+        self.int8_fused = all(type(layer.self_attn) is LlamaAttention and type(layer.mlp) is LlamaMLP
                    and all(isinstance(m, Int8Linear) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                                layer.mlp.gate_up_proj, layer.mlp.down_proj))
                    for layer in self.layers)
+        return self.int8_fused
 
     def _forward_fused_int8(self, h: torch.Tensor, rope: Rope, meta: AttnMetadata, kv: KVBuffers) -> torch.Tensor:
         """``_forward_fused`` with int8 linears: each RMSNorm (and its residual add) runs in the
