@@ -27,8 +27,7 @@ from services.scheduler.engine.device import CudaRuntime, DeviceRuntime, MemoryS
 from services.scheduler.engine.engine import Engine
 from services.scheduler.engine.req import FinishType, ReqInput, SamplingParams
 from services.scheduler.engine.stops import load_eos_ids
-from services.scheduler.models.gemma3 import Gemma3ForCausalLM
-from services.scheduler.models.llama import LlamaForCausalLM
+from services.scheduler.models import dummy_model
 
 CUDA = torch.device("cuda:0")
 
@@ -119,8 +118,8 @@ def test_step_sequence_on_fake_cuda_tensors(smollm2_dir, tokenizer, backend, gra
     hf = {**json.loads((smollm2_dir / "config.json").read_text()), "num_hidden_layers": 2}
     eos = load_eos_ids(smollm2_dir, tokenizer)
     with mode:
-        cls, hf = (LlamaForCausalLM, hf) if arch == "llama" else (Gemma3ForCausalLM, GEMMA3)
-        model = cls.dummy(hf, torch.bfloat16, seed=None, attention_backend=backend, device=CUDA)
+        model = dummy_model(hf if arch == "llama" else GEMMA3, torch.bfloat16, seed=None, attention_backend=backend,
+                            device=CUDA)
         kernels = None
         if backend == "triton":
             kernels = model.attn_backend.kernels = CheckedTritonKernels()

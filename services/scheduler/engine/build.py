@@ -23,14 +23,16 @@ import torch
 from services.scheduler.config import EngineConfig
 from services.scheduler.engine.cuda_graph import DecodeGraphRunner
 from services.scheduler.engine.device import DeviceRuntime, MemorySplit, create_runtime, rank_device, resolve_device
-from services.scheduler.engine.kv_pool import GIB, ReqToTokenPool, TokenToKVPool, kv_bytes_per_token
+from services.scheduler.engine.kv_pool import GIB, ReqToTokenPool, TokenToKVPool
 from services.scheduler.engine.model_runner import ModelRunner
 from services.scheduler.layers.batch_invariant import NotBatchInvariantError, make_batch_invariant
 from services.scheduler.layers.linear import pack_linears
-from services.scheduler.layers.parallel import TensorParallel, local_kv_heads
+from services.scheduler.layers.parallel import TensorParallel
 from services.scheduler.layers.quant import (KERNELS, WEIGHT_ONLY, check_supported, choose_kernels, describe, fix_kernels,
                                              quantize_model)
 from services.scheduler.models import load_model
+from services.scheduler.models.base import CausalLM
+from services.scheduler.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +51,7 @@ class PoolShape:
 class ModelStack:
     """A rank's model with everything that runs it (``build_stack``)."""
 
-    model: torch.nn.Module
+    model: CausalLM
     runtime: DeviceRuntime
     shape: PoolShape
     kv_pool: TokenToKVPool
@@ -61,7 +63,7 @@ class ModelStack:
         return self.model.tp
 
 
-def load_engine_model(cfg: EngineConfig, tp: TensorParallel = TensorParallel()) -> tuple[torch.nn.Module, DeviceRuntime]:
+def load_engine_model(cfg: EngineConfig, tp: TensorParallel = TensorParallel()) -> tuple[CausalLM, DeviceRuntime]:
     """Load ``cfg.model``'s shard of rank ``tp.rank`` onto its device (``engine.device.rank_device``)
     in ``cfg.dtype``, quantized as ``cfg.quantization`` says; returns it and the device's runtime.
 
@@ -82,7 +84,7 @@ def load_engine_model(cfg: EngineConfig, tp: TensorParallel = TensorParallel()) 
     return model, runtime
 
 
-def apply_quantization(model: torch.nn.Module, cfg: EngineConfig) -> None:
+def apply_quantization(model: CausalLM, cfg: EngineConfig) -> None:
     """``cfg.quantization``: quantize ``model``'s linears in place, choose each one's kernel
     per batch size from measurements (``layers.quant``) and let the model run each RMSNorm
     inside the int8 linear it feeds where its layers allow (``fuse_int8_norms``); nothing
@@ -94,7 +96,7 @@ def apply_quantization(model: torch.nn.Module, cfg: EngineConfig) -> None:
     if not cfg.quantization:
         return
     quantize_model(model, cfg.quantization)
-    choose_kernels(model, next(model.parameters()).dtype, KERNELS if cfg.quantization == "int8" else WEIGHT_ONLY)
+    choose_kernels(model, model.kv_shape().dtype, KERNELS if cfg.quantization == "int8" else WEIGHT_ONLY)
     fused = model.fuse_int8_norms()
     log.info("--quantization %s: %s%s", cfg.quantization, describe(model),
              ", RMSNorm and SiLU-and-mul inside the int8 linears' calls" if fused else "")
@@ -105,7 +107,7 @@ def probe_rows(cfg: EngineConfig) -> int:
     return min(1024, *(n for n in (cfg.chunked_prefill_size, cfg.max_prefill_tokens) if n > 0))
 
 
-def size_pools(model: torch.nn.Module, cfg: EngineConfig, runtime: DeviceRuntime) -> tuple[PoolShape, MemorySplit]:
+def size_pools(model: CausalLM, cfg: EngineConfig, runtime: DeviceRuntime) -> tuple[PoolShape, MemorySplit]:
     """Rank 0's sizes: the context length and the KV pool's tokens (from ``cfg`` or the
     device's memory, ``DeviceRuntime.memory_split``), and how the memory is shared out.
 
@@ -117,18 +119,16 @@ def size_pools(model: torch.nn.Module, cfg: EngineConfig, runtime: DeviceRuntime
     if context_length > mc.max_position_embeddings:
         raise ValueError(f"--context-length {context_length} exceeds the model's "
                          f"max_position_embeddings {mc.max_position_embeddings}")
-    kv_dtype = next(model.parameters()).dtype
-    bytes_per_token = kv_bytes_per_token(mc.num_hidden_layers, local_kv_heads(mc.num_key_value_heads, model.tp.size),
-                                         mc.head_dim, kv_dtype)
+    kv = model.kv_shape()
     tokens, memory = runtime.memory_split(
-        weight_bytes(model), bytes_per_token, cfg.max_total_tokens, cfg.kv_cache_gib,
+        weight_bytes(model), kv.bytes_per_token(), cfg.max_total_tokens, cfg.kv_cache_gib,
         cfg.mem_fraction_static if runtime.device.type == "cuda" else cfg.kv_cache_mem_fraction,
-        activation_reserve_bytes(mc, cfg, kv_dtype))
-    log.info("KV pool: %d tokens of %s on %s; memory: %s", tokens, kv_dtype, runtime.device, memory.describe())
+        activation_reserve_bytes(mc, cfg, kv.dtype))
+    log.info("KV pool: %d tokens of %s on %s; memory: %s", tokens, kv.dtype, runtime.device, memory.describe())
     return PoolShape(tokens, context_length, cfg.max_running_requests), memory
 
 
-def build_stack(model: torch.nn.Module, cfg: EngineConfig, runtime: DeviceRuntime, shape: PoolShape,
+def build_stack(model: CausalLM, cfg: EngineConfig, runtime: DeviceRuntime, shape: PoolShape,
                 resolve_deterministic: bool = False) -> ModelStack:
     """Pack the bf16 linears (``layers.linear``), make the model batch-invariant when
     ``shape.deterministic`` (or, with ``resolve_deterministic``, when ``cfg`` and the device
@@ -144,10 +144,9 @@ def build_stack(model: torch.nn.Module, cfg: EngineConfig, runtime: DeviceRuntim
         shape = replace(shape, deterministic=make_deterministic(model, cfg, runtime.device))
     elif shape.deterministic:
         make_deterministic(model, replace(cfg, deterministic_inference=True), runtime.device)
-    mc = model.config
-    tp: TensorParallel = model.tp
-    kv_pool = TokenToKVPool(shape.max_total_tokens, mc.num_hidden_layers, local_kv_heads(mc.num_key_value_heads, tp.size),
-                            mc.head_dim, next(model.parameters()).dtype, runtime.device)
+    tp = model.tp
+    kv = model.kv_shape()
+    kv_pool = TokenToKVPool(shape.max_total_tokens, kv.num_layers, kv.num_kv_heads, kv.head_dim, kv.dtype, runtime.device)
     req_pool = ReqToTokenPool(shape.max_running_requests, shape.context_length, runtime.device, kv_pool.pad_row,
                               record_writes=tp.size > 1 and tp.rank == 0)
     graphs = None
@@ -158,7 +157,7 @@ def build_stack(model: torch.nn.Module, cfg: EngineConfig, runtime: DeviceRuntim
     return ModelStack(model, runtime, shape, kv_pool, req_pool, runner)
 
 
-def make_deterministic(model: torch.nn.Module, cfg: EngineConfig, device: torch.device) -> bool:
+def make_deterministic(model: CausalLM, cfg: EngineConfig, device: torch.device) -> bool:
     """Resolve ``cfg.deterministic_inference`` and, when on, make the forward batch-invariant:
     the attention backend must be, and the linears are probed (packed first, as
     ``build_stack`` packs them, so the probe measures the call the forward makes) and padded
@@ -179,7 +178,7 @@ def make_deterministic(model: torch.nn.Module, cfg: EngineConfig, device: torch.
     backend = model.attn_backend
     asked = cfg.deterministic_inference
     if asked is None:
-        dtype = next(model.parameters()).dtype
+        dtype = model.kv_shape().dtype
         if not (device.type == "cpu" and dtype == torch.bfloat16 and backend.batch_invariant):
             log.info("deterministic inference off (the default for %s on %s with the %s attention backend; "
                      "--enable-deterministic-inference to turn it on)", str(dtype).removeprefix("torch."),
@@ -209,7 +208,7 @@ def make_deterministic(model: torch.nn.Module, cfg: EngineConfig, device: torch.
     return True
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
+def weight_bytes(model: CausalLM) -> int:
     """Bytes of the model's parameters and buffers, each storage counted once (tied
     embeddings share one: two Parameters over the same storage)."""
     storages = {}
@@ -219,17 +218,19 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(storages.values())
 
 
-def activation_reserve_bytes(mc, cfg: EngineConfig, dtype: torch.dtype) -> int:
+def activation_reserve_bytes(mc: ModelConfig, cfg: EngineConfig, dtype: torch.dtype) -> int:
     """Device memory kept out of the KV pool for one step's activations, its logits and
     sampling, and the CUDA graphs (bytes). An estimate from the shapes: a step's tokens
     (``min(max_prefill_tokens, chunked_prefill_size)`` plus a decode row per running
-    request) times one layer's widest activations twice over, float32 logits of every
-    running request four times over (softmax, sort, filters), plus 512 MiB for the graphs'
-    pool and the allocator's slack. Only the CUDA runtime uses it."""
+    request) times one layer's widest activations (q/k/v, the MLP's widest:
+    ``ModelConfig.mlp_activation_width``, a MoE layer's from its experts' intermediate size,
+    and four hidden-size tensors) twice over, float32 logits of every running request four
+    times over (softmax, sort, filters), plus 512 MiB for the graphs' pool and the
+    allocator's slack. Only the CUDA runtime uses it."""
     chunk = cfg.max_prefill_tokens if cfg.chunked_prefill_size <= 0 else min(cfg.max_prefill_tokens,
                                                                                 cfg.chunked_prefill_size)
     tokens = chunk + cfg.max_running_requests
-    width = (mc.num_attention_heads + 2 * mc.num_key_value_heads) * mc.head_dim + 2 * mc.intermediate_size \
+    width = (mc.num_attention_heads + 2 * mc.num_key_value_heads) * mc.head_dim + mc.mlp_activation_width() \
         + 4 * mc.hidden_size
     logits = 4 * cfg.max_running_requests * mc.vocab_size * 4
     return 2 * tokens * width * dtype.itemsize + logits + GIB // 2

@@ -31,6 +31,7 @@ from services.scheduler.engine.schedule import Plan, SchedulePolicy
 from services.scheduler.engine.stops import StopChecker, load_eos_ids
 from services.scheduler.engine.validate import validate
 from services.scheduler.layers.parallel import TensorParallel
+from services.scheduler.models.base import CausalLM
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ class Engine:
     API: ``add_request``, ``abort``, ``step``, ``has_work``, ``load``.
     """
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer, eos_ids: frozenset[int], cfg: EngineConfig,
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer, eos_ids: frozenset[int], cfg: EngineConfig,
                  runtime: DeviceRuntime | None = None):
         """Build the pools, the runner and the rest around ``model`` (``engine.build``). The
         grammar backend (``cfg.grammar_backend``) reads ``cfg.model``/tokenizer.json when

@@ -182,7 +182,7 @@ def worker_main(rank: int, cfg: SchedulerConfig) -> None:
         shape: PoolShape = _broadcast(tp)
         runner = build_stack(model, ec, runtime, shape).runner  # as rank 0's, to rank 0's sizes and decisions
         log.info("rank %d of %d ready: KV pool %d tokens, %d KV heads%s", rank, cfg.tp_size, shape.max_total_tokens,
-                 runner.kv_pool.k_buffer[0].shape[1], ", deterministic inference on" if shape.deterministic else "")
+                 model.kv_shape().num_kv_heads, ", deterministic inference on" if shape.deterministic else "")
         with torch.inference_mode():
             while (batch := _broadcast(tp)) is not None:
                 if batch == HEARTBEAT:

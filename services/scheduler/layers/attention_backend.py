@@ -31,6 +31,7 @@ import torch
 
 from services.scheduler.layers.attention import (AttnMetadata, KVBuffers, extend_attention, gather_kv,
                                                  gather_layouts, paged_attention, store_kv)
+from services.scheduler.layers.norm import FusedOps
 from services.scheduler.layers.rotary import apply_rotary_packed
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,9 @@ class AttentionBackend(ABC):
     """
 
     name: ClassVar[str]
+    # Element-wise kernels the model's blocks may run instead of torch ops (RMSNorm with the
+    # residual add, SiLU-and-mul), chosen when the model is built; None: torch ops.
+    fused_ops: FusedOps | None = None
     # Kernel launches depend only on the batch size (no host ints that vary per step):
     # the decode forward can be captured once per bucket (``engine.cuda_graph``).
     supports_cuda_graph: ClassVar[bool] = False
@@ -175,7 +179,7 @@ class CpuAttnBackend(AttentionBackend):
     """The C kernels of ``layers.cpu_kernels``: decode attention reading K/V in place, rotary
     fused with the K/V store; extend attention as the torch backend (SDPA over gathered rows).
 
-    It also offers the model its fused element-wise kernels (``cpu_ops``: residual add +
+    It also offers the model its fused element-wise kernels (``fused_ops``: residual add +
     RMSNorm, SiLU-and-mul), which cut a batch-1 step's per-op overhead.
 
     Raises:
@@ -195,6 +199,7 @@ class CpuAttnBackend(AttentionBackend):
         # Build (or find) and load it now: errors at start-up, not at the first step.
         self.library = cpu_kernels.library()
         self.cpu_ops = cpu_kernels
+        self.fused_ops = cpu_kernels.CpuOps()
 
     def describe(self) -> str:
         return f"cpu: C kernels {self.library._name}"

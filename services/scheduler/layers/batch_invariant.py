@@ -218,7 +218,7 @@ def make_batch_invariant(model: torch.nn.Module, max_rows: int = 1024) -> dict[s
                 setattr(parent, name, RowPaddedLinear(child, floor))
                 wrapped[f"{parent_name}.{name}".lstrip(".")] = floor
         if callable(getattr(parent, "linear_shapes", None)) and parent.min_rows == 1:
-            # Stacked MoE experts (``models.moe.Experts``): one floor for all of a layer's expert matmuls.
+            # Stacked MoE experts (``layers.moe.Experts``): one floor for all of a layer's expert matmuls.
             packed = parent.packed is not None
             dtype = torch.bfloat16 if packed else parent.gate_up.dtype
             floor = max(probe(i, o, dtype, "cpu", packed, threads, max_rows) for i, o in parent.linear_shapes())

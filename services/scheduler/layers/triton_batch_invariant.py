@@ -122,7 +122,7 @@ class TritonRMSNorm(RMSNorm):
         """A ``TritonRMSNorm`` sharing ``norm``'s weight."""
         new = cls.__new__(cls)
         torch.nn.Module.__init__(new)
-        new.weight, new.eps = norm.weight, norm.eps
+        new.weight, new.eps, new.fused = norm.weight, norm.eps, None
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
