@@ -20,7 +20,6 @@ import torch.distributed as dist
 from services.scheduler.config import EngineConfig, SchedulerConfig
 from services.scheduler.engine.engine import Engine
 from services.scheduler.engine.tp import TPGroup
-from services.scheduler.layers.parallel import TensorParallel
 from services.scheduler.models.config import ModelConfig
 
 from .conftest import collect, greedy

@@ -33,9 +33,6 @@ ARCHITECTURES: dict[str, type[DecoderForCausalLM]] = {
     "Qwen2MoeForCausalLM": MoeForCausalLM,
     "MixtralForCausalLM": MoeForCausalLM,
 }
-# Architectures whose model shards itself over a tensor-parallel group; the others run with
-# --tp-size 1 only.
-TENSOR_PARALLEL = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"})
 LOAD_FORMATS = ("auto", "dummy")
 
 
@@ -63,7 +60,7 @@ def build_model(hf: dict, dtype: torch.dtype, attention_backend: str = "auto",
     """
     cfg = model_config(hf)
     if tp.size > 1:
-        _check_tensor_parallel(cfg, tp.size)
+        cfg.check_tensor_parallel(tp.size)
     backend = create_attention_backend(attention_backend, device)
     device = backend.device
     fused_experts = None
@@ -90,8 +87,8 @@ def load_model(model_dir: Path, dtype: torch.dtype, load_format: str = "auto",
 
     Raises:
         ValueError: the config names no architecture this registry supports, an
-            unknown load format or an unknown attention backend, ``tp.size > 1`` for an
-            architecture outside ``TENSOR_PARALLEL``, or sizes ``tp.size`` does not divide.
+            unknown load format or an unknown attention backend, or sizes ``tp.size`` does not
+            divide (``ModelConfig.check_tensor_parallel``).
         RuntimeError: an attention backend that cannot run where the weights are; missing
             or unexpected weights (``models.loader``).
         FileNotFoundError: no config.json, or no safetensors file.
@@ -121,15 +118,11 @@ def dummy_model(hf: dict, dtype: torch.dtype, seed: int | None = 0, attention_ba
 def check_tensor_parallel(model_dir: Path, size: int) -> None:
     """Refuse, before any rank starts, a model that cannot be sharded over ``size`` ranks.
 
+    Every architecture here shards (``layers.parallel_linear``; experts along their
+    intermediate dim), so only the sizes can refuse.
+
     Raises:
-        ValueError: an architecture outside ``TENSOR_PARALLEL`` (named), or heads, KV heads or
-            intermediate sizes that ``size`` does not divide (``ModelConfig.check_tensor_parallel``).
+        ValueError: an unsupported architecture, or heads, KV heads or intermediate sizes that
+            ``size`` does not divide (``ModelConfig.check_tensor_parallel``).
     """
-    _check_tensor_parallel(model_config(json.loads((Path(model_dir) / "config.json").read_text())), size)
-
-
-def _check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
-    if cfg.architecture not in TENSOR_PARALLEL:
-        raise ValueError(f"--tp-size {size}: tensor parallelism is not implemented for {[cfg.architecture]} yet; "
-                         f"supported: {sorted(TENSOR_PARALLEL)}")
-    cfg.check_tensor_parallel(size)
+    model_config(json.loads((Path(model_dir) / "config.json").read_text())).check_tensor_parallel(size)
