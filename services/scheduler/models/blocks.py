@@ -20,7 +20,7 @@ from services.scheduler.layers.moe import Experts, fused_experts_cpu, select_exp
 from services.scheduler.layers.norm import NORMS, RMSNorm
 from services.scheduler.layers.parallel_linear import (MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear,
                                                        RowParallelLinear, copy_into)
-from services.scheduler.layers.rotary import rotary_permutation
+from services.scheduler.layers.rotary import rotary_permutation, rotate_qkv
 from services.scheduler.models.base import LayerEnv
 from services.scheduler.models.config import ModelConfig
 
@@ -43,6 +43,10 @@ class Attention(torch.nn.Module):
     """qkv projection (column-parallel, this rank's heads), optional per-head q/k RMSNorm, rotary,
     the paged attention backend with the layer's window, o projection (row-parallel, summed).
 
+    Rotary is applied here (``layers.rotary.rotate_qkv``), unless the backend declares that it
+    rotates and stores K/V in one kernel (``AttentionBackend.fuses_rotary``: the cpu backend's
+    C path, faster than the torch rotation and store); then it gets the un-rotated projection.
+
     Attributes:
         window: the layer's sliding window (0: global).
         softcap: attention logit soft-capping, 0 (no released config of a served family uses
@@ -54,6 +58,7 @@ class Attention(torch.nn.Module):
         spec = cfg.layers[layer_id]
         self.layer_id = layer_id
         self.attn_backend = env.attention
+        self.fuses_rotary = env.attention.fuses_rotary
         self.tp = env.tp
         self.head_dim = d = cfg.head_dim
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_attention_heads, cfg.num_key_value_heads,
@@ -84,8 +89,11 @@ class Attention(torch.nn.Module):
             q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).view(t, self.q_size)
             k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).view(t, self.kv_size)
             qkv = torch.cat([q, k, v], dim=-1)
-        return self.attn_backend.forward_qkv(qkv, rope, self.num_heads, self.layer_id, meta, kv, self.scale,
-                                             self.window, self.softcap)
+        if self.fuses_rotary:  # the backend's one kernel: rotary and the K/V store
+            return self.attn_backend.forward_rotary(qkv, *rope, self.num_heads, self.layer_id, meta, kv, self.scale,
+                                                    self.window, self.softcap)
+        q, k, v = rotate_qkv(qkv, *rope, self.num_heads, self.num_kv_heads, self.head_dim)
+        return self.attn_backend.forward(q, k, v, self.layer_id, meta, kv, self.scale, self.window, self.softcap)
 
 
 class GatedMLP(torch.nn.Module):
