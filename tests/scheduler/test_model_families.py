@@ -209,6 +209,7 @@ def test_moe_block_on_fake_cuda_tensors(monkeypatch):
     the two grouped GEMMs get device tensors only."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from services.scheduler.engine.device import CudaRuntime
     from services.scheduler.layers import triton_moe
     from services.scheduler.layers.attention_backend import TorchAttnBackend
     from services.scheduler.layers.parallel import TensorParallel
@@ -231,7 +232,7 @@ def test_moe_block_on_fake_cuda_tensors(monkeypatch):
     with FakeTensorMode(allow_non_fake_inputs=False), torch.inference_mode():  # as ModelRunner.forward
         with torch.device(cuda):
             env = LayerEnv(TensorParallel(), TorchAttnBackend(cuda), torch.float32, cuda,
-                           fused_experts=triton_moe.fused_experts)
+                           fused_experts=CudaRuntime(cuda).fused_experts())
             block = SparseMoeBlock(ModelConfig.from_hf(hf), env)
             out = block(torch.empty(5, 64))
     assert block.fused_experts is triton_moe.fused_experts

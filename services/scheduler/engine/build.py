@@ -79,7 +79,7 @@ def load_engine_model(cfg: EngineConfig, tp: TensorParallel = TensorParallel()) 
     if cfg.quantization:
         check_supported(cfg.quantization, runtime.device)  # before minutes of loading
     model = load_model(Path(cfg.model), runtime.resolve_dtype(cfg.dtype), cfg.load_format, cfg.attention_backend,
-                       runtime.device, tp)
+                       runtime, tp)
     apply_quantization(model, cfg)
     return model, runtime
 
@@ -122,7 +122,7 @@ def size_pools(model: CausalLM, cfg: EngineConfig, runtime: DeviceRuntime) -> tu
     kv = model.kv_shape()
     tokens, memory = runtime.memory_split(
         weight_bytes(model), kv.bytes_per_token(), cfg.max_total_tokens, cfg.kv_cache_gib,
-        cfg.mem_fraction_static if runtime.device.type == "cuda" else cfg.kv_cache_mem_fraction,
+        runtime.kv_mem_fraction(cfg),
         activation_reserve_bytes(mc, cfg, kv.dtype))
     log.info("KV pool: %d tokens of %s on %s; memory: %s", tokens, kv.dtype, runtime.device, memory.describe())
     return PoolShape(tokens, context_length, cfg.max_running_requests), memory
@@ -139,16 +139,17 @@ def build_stack(model: CausalLM, cfg: EngineConfig, runtime: DeviceRuntime, shap
     Raises:
         ValueError, NotBatchInvariantError: see ``make_deterministic``.
     """
-    pack_linears(model)
+    if runtime.packs_linears:
+        pack_linears(model)
     if resolve_deterministic:
-        shape = replace(shape, deterministic=make_deterministic(model, cfg, runtime.device))
+        shape = replace(shape, deterministic=make_deterministic(model, cfg, runtime))
     elif shape.deterministic:
-        make_deterministic(model, replace(cfg, deterministic_inference=True), runtime.device)
+        make_deterministic(model, replace(cfg, deterministic_inference=True), runtime)
     tp = model.tp
     kv = model.kv_shape()
     kv_pool = TokenToKVPool(shape.max_total_tokens, kv.num_layers, kv.num_kv_heads, kv.head_dim, kv.dtype, runtime.device)
     req_pool = ReqToTokenPool(shape.max_running_requests, shape.context_length, runtime.device, kv_pool.pad_row,
-                              record_writes=tp.size > 1 and tp.rank == 0)
+                              record_writes=tp.size > 1 and tp.rank == 0, mirrored=runtime.mirrors_tables)
     graphs = None
     if runtime.supports_cuda_graph and not cfg.disable_cuda_graph and tp.size == 1:
         graphs = DecodeGraphRunner(model, runtime, req_pool, kv_pool, min(cfg.cuda_graph_max_bs, shape.max_running_requests),
@@ -157,16 +158,16 @@ def build_stack(model: CausalLM, cfg: EngineConfig, runtime: DeviceRuntime, shap
     return ModelStack(model, runtime, shape, kv_pool, req_pool, runner)
 
 
-def make_deterministic(model: CausalLM, cfg: EngineConfig, device: torch.device) -> bool:
+def make_deterministic(model: CausalLM, cfg: EngineConfig, runtime: DeviceRuntime) -> bool:
     """Resolve ``cfg.deterministic_inference`` and, when on, make the forward batch-invariant:
     the attention backend must be, and the linears are probed (packed first, as
     ``build_stack`` packs them, so the probe measures the call the forward makes) and padded
     where a row count below a floor changes a GEMM's order (``layers.batch_invariant``).
 
-    None (the default) turns it on for a bf16 model on the CPU with the cpu attention
-    backend, where it was measured within 10 % of the default throughput (bench/RESULTS.md),
-    unless the probe finds the CPU's GEMM not batch-invariant (then off, with a warning);
-    off elsewhere (fp32 pads small batches to 15 rows; on CUDA cuBLAS is not batch-invariant).
+    None (the default) turns it on where the runtime says (``DeviceRuntime.deterministic_default``:
+    a bf16 model on the CPU with the cpu attention backend, measured within 10 % of the
+    default throughput), unless the probe finds the CPU's GEMM not batch-invariant (then off,
+    with a warning).
 
     Returns:
         Whether deterministic inference is on.
@@ -179,10 +180,10 @@ def make_deterministic(model: CausalLM, cfg: EngineConfig, device: torch.device)
     asked = cfg.deterministic_inference
     if asked is None:
         dtype = model.kv_shape().dtype
-        if not (device.type == "cpu" and dtype == torch.bfloat16 and backend.batch_invariant):
+        if not runtime.deterministic_default(dtype, backend):
             log.info("deterministic inference off (the default for %s on %s with the %s attention backend; "
                      "--enable-deterministic-inference to turn it on)", str(dtype).removeprefix("torch."),
-                     device.type, backend.name)
+                     runtime.device.type, backend.name)
             return False
     elif not asked:
         log.info("deterministic inference off (--disable-deterministic-inference)")
@@ -190,9 +191,10 @@ def make_deterministic(model: CausalLM, cfg: EngineConfig, device: torch.device)
     elif not backend.batch_invariant:
         raise ValueError(f"--enable-deterministic-inference needs a batch-invariant attention backend (cpu or "
                          f"triton), not {backend.name!r}: its SDPA and batched matmuls reduce in a batch-dependent order")
-    pack_linears(model)
+    if runtime.packs_linears:  # as build_stack packs them, so the probe measures the call the forward makes
+        pack_linears(model)
     try:
-        wrapped = make_batch_invariant(model, max_rows=probe_rows(cfg))
+        wrapped = make_batch_invariant(model, max_rows=probe_rows(cfg), kernels=runtime.batch_invariant_linears)
     except NotBatchInvariantError as exc:
         if asked:
             raise

@@ -92,9 +92,8 @@ class Engine:
         self.num_aborted_reqs = 0
         self.num_finished_reqs = 0
         self.observer = EngineObserver()  # metrics hooks (services/scheduler/metrics.py)
-        # Overlap scheduling: on by default where the device runs the forward while the host
-        # plans (CUDA); on the CPU the forward holds the host thread, so there is nothing to overlap.
-        self.overlap = cfg.overlap_schedule if cfg.overlap_schedule is not None else runtime.device.type == "cuda"
+        # Overlap scheduling: by default where the device runs the forward while the host plans.
+        self.overlap = cfg.overlap_schedule if cfg.overlap_schedule is not None else runtime.overlap_default
         self.overlap = self.overlap and self.tp.size == 1  # the other ranks never see the sampled ids
         self._inflight: _InFlight | None = None
 
@@ -219,7 +218,7 @@ class Engine:
                 logits = self.runner.forward(plan)
             else:
                 logits = self.runner.forward(plan, FutureIds(inflight.next_ids, inflight.rows))
-            score_prompts(self.runner.model, plan, scored)
+            score_prompts(self.runner.model, self.runtime, plan, scored)
             self.observer.on_step(plan, started)
             launched = self._launch(plan, logits)
         if inflight is not None:

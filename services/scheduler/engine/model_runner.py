@@ -25,6 +25,7 @@ from services.scheduler.engine.kv_pool import ReqToTokenPool, TokenToKVPool
 from services.scheduler.engine.req import Req
 from services.scheduler.engine.schedule import Plan
 from services.scheduler.layers.attention import AttnMetadata, DecodeLayout, ExtendLayout
+from services.scheduler.models.base import CausalLM
 
 
 class ModelRunner:
@@ -44,7 +45,7 @@ class ModelRunner:
             rank 0 sends it to the other ranks); None on a single rank.
     """
 
-    def __init__(self, model: torch.nn.Module, req_pool: ReqToTokenPool, kv_pool: TokenToKVPool,
+    def __init__(self, model: CausalLM, req_pool: ReqToTokenPool, kv_pool: TokenToKVPool,
                  runtime: DeviceRuntime | None = None, graph_runner=None, batch_invariant: bool = False):
         self.model = model
         self.req_pool = req_pool

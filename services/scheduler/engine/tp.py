@@ -37,7 +37,7 @@ import torch.distributed as dist
 from ringserve.ports import free_port
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine.build import PoolShape, build_stack, load_engine_model
-from services.scheduler.engine.device import rank_device, resolve_device
+from services.scheduler.engine.device import create_runtime, rank_device, resolve_device
 from services.scheduler.engine.model_runner import ModelRunner, StepBatch
 from services.scheduler.engine.prompt_logprobs import LOGITS_SLICE
 from services.scheduler.layers.parallel import RankFailure, TensorParallel, init_tensor_parallel
@@ -104,7 +104,7 @@ class TPGroup:
                  cfg.tp_size, cfg.dist_init_addr, port, cfg.tp_size - 1, [p.pid for p in procs])
         try:
             tp = init_tensor_parallel(0, cfg.tp_size, cfg.dist_init_addr, port,
-                                      resolve_device(cfg.engine.device), cfg.dist_timeout_s)
+                                      create_runtime(resolve_device(cfg.engine.device)), cfg.dist_timeout_s)
         except Exception:
             for p in procs:
                 p.kill()
@@ -177,7 +177,8 @@ def worker_main(rank: int, cfg: SchedulerConfig) -> None:
     ec = cfg.engine
     device = rank_device(resolve_device(ec.device), rank)
     try:
-        tp = init_tensor_parallel(rank, cfg.tp_size, cfg.dist_init_addr, cfg.dist_port, device, cfg.dist_timeout_s)
+        tp = init_tensor_parallel(rank, cfg.tp_size, cfg.dist_init_addr, cfg.dist_port, create_runtime(device),
+                                  cfg.dist_timeout_s)
         model, runtime = load_engine_model(ec, tp)
         shape: PoolShape = _broadcast(tp)
         runner = build_stack(model, ec, runtime, shape).runner  # as rank 0's, to rank 0's sizes and decisions

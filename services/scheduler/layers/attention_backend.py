@@ -18,22 +18,26 @@ A backend may offer more, declared in this contract and chosen when the model is
 ``forward_rotary``, which runs faster than torch's rotation and store) and ``fused_ops``
 (its element-wise kernels for the model's norms and activation).
 
-No silent fallback: an unknown name raises with the known ones, and ``triton`` on a CPU
-device raises unless Triton's interpreter was on (``TRITON_INTERPRET=1``) when the
-kernels were defined.
+No silent fallback: an unknown name raises with the known ones, and a backend the device
+cannot run raises with the device runtime's reason (``DeviceRuntime.attention_backend_refusal``:
+``cpu`` off the CPU, ``triton`` on the CPU unless Triton's interpreter was on when the kernels
+were defined).
 """
 
 from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from services.scheduler.layers.attention import (AttnMetadata, KVBuffers, extend_attention, gather_kv,
                                                  gather_layouts, paged_attention, store_kv)
 from services.scheduler.layers.norm import FusedOps
+
+if TYPE_CHECKING:
+    from services.scheduler.engine.device import DeviceRuntime
 
 log = logging.getLogger(__name__)
 
@@ -126,13 +130,8 @@ class TorchAttnBackend(AttentionBackend):
 
 
 class TritonAttnBackend(AttentionBackend):
-    """The Triton kernels of ``layers.triton_attention``, reading K/V in place through the req-to-token rows.
-
-    Raises:
-        RuntimeError: the device is not CUDA and the kernels were not defined under
-            Triton's interpreter (``TRITON_INTERPRET=1`` must be in the environment before
-            triton is first imported).
-    """
+    """The Triton kernels of ``layers.triton_attention``, reading K/V in place through the req-to-token rows
+    (on CUDA, or on the CPU under Triton's interpreter: ``create_attention_backend`` checks)."""
 
     name = "triton"
     supports_cuda_graph = True
@@ -145,11 +144,6 @@ class TritonAttnBackend(AttentionBackend):
         from services.scheduler.layers import triton_attention
 
         self.kernels = triton_attention
-        if self.device.type != "cuda" and not self.kernels.interpreted():
-            raise RuntimeError(
-                f"attention backend 'triton' on a {self.device.type} device needs Triton's interpreter: set "
-                "TRITON_INTERPRET=1 in the environment before the process starts (it is read when triton "
-                "defines the kernels), or use --attention-backend torch")
 
     def init_forward_metadata(self, meta: AttnMetadata) -> None:
         """Nothing to derive: the kernels read K/V rows through the req-to-token table and
@@ -186,7 +180,6 @@ class CpuAttnBackend(AttentionBackend):
     RMSNorm, SiLU-and-mul), which cut a batch-1 step's per-op overhead.
 
     Raises:
-        RuntimeError: the device is not the CPU.
         cpu_kernels.KernelBuildError: no C compiler, or the kernels did not build.
     """
 
@@ -196,8 +189,6 @@ class CpuAttnBackend(AttentionBackend):
 
     def __init__(self, device: torch.device):
         super().__init__(device)
-        if self.device.type != "cpu":
-            raise RuntimeError(f"attention backend 'cpu' runs on the CPU, not on {self.device.type}")
         from services.scheduler.layers import cpu_kernels
 
         # Build (or find) and load it now: errors at start-up, not at the first step.
@@ -248,27 +239,29 @@ ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {
 }
 
 
-def create_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """The backend called ``name`` for ``device``; "auto" is triton on CUDA devices, cpu on the
-    CPU (torch there, with a warning that says why, when the C kernels cannot be built).
+def create_attention_backend(name: str, runtime: DeviceRuntime) -> AttentionBackend:
+    """The backend called ``name`` for the runtime's device; "auto" is the runtime's default
+    (``DeviceRuntime.default_attention_backend``: triton on CUDA, cpu on the CPU -- torch
+    there, with a warning that says why, when the C kernels cannot be built).
 
     Raises:
         ValueError: ``name`` is neither "auto" nor in ``ATTENTION_BACKENDS`` (the message lists them).
-        RuntimeError: from the backend, when it cannot run on ``device`` (see ``TritonAttnBackend``,
-            ``CpuAttnBackend``).
+        RuntimeError: a backend the device cannot run (``DeviceRuntime.attention_backend_refusal``).
     """
-    device = torch.device(device)
     if name == "auto":
-        name = {"cuda": "triton", "cpu": "cpu"}.get(device.type, "torch")
+        name = runtime.default_attention_backend
         if name == "cpu":
             try:
-                return _logged(CpuAttnBackend(device))
+                return _logged(CpuAttnBackend(runtime.device))
             except RuntimeError as exc:
                 log.warning("attention backend 'cpu' unavailable, using 'torch': %s", exc)
                 name = "torch"
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; known: auto, {', '.join(sorted(ATTENTION_BACKENDS))}")
-    return _logged(ATTENTION_BACKENDS[name](device))
+    refusal = runtime.attention_backend_refusal(name)
+    if refusal is not None:
+        raise RuntimeError(refusal)
+    return _logged(ATTENTION_BACKENDS[name](runtime.device))
 
 
 def _logged(backend: AttentionBackend) -> AttentionBackend:

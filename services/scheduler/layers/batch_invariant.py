@@ -158,10 +158,6 @@ def measure(in_features: int, out_features: int, dtype: torch.dtype, device: str
     return floor
 
 
-def _on_cuda(model: torch.nn.Module) -> bool:
-    return any(p.device.type == "cuda" for p in model.parameters())
-
-
 def _use_triton(model: torch.nn.Module) -> dict[str, int]:
     """CUDA: every linear and RMSNorm through the fixed-tile Triton kernels (``layers.triton_batch_invariant``)."""
     from services.scheduler.layers import triton_batch_invariant as tbi  # triton only where it runs
@@ -180,14 +176,14 @@ def _use_triton(model: torch.nn.Module) -> dict[str, int]:
     return swapped
 
 
-def make_batch_invariant(model: torch.nn.Module, max_rows: int = 1024) -> dict[str, int]:
+def make_batch_invariant(model: torch.nn.Module, max_rows: int = 1024, kernels: str = "padded") -> dict[str, int]:
     """Make ``model``'s linears batch-invariant, in place; idempotent.
 
-    On the CPU each linear whose GEMM is not batch-invariant at small row counts is
-    wrapped in a ``RowPaddedLinear`` (a wrapped linear is not probed again). On CUDA every
-    linear and ``RMSNorm`` runs through the fixed-tile Triton kernels instead
-    (``layers.triton_batch_invariant``: cuBLAS and torch's reductions choose their
-    strategy by shape), with no probe.
+    ``kernels`` "padded" (the CPU's, ``DeviceRuntime.batch_invariant_linears``): each linear
+    whose GEMM is not batch-invariant at small row counts is wrapped in a ``RowPaddedLinear``
+    (a wrapped linear is not probed again). "triton" (CUDA's): every linear and ``RMSNorm``
+    runs through the fixed-tile Triton kernels instead (``layers.triton_batch_invariant``:
+    cuBLAS and torch's reductions choose their strategy by shape), with no probe.
 
     Args:
         max_rows: the largest row count probed (``probe``); the LM head is probed to 128,
@@ -200,7 +196,7 @@ def make_batch_invariant(model: torch.nn.Module, max_rows: int = 1024) -> dict[s
     Raises:
         NotBatchInvariantError: see ``probe``.
     """
-    if _on_cuda(model):
+    if kernels == "triton":
         return _use_triton(model)
     wrapped: dict[str, int] = {}
     threads = torch.get_num_threads()

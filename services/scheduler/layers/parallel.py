@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from services.scheduler.engine.device import DeviceRuntime
 
 
 class RankFailure(RuntimeError):
@@ -84,21 +88,21 @@ class TensorParallel:
         return torch.cat(parts, dim=-1).narrow(-1, 0, vocab_size)
 
 
-def init_tensor_parallel(rank: int, size: int, addr: str, port: int, device: torch.device,
+def init_tensor_parallel(rank: int, size: int, addr: str, port: int, runtime: DeviceRuntime,
                          timeout_s: float) -> TensorParallel:
-    """Join the group at ``tcp://addr:port`` (rank 0 hosts the store): NCCL on CUDA, gloo on the CPU.
+    """Join the group at ``tcp://addr:port`` (rank 0 hosts the store) with the runtime's
+    collectives backend (``DeviceRuntime.dist_backend``: NCCL on CUDA, gloo on the CPU).
 
     Args:
-        device: this rank's device (on CUDA it becomes the current device, as NCCL needs).
+        runtime: this rank's device runtime (``bind`` makes its device current, as NCCL needs).
 
     Every collective (and the rendezvous) raises after ``timeout_s`` rather than waiting for
     a rank that is gone. On CUDA a second, gloo group carries the per-step plan (host data).
     """
     if size == 1:
         return TensorParallel()
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    backend = runtime.dist_backend
+    runtime.bind()
     timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=size,
                             timeout=timeout)

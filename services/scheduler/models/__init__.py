@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from services.scheduler.config import LOAD_FORMATS
+from services.scheduler.engine.device import DeviceRuntime, create_runtime
 from services.scheduler.layers.attention_backend import create_attention_backend
 from services.scheduler.layers.parallel import TensorParallel
 from services.scheduler.models.base import CausalLM, LayerEnv
@@ -33,7 +35,6 @@ ARCHITECTURES: dict[str, type[DecoderForCausalLM]] = {
     "Qwen2MoeForCausalLM": MoeForCausalLM,
     "MixtralForCausalLM": MoeForCausalLM,
 }
-LOAD_FORMATS = ("auto", "dummy")
 
 
 def model_config(hf: dict) -> ModelConfig:
@@ -49,32 +50,29 @@ def model_config(hf: dict) -> ModelConfig:
     return ModelConfig.from_hf(hf)
 
 
-def build_model(hf: dict, dtype: torch.dtype, attention_backend: str = "auto",
-                device: torch.device = torch.device("cpu"), tp: TensorParallel = TensorParallel()) -> CausalLM:
-    """The model of an HF config dict on ``device`` with this rank's shapes, its weights
-    uninitialized (``models.loader`` fills them).
+def build_model(hf: dict, dtype: torch.dtype, attention_backend: str = "auto", runtime: DeviceRuntime | None = None,
+                tp: TensorParallel = TensorParallel()) -> CausalLM:
+    """The model of an HF config dict on the runtime's device (default: the CPU) with this
+    rank's shapes, its weights uninitialized (``models.loader`` fills them). The blocks get
+    what the runtime and the attention backend offer (``LayerEnv``): the backend's fused
+    kernels, the runtime's expert kernel.
 
     Raises:
         ValueError: see ``model_config`` and ``check_tensor_parallel``; an unknown attention backend.
-        RuntimeError: an attention backend that cannot run on ``device``.
+        RuntimeError: an attention backend that cannot run on the device.
     """
+    runtime = runtime or create_runtime(torch.device("cpu"))
     cfg = model_config(hf)
     if tp.size > 1:
         cfg.check_tensor_parallel(tp.size)
-    backend = create_attention_backend(attention_backend, device)
-    device = backend.device
-    fused_experts = None
-    if device.type == "cuda":
-        from services.scheduler.layers import triton_moe  # triton only where it runs
-
-        fused_experts = triton_moe.fused_experts
-    env = LayerEnv(tp, backend, dtype, device, backend.fused_ops, fused_experts)
-    with torch.device(device):
+    backend = create_attention_backend(attention_backend, runtime)
+    env = LayerEnv(tp, backend, dtype, runtime.device, backend.fused_ops, runtime.fused_experts())
+    with torch.device(runtime.device):
         return ARCHITECTURES[cfg.architecture](cfg, env).eval()
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, load_format: str = "auto",
-               attention_backend: str = "auto", device: torch.device = torch.device("cpu"),
+               attention_backend: str = "auto", runtime: DeviceRuntime | None = None,
                tp: TensorParallel = TensorParallel()) -> CausalLM:
     """Load the model that ``model_dir``/config.json names.
 
@@ -82,7 +80,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, load_format: str = "auto",
         load_format: "auto" reads the directory's safetensors; "dummy" gives random
             weights of the config's shapes (benchmarks of sizes no package ships).
         attention_backend: "auto", "torch", "cpu" or "triton" (``layers.attention_backend``).
-        device: where the weights load (``engine.device.resolve_device``).
+        runtime: the device the weights load onto (``engine.device.create_runtime``; default the CPU).
         tp: this rank's tensor-parallel group; the model keeps its shard.
 
     Raises:
@@ -97,18 +95,18 @@ def load_model(model_dir: Path, dtype: torch.dtype, load_format: str = "auto",
         raise ValueError(f"unknown load format {load_format!r}; supported: {', '.join(LOAD_FORMATS)}")
     hf = json.loads((Path(model_dir) / "config.json").read_text())
     if load_format == "dummy":
-        return dummy_model(hf, dtype, attention_backend=attention_backend, device=device, tp=tp)
-    model = build_model(hf, dtype, attention_backend, device, tp)
+        return dummy_model(hf, dtype, attention_backend=attention_backend, runtime=runtime, tp=tp)
+    model = build_model(hf, dtype, attention_backend, runtime, tp)
     load_checkpoint(model, Path(model_dir), model.attn_backend.device)
     return model
 
 
 def dummy_model(hf: dict, dtype: torch.dtype, seed: int | None = 0, attention_backend: str = "auto",
-                device: torch.device = torch.device("cpu"), tp: TensorParallel = TensorParallel()) -> CausalLM:
+                runtime: DeviceRuntime | None = None, tp: TensorParallel = TensorParallel()) -> CausalLM:
     """The model of an HF config dict with random weights (``models.loader.fill_random``): under
     tensor parallelism every rank draws the whole model and keeps its shard, so the ranks
     together hold the weights of ``tp.size`` 1. Errors as ``build_model``."""
-    model = build_model(hf, dtype, attention_backend, device, tp)
+    model = build_model(hf, dtype, attention_backend, runtime, tp)
     with torch.device("meta"):
         whole = type(model)(model.config, LayerEnv(TensorParallel(), model.attn_backend, dtype, torch.device("meta")))
     fill_random(model, whole, dtype, model.attn_backend.device, seed)

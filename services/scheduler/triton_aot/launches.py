@@ -123,11 +123,12 @@ def record(shapes: dict[str, dict]) -> list[Call]:
         for name, cfg in shapes.items():
             if "layer_types" not in cfg:  # every layer alike: one is enough
                 cfg = {**cfg, "num_hidden_layers": 1}
-            for dtype_name, dtype in CudaRuntime(CUDA).supported_dtypes().items():
+            runtime = CudaRuntime(CUDA)
+            for dtype_name, dtype in runtime.supported_dtypes().items():
                 # Soft-capping is float32 arithmetic on the scores in every dtype: it is checked
                 # in the default one (CudaRuntime.default_dtype at compute capability >= 8.0).
                 for softcap in (0.0, SOFTCAP) if dtype == torch.bfloat16 and name in SOFTCAPPED else (0.0,):
-                    model = dummy_model(cfg, dtype, seed=None, attention_backend="triton", device=CUDA)
+                    model = dummy_model(cfg, dtype, seed=None, attention_backend="triton", runtime=runtime)
                     for m in model.modules():
                         if isinstance(m, Attention):
                             m.softcap = softcap
@@ -136,7 +137,7 @@ def record(shapes: dict[str, dict]) -> list[Call]:
                     tag = f"{name} {dtype_name}" + (" softcap" if softcap else "")
                     source[0] = f"{tag} mixed"
                     _step(model, kv, *mixed, per_token=False)
-                    make_batch_invariant(model)  # on CUDA: the Triton GEMM and RMSNorm
+                    make_batch_invariant(model, kernels=runtime.batch_invariant_linears)  # the Triton GEMM and RMSNorm
                     source[0] = f"{tag} deterministic mixed"
                     _step(model, kv, *mixed, per_token=True)
                     source[0] = f"{tag} deterministic decode b=1"
