@@ -26,6 +26,7 @@ from types import SimpleNamespace
 
 import torch
 
+from services.scheduler.engine.device import create_runtime
 from services.scheduler.layers.attention import AttnMetadata, DecodeLayout, ExtendLayout
 from services.scheduler.layers.attention_backend import create_attention_backend
 
@@ -94,7 +95,7 @@ def run(shapes: list[Shape], dtype: torch.dtype, dev: torch.device) -> list[dict
     from triton.testing import do_bench
 
     gen = torch.Generator().manual_seed(0)
-    backends = {name: create_attention_backend(name, dev) for name in ("torch", "triton")}
+    backends = {name: create_attention_backend(name, create_runtime(dev)) for name in ("torch", "triton")}
     rows = []
     for shape in shapes:
         pool_size = 2 * sum(p + e for p, e in zip(shape.prefix_lens, shape.extend_lens))

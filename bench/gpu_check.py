@@ -106,7 +106,7 @@ def check_fused_moe(device: str, quick: bool) -> dict:
     in float32, at 1, 64 and 1000 tokens (quick: 1, 7, 40) (max abs error)."""
     from services.scheduler.layers.moe import fused_experts_cpu, select_experts, stacked_expert
     from services.scheduler.layers.triton_moe import fused_experts
-    from services.scheduler.models.llama import silu_and_mul
+    from services.scheduler.layers.activation import silu_and_mul
 
     gen = torch.Generator().manual_seed(0)
     e, k, h, i = (8, 2, 64, 48) if quick else (128, 8, 2048, 768)

@@ -22,7 +22,8 @@ from tokenizers import Tokenizer
 from ringserve.bench.corpus import python_docs_text
 from ringserve.models import DEFAULT_CACHE, SMOLLM2_DIR
 from services.scheduler.config import EngineConfig
-from services.scheduler.engine.engine import Engine, apply_quantization
+from services.scheduler.engine.build import apply_quantization
+from services.scheduler.engine.engine import Engine
 from services.scheduler.engine.req import ReqInput, SamplingParams
 from services.scheduler.engine.stops import load_eos_ids
 from services.scheduler.models import load_model

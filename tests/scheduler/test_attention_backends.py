@@ -19,6 +19,7 @@ import torch
 
 from ringserve.launch import parse_args as launch_args
 from ringserve.options.names import ATTENTION_BACKENDS
+from services.scheduler.engine.device import create_runtime
 from services.scheduler.layers.attention_backend import ATTENTION_BACKENDS as REGISTRY
 from services.scheduler.layers.attention_backend import create_attention_backend
 from services.scheduler.main import parse_args
@@ -32,6 +33,7 @@ from tokenizers import Tokenizer
 from services.scheduler.config import EngineConfig
 from services.scheduler.engine.engine import Engine
 from services.scheduler.engine.req import ReqInput, SamplingParams
+from services.scheduler.engine.device import create_runtime
 from services.scheduler.engine.stops import load_eos_ids
 from services.scheduler.layers.attention_backend import create_attention_backend
 from services.scheduler.models import load_model
@@ -85,7 +87,7 @@ torch_name, torch_plans, torch_logits, torch_out = run("torch")
 triton_name, triton_plans, triton_logits, triton_out = run(other)
 print(json.dumps({
     "backends": [torch_name, triton_name],
-    "auto_on_cuda": create_attention_backend("auto", "cuda").name,
+    "auto_on_cuda": create_attention_backend("auto", create_runtime(torch.device("cuda"))).name,
     "plans": [torch_plans, triton_plans],
     "outputs": [torch_out, triton_out],
     "max_abs_diff": (torch_logits - triton_logits).abs().max().item(),
@@ -95,12 +97,13 @@ print(json.dumps({
 
 REFUSALS = r"""
 import json, sys, torch
+from services.scheduler.engine.device import create_runtime
 from services.scheduler.layers.attention_backend import create_attention_backend
 from services.scheduler.models import load_model
 
 errors = {}
 for what, call in {
-    "backend": lambda: create_attention_backend("triton", torch.device("cpu")),
+    "backend": lambda: create_attention_backend("triton", create_runtime(torch.device("cpu"))),
     "model": lambda: load_model(sys.argv[1], torch.float32, "dummy", attention_backend="triton"),
 }.items():
     try:
@@ -162,8 +165,8 @@ def test_triton_on_cpu_without_the_interpreter_is_refused(tmp_path, smollm2_dir)
 def test_registry_refuses_unknown_names_listing_the_known_ones():
     assert set(ATTENTION_BACKENDS) == set(REGISTRY)
     with pytest.raises(ValueError, match=r"^unknown attention backend 'flash'; known: auto, cpu, torch, triton$"):
-        create_attention_backend("flash", torch.device("cpu"))
-    assert create_attention_backend("auto", torch.device("cpu")).name == "cpu"
+        create_attention_backend("flash", create_runtime(torch.device("cpu")))
+    assert create_attention_backend("auto", create_runtime(torch.device("cpu"))).name == "cpu"
 
 
 def test_flag_reaches_the_frozen_configs(capsys):

@@ -8,6 +8,7 @@ one without (32, the portable loop), plain and with a sliding window and soft-ca
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -17,9 +18,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.scheduler.layers import cpu_kernels
+from services.scheduler.engine.device import create_runtime
+from services.scheduler.engine.kv_pool import ReqToTokenPool, TokenToKVPool
+from services.scheduler.engine.model_runner import ModelRunner
+from services.scheduler.engine.req import Req, ReqInput
+from services.scheduler.engine.schedule import SchedulePolicy
+from services.scheduler.layers import attention_backend, cpu_kernels
+from services.scheduler.layers.attention import AttnMetadata, DecodeLayout
+from services.scheduler.layers.attention_backend import create_attention_backend
 from services.scheduler.layers.norm import RMSNorm
-from services.scheduler.layers.rotary import apply_rotary_packed
+from services.scheduler.layers.rotary import apply_rotary_packed, rotate_qkv
+from services.scheduler.models import blocks, dummy_model
 
 
 def _reference_decode(q, k_buf, v_buf, kv_indices, seq_lens, scale, window=0, softcap=0.0):
@@ -150,7 +159,8 @@ def test_decode_attention_reads_no_key_past_its_row():
 def test_auto_backend_falls_back_to_torch_without_a_compiler(tmp_path):
     script = ("import logging, torch; logging.basicConfig(level=logging.WARNING)\n"
               "from services.scheduler.layers.attention_backend import create_attention_backend\n"
-              "print(create_attention_backend('auto', torch.device('cpu')).name)\n")
+              "from services.scheduler.engine.device import create_runtime\n"
+              "print(create_attention_backend('auto', create_runtime(torch.device('cpu'))).name)\n")
     env = dict(os.environ, CC="no-such-cc", RINGSERVE_CACHE_DIR=str(tmp_path))
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120,
                           cwd=Path(__file__).resolve().parents[2])
@@ -160,11 +170,69 @@ def test_auto_backend_falls_back_to_torch_without_a_compiler(tmp_path):
 
 
 def test_the_backend_logs_which_kernels_it_runs(caplog):
-    from services.scheduler.layers.attention_backend import create_attention_backend
-
     with caplog.at_level("INFO", logger="services.scheduler.layers.attention_backend"):
-        assert create_attention_backend("auto", torch.device("cpu")).name == "cpu"
-        assert create_attention_backend("torch", torch.device("cpu")).name == "torch"
+        cpu = create_runtime(torch.device("cpu"))
+        assert create_attention_backend("auto", cpu).name == "cpu"
+        assert create_attention_backend("torch", cpu).name == "torch"
     messages = [r.getMessage() for r in caplog.records]
     assert messages[0].startswith("attention backend cpu: C kernels ") and messages[0].endswith(".so")
     assert messages[1] == "attention backend torch on cpu"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_backend_fuses_rotary_with_the_store_and_gives_the_models_rotation_bits(dtype):
+    """The cpu backend declares ``fuses_rotary``: given the un-rotated projection, its one C call
+    (rotary and the K/V store) gives the output and pool of the model's own rotation
+    (``layers.rotary.rotate_qkv``) followed by ``forward``; a backend that does not fuse refuses."""
+    gen = torch.Generator().manual_seed(3)
+    b, hq, hkv, d, n = 4, 9, 3, 64, 40
+    qkv = torch.randn(b, (hq + 2 * hkv) * d, generator=gen).to(dtype)
+    angles = torch.rand(b, 1, d, generator=gen) * 6.3
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    table = torch.randperm(n, generator=gen)[: b * 8].view(b, 8).to(torch.int32)
+    seq_lens = torch.tensor([8, 3, 5, 1])
+    loc = table[torch.arange(b), seq_lens - 1].long()
+    pools = []
+    outs = []
+    backend = create_attention_backend("cpu", create_runtime(torch.device("cpu")))
+    assert backend.fuses_rotary and backend.fused_ops is not None
+    for fused in (True, False):
+        kv = type("KV", (), {})()
+        base = torch.randn(n, hkv, d, generator=torch.Generator().manual_seed(4)).to(dtype)
+        kv.k_buffer, kv.v_buffer = [base.clone()], [base.clone()]
+        meta = AttnMetadata(loc, table, 0, decode=DecodeLayout(torch.arange(b), seq_lens, 8))
+        backend.init_forward_metadata(meta)
+        if fused:
+            outs.append(backend.forward_rotary(qkv, cos, sin, hq, 0, meta, kv, d**-0.5))
+        else:
+            outs.append(backend.forward(*rotate_qkv(qkv, cos, sin, hq, hkv, d), 0, meta, kv, d**-0.5))
+        pools.append((kv.k_buffer[0], kv.v_buffer[0]))
+    assert torch.equal(outs[0], outs[1]) and outs[0].shape == (b, hq * d)
+    assert torch.equal(pools[0][0], pools[1][0]) and torch.equal(pools[0][1], pools[1][1])
+    torch_backend = create_attention_backend("torch", create_runtime(torch.device("cpu")))
+    assert not torch_backend.fuses_rotary and torch_backend.fused_ops is None
+    with pytest.raises(NotImplementedError, match="attention backend 'torch' does not fuse rotary"):
+        torch_backend.forward_rotary(qkv, cos, sin, hq, 0, meta, kv, d**-0.5)
+
+
+@pytest.mark.parametrize("backend,fused", [("cpu", True), ("torch", False)])
+def test_the_model_hands_a_fusing_backend_the_unrotated_projection(smollm2_dir, monkeypatch, backend, fused):
+    """Each attention layer calls the backend's fused rotary where it declares one, and rotates
+    in torch otherwise: one call per layer per step either way, never both."""
+    hf = {**json.loads((smollm2_dir / "config.json").read_text()), "num_hidden_layers": 2}
+    model = dummy_model(hf, torch.float32, attention_backend=backend)
+    calls = {"fused": 0, "torch": 0}
+    rotate = blocks.rotate_qkv
+    monkeypatch.setattr(blocks, "rotate_qkv", lambda *a: calls.__setitem__("torch", calls["torch"] + 1) or rotate(*a))
+    real = attention_backend.CpuAttnBackend.forward_rotary
+    monkeypatch.setattr(attention_backend.CpuAttnBackend, "forward_rotary",
+                        lambda self, *a: calls.__setitem__("fused", calls["fused"] + 1) or real(self, *a))
+    shape = model.kv_shape()
+    req_pool, kv_pool = ReqToTokenPool(2, 64), TokenToKVPool(64, shape.num_layers, shape.num_kv_heads, shape.head_dim,
+                                                              shape.dtype)
+    policy = SchedulePolicy(req_pool, kv_pool, 2, 64)
+    policy.waiting.append(Req(ReqInput(rid="a", input_ids=[1, 2, 3])))
+    with torch.inference_mode():
+        logits = ModelRunner(model, req_pool, kv_pool).forward(policy.schedule())
+    assert logits.shape == (1, 49152)
+    assert calls == ({"fused": 2, "torch": 0} if fused else {"fused": 0, "torch": 2})

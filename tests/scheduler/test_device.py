@@ -3,13 +3,19 @@ CUDA runtime's figures come from torch.cuda functions replaced by fixed answers.
 
 from __future__ import annotations
 
+from pathlib import Path
+from types import SimpleNamespace
+
 import pytest
 import torch
 
+from services.scheduler.config import EngineConfig
 from services.scheduler.engine import device as devmod
 from services.scheduler.engine.cuda_graph import graph_buckets
 from services.scheduler.engine.device import CudaRuntime, DeviceRuntime, create_runtime, resolve_device
 from services.scheduler.engine.kv_pool import GIB
+from services.scheduler.layers import linear, triton_moe
+from services.scheduler.layers.attention_backend import create_attention_backend
 from services.scheduler.main import parse_args
 
 
@@ -70,3 +76,32 @@ def test_cuda_graph_buckets():
     assert graph_buckets(160)[-3:] == [144, 152, 160] and len(graph_buckets(160)) == 23
     with pytest.raises(ValueError, match="--cuda-graph-max-bs must be >= 1"):
         graph_buckets(0)
+
+
+def test_every_device_decision_is_the_runtimes(monkeypatch):
+    """What differs between the CPU and CUDA, asked of the runtime (the engine and the model
+    builder hand it on): defaults, kernels, the req-to-token mirror and the collectives."""
+    cfg = EngineConfig(model=Path("m"), kv_cache_mem_fraction=0.3, mem_fraction_static=0.85)
+    cpu, cuda = DeviceRuntime(torch.device("cpu")), CudaRuntime(torch.device("cuda:0"))
+    invariant, plain = SimpleNamespace(batch_invariant=True), SimpleNamespace(batch_invariant=False)
+    assert (cpu.kv_mem_fraction(cfg), cuda.kv_mem_fraction(cfg)) == (0.3, 0.85)
+    assert (cpu.overlap_default, cuda.overlap_default) == (False, True)
+    assert (cpu.mirrors_tables, cuda.mirrors_tables) == (False, True)
+    assert (cpu.dist_backend, cuda.dist_backend) == ("gloo", "nccl")
+    assert (cpu.default_attention_backend, cuda.default_attention_backend) == ("cpu", "triton")
+    assert (cpu.batch_invariant_linears, cuda.batch_invariant_linears) == ("padded", "triton")
+    assert (cpu.int8_linears, cuda.int8_linears) == (True, False)
+    assert cpu.deterministic_default(torch.bfloat16, invariant)
+    assert not cpu.deterministic_default(torch.float32, invariant) and not cpu.deterministic_default(torch.bfloat16, plain)
+    assert not cuda.deterministic_default(torch.bfloat16, invariant)
+    assert cpu.fused_experts() is None and cuda.fused_experts() is triton_moe.fused_experts
+    assert cpu.packs_linears == linear.onednn_bf16() and not cuda.packs_linears
+    assert cpu.attention_backend_refusal("cpu") is None and cuda.attention_backend_refusal("triton") is None
+    assert cuda.attention_backend_refusal("cpu") == "attention backend 'cpu' runs on the CPU, not on cuda"
+    with pytest.raises(RuntimeError, match=r"^attention backend 'cpu' runs on the CPU, not on cuda$"):
+        create_attention_backend("cpu", cuda)
+    current = []
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    cpu.bind()
+    cuda.bind()
+    assert current == [torch.device("cuda:0")]

@@ -7,7 +7,9 @@ two copies are replaced: host-to-device makes a fake CUDA tensor of the host ten
 shape, device-to-host answers a fixed token (so the scheduler's host side -- stops,
 lengths, the prefix cache -- runs for real). A whole step sequence must run through:
 batched prefill, chunked prefill mixed with decodes, a prefix-cache hit, decodes,
-retraction, an abort, a stop token, for the torch backend and the Triton backend (its
+retraction, an abort, a stop token, prompt logprobs (the LM head over a chunk's scored rows,
+their targets copied in and the results out through the runtime), for the torch backend
+and the Triton backend (its
 kernel launches replaced by a check that every argument is on the device), eagerly and
 through the CUDA-graph runner's static buffers, with overlap scheduling (the default on
 CUDA: decode input ids taken on the device from the step in flight) and without.
@@ -27,8 +29,7 @@ from services.scheduler.engine.device import CudaRuntime, DeviceRuntime, MemoryS
 from services.scheduler.engine.engine import Engine
 from services.scheduler.engine.req import FinishType, ReqInput, SamplingParams
 from services.scheduler.engine.stops import load_eos_ids
-from services.scheduler.models.gemma3 import Gemma3ForCausalLM
-from services.scheduler.models.llama import LlamaForCausalLM
+from services.scheduler.models import dummy_model
 
 CUDA = torch.device("cuda:0")
 
@@ -119,8 +120,8 @@ def test_step_sequence_on_fake_cuda_tensors(smollm2_dir, tokenizer, backend, gra
     hf = {**json.loads((smollm2_dir / "config.json").read_text()), "num_hidden_layers": 2}
     eos = load_eos_ids(smollm2_dir, tokenizer)
     with mode:
-        cls, hf = (LlamaForCausalLM, hf) if arch == "llama" else (Gemma3ForCausalLM, GEMMA3)
-        model = cls.dummy(hf, torch.bfloat16, seed=None, attention_backend=backend, device=CUDA)
+        model = dummy_model(hf if arch == "llama" else GEMMA3, torch.bfloat16, seed=None, attention_backend=backend,
+                            runtime=runtime)
         kernels = None
         if backend == "triton":
             kernels = model.attn_backend.kernels = CheckedTritonKernels()
@@ -141,6 +142,14 @@ def test_step_sequence_on_fake_cuda_tensors(smollm2_dir, tokenizer, backend, gra
             return sample(logits, reqs)
 
         engine.sampler.sample = counted_sample
+        forward, scored = engine.runner.forward, []
+
+        def scoring_forward(plan, future=None):
+            scored.append(plan.logprob_rows is not None)
+            return forward(plan, future)
+
+        engine.runner.forward = scoring_forward
+        prompt_logprobs: dict[str, tuple[int, int, int]] = {}
 
         def step():
             out = engine.step()
@@ -149,6 +158,8 @@ def test_step_sequence_on_fake_cuda_tensors(smollm2_dir, tokenizer, backend, gra
             for i, rid in enumerate(out.rids):
                 results.setdefault(rid, []).append(out.finish_reasons[i])
                 cached[rid] = out.cached_tokens[i]
+            for p in out.prompt_logprobs:
+                prompt_logprobs[out.rids[p.row]] = (p.start, len(p.logprobs), len(p.top_ids))
 
         def drain():
             while engine.has_work:
@@ -171,6 +182,9 @@ def test_step_sequence_on_fake_cuda_tensors(smollm2_dir, tokenizer, backend, gra
         engine.add_request(_req("d", prompt + tokenizer.encode(" and more").ids, 60, ignore_eos=True))
         # A stop token below min_new_tokens is banned, then stops the request.
         engine.add_request(_req("e", prompt[:3], 20, stop_token_ids=frozenset({token}), min_new_tokens=2))
+        # Prompt logprobs from position 1 with the top 2 at each.
+        engine.add_request(ReqInput(rid="s", input_ids=prompt, logprob_start_len=1, prompt_top_logprobs_num=2,
+                                    sampling=SamplingParams(temperature=0.0, max_new_tokens=2)))
         for _ in range(6):
             step()
         engine.abort("b")
@@ -186,6 +200,10 @@ def test_step_sequence_on_fake_cuda_tensors(smollm2_dir, tokenizer, backend, gra
     load = engine.load()
     assert (load.req_slots_used, load.kv_used_tokens, load.num_running_reqs, load.num_waiting_reqs) == (0, 0, 0, 0)
     assert load.kv_cached_tokens + engine.kv_pool.available == 128
-    assert runtime.d2h == len(samples) > 10  # one device-to-host copy per step that samples
+    assert prompt_logprobs == {"s": (1, len(prompt) - 1, 2 * (len(prompt) - 1))}
+    assert results["s"][-1].type == FinishType.LENGTH and sum(scored) >= 1
+    # One device-to-host copy per step that samples, and three per step that scores a prompt
+    # (chosen logprobs, top values, top ids).
+    assert runtime.d2h == len(samples) + 3 * sum(scored) and len(samples) > 10
     if kernels is not None:
         assert kernels.calls["extend_attention"] > 0 and kernels.calls["decode_attention"] > 0

@@ -28,7 +28,7 @@ from services.scheduler.config import EngineConfig
 from services.scheduler.engine.engine import Engine
 from services.scheduler.engine.req import ReqInput, SamplingParams
 from services.scheduler.models import load_model
-from services.scheduler.models.gemma3 import Gemma3Config
+from services.scheduler.models.config import ModelConfig
 
 WINDOW = 8
 STEPS = 32
@@ -172,7 +172,7 @@ def test_window_matters(gemma_tiny):
     path, ref = gemma_tiny
     model = load_model(path, torch.float32, attention_backend="torch")
     assert [layer.self_attn.window for layer in model.layers] == [WINDOW, 0, WINDOW]
-    assert isinstance(model.config, Gemma3Config) and model.config.final_logit_softcapping == 15.0
+    assert model.config.norm_style == "offset" and model.config.final_logit_softcapping == 15.0
     outputs, cached, rows = run_engine(path, "cpu", window=2 * WINDOW)
     rid, ctx, logits = next(r for r in rows if r[0] == "a0" and len(r[1]) == len(WAVE1[0]))
     with torch.no_grad():
@@ -185,13 +185,14 @@ def test_config_variants_and_refusals():
     old_style = {k: v for k, v in base.items() if k not in ("layer_types", "rope_parameters")}
     old_style |= {"sliding_window_pattern": 2, "rope_theta": 5e5, "rope_local_base_freq": 1e4,
                   "rope_scaling": {"rope_type": "linear", "factor": 4.0}}
-    cfg = Gemma3Config.from_hf(old_style)
-    assert cfg.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
-    assert (cfg.rope_theta, cfg.rope_scaling["factor"], cfg.rope_local_theta) == (5e5, 4.0, 1e4)
+    cfg = ModelConfig.from_hf(old_style)
+    assert [layer.sliding_window for layer in cfg.layers] == [WINDOW, 0, WINDOW]
+    local, full, _ = (layer.rope for layer in cfg.layers)
+    assert (full.theta, full.scaling["factor"], local.theta, local.scaling) == (5e5, 4.0, 1e4, {"rope_theta": 1e4})
     for bad, match in ((dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
                        (dict(hidden_activation="silu"), "hidden_activation 'silu'"),
                        (dict(attention_bias=True), "attention_bias"),
                        (dict(layer_types=["chunked_attention"] * 3), "layer_types"),
                        (dict(rope_parameters={"full_attention": {"rope_type": "yarn", "rope_theta": 1.0}}), "yarn")):
         with pytest.raises(ValueError, match=match):
-            Gemma3Config.from_hf(base | bad)
+            ModelConfig.from_hf(base | bad)

@@ -66,7 +66,7 @@ def test_decode_attention_matches_per_request_reference(make_engine, greedy_req,
 @torch.inference_mode()
 def test_packed_rotary_equals_rotating_q_and_k_separately(sched_model):
     positions = torch.tensor([0, 5, 17, 300])
-    cos, sin = sched_model.rotary(positions, torch.float32)
+    cos, sin = sched_model.rotaries[0](positions, torch.float32)
     qk = torch.randn(4, 12, 64, generator=torch.Generator().manual_seed(1))  # 9 q heads + 3 k heads
     q, k = qk[:, :9], qk[:, 9:]
     want = torch.cat((q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin), dim=1)

@@ -24,8 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 from tokenizers import Tokenizer
-from transformers import (AutoModelForCausalLM, LlamaConfig, MixtralConfig, Phi3Config, Qwen2MoeConfig, Qwen3Config,
-                          Qwen3MoeConfig)
+from transformers import LlamaConfig, Phi3Config
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
@@ -36,48 +35,18 @@ from services.scheduler.engine.engine import Engine
 from services.scheduler.engine.req import ReqInput, SamplingParams
 from services.scheduler.engine.stops import load_eos_ids
 from services.scheduler.models import load_model
+from services.scheduler.models.blocks import SparseMoeBlock
 
-TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=128)
-MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
-ARCHS = {
-    "Qwen3ForCausalLM": (Qwen3Config, dict(head_dim=32, tie_word_embeddings=True)),
-    # Layer 0 sparse, layer 1 dense (mlp_only_layers); top-2 renormalized.
-    "Qwen3MoeForCausalLM": (Qwen3MoeConfig, dict(MOE, head_dim=32, num_experts=8, norm_topk_prob=True,
-                                                 mlp_only_layers=[1])),
-    # Layer 0 dense, layer 1 sparse (decoder_sparse_step 2); top-2 not renormalized; shared expert.
-    "Qwen2MoeForCausalLM": (Qwen2MoeConfig, dict(MOE, num_experts=4, norm_topk_prob=False, decoder_sparse_step=2,
-                                                 shared_expert_intermediate_size=48)),
-    "MixtralForCausalLM": (MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)),
-    "Phi3ForCausalLM": (Phi3Config, dict(pad_token_id=0, eos_token_id=None, original_max_position_embeddings=96,
-                                         rope_parameters={"rope_type": "longrope", "rope_theta": 1e4,
-                                                          "partial_rotary_factor": 0.5,
-                                                          "short_factor": [1.0, 1.3, 2.0, 3.5],
-                                                          "long_factor": [1.5, 2.5, 4.0, 8.0]})),
-}
-MLPS = {"Qwen3MoeForCausalLM": ["SparseMoeBlock", "LlamaMLP"], "Qwen2MoeForCausalLM": ["LlamaMLP", "SparseMoeBlock"],
+from .tiny_models import ARCHS, TINY, tiny_checkpoint
+
+MLPS = {"Qwen3MoeForCausalLM": ["SparseMoeBlock", "GatedMLP"], "Qwen2MoeForCausalLM": ["GatedMLP", "SparseMoeBlock"],
         "MixtralForCausalLM": ["SparseMoeBlock"] * 2}
+CLASSES = {"Qwen3MoeForCausalLM": "MoeForCausalLM", "Qwen2MoeForCausalLM": "MoeForCausalLM",
+           "MixtralForCausalLM": "MoeForCausalLM"}
 PROMPTS = [[3, 14, 15, 92, 65, 35], [8, 9, 79], [200, 100, 50, 25, 12, 6, 3, 1, 0, 255],
            [(7 * i + 11) % 256 for i in range(40)]]
 PREFIX_HIT = PROMPTS[0] + [42, 7, 99]
 STEPS = 32
-
-
-def tiny_checkpoint(arch: str, root: Path) -> tuple[Path, torch.nn.Module]:
-    """transformers' own model of ``arch`` at TINY shapes (seed 0; norm weights drawn around 1 so
-    that q/k norms and the final norm matter), saved as safetensors under ``root``."""
-    cls, extra = ARCHS[arch]
-    torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(cls(**{**TINY, **extra}), dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.2)
-    ref.generation_config.eos_token_id = None  # generate exactly STEPS tokens
-    ref.generation_config.pad_token_id = 0
-    ref.save_pretrained(root / arch)
-    assert json.loads((root / arch / "config.json").read_text())["architectures"] == [arch]
-    return root / arch, ref
 
 
 @pytest.fixture(scope="session")
@@ -168,8 +137,8 @@ def assert_matches(got: dict, expected: dict, tol: float = 1e-4) -> None:
 def test_engine_matches_transformers(arch, backend, checkpoints, smollm2_dir):
     path, expected = checkpoints(arch)
     model = load_model(path, torch.float32, attention_backend=backend)
-    assert type(model).__name__ == ("LlamaForCausalLM" if arch == "Phi3ForCausalLM" else arch)
-    assert [type(layer.mlp).__name__ for layer in model.layers] == MLPS.get(arch, ["LlamaMLP"] * 2)
+    assert type(model).__name__ == CLASSES.get(arch, "LlamaForCausalLM") and model.config.architecture == arch
+    assert [type(layer.mlp).__name__ for layer in model.layers] == MLPS.get(arch, ["GatedMLP"] * 2)
     assert_matches(serve(model, path, smollm2_dir), expected)
 
 
@@ -179,8 +148,8 @@ from pathlib import Path
 from services.scheduler.layers import triton_moe
 from services.scheduler.layers.moe import fused_experts_cpu, select_experts, stacked_expert
 from services.scheduler.models import load_model
-from services.scheduler.models.llama import silu_and_mul
-from services.scheduler.models.moe import SparseMoeBlock
+from services.scheduler.layers.activation import silu_and_mul
+from services.scheduler.models.blocks import SparseMoeBlock
 from tests.scheduler.test_model_families import serve
 
 path, smollm2_dir, out = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
@@ -240,8 +209,13 @@ def test_moe_block_on_fake_cuda_tensors(monkeypatch):
     the two grouped GEMMs get device tensors only."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from services.scheduler.engine.device import CudaRuntime
     from services.scheduler.layers import triton_moe
-    from services.scheduler.models.moe import MoeConfig, SparseMoeBlock
+    from services.scheduler.layers.attention_backend import TorchAttnBackend
+    from services.scheduler.layers.parallel import TensorParallel
+    from services.scheduler.models.base import LayerEnv
+    from services.scheduler.models.blocks import SparseMoeBlock
+    from services.scheduler.models.config import ModelConfig
 
     cuda = torch.device("cuda:0")
     calls = []
@@ -257,7 +231,9 @@ def test_moe_block_on_fake_cuda_tensors(monkeypatch):
               shared_expert_intermediate_size=48)
     with FakeTensorMode(allow_non_fake_inputs=False), torch.inference_mode():  # as ModelRunner.forward
         with torch.device(cuda):
-            block = SparseMoeBlock(MoeConfig.from_hf(hf), cuda)
+            env = LayerEnv(TensorParallel(), TorchAttnBackend(cuda), torch.float32, cuda,
+                           fused_experts=CudaRuntime(cuda).fused_experts())
+            block = SparseMoeBlock(ModelConfig.from_hf(hf), env)
             out = block(torch.empty(5, 64))
     assert block.fused_experts is triton_moe.fused_experts
     assert out.device == cuda and tuple(out.shape) == (5, 64)
@@ -297,10 +273,11 @@ def test_rotary_tables_match_transformers(kind):
 
 def load_config_rotary(hf) -> RotaryEmbedding:
     """ringserve's rotary tables for an HF config object, through the model's config reader."""
-    from services.scheduler.models.llama import LlamaConfig as Ours
+    from services.scheduler.models.config import ModelConfig
 
-    cfg = Ours.from_hf({**hf.to_dict(), "intermediate_size": 1, "num_hidden_layers": 1})
-    return RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+    cfg = ModelConfig.from_hf({**hf.to_dict(), "intermediate_size": 1, "num_hidden_layers": 1})
+    rope = cfg.layers[0].rope
+    return RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, rope.theta, rope.scaling)
 
 
 @pytest.mark.parametrize("kind", ["yarn", "dynamic"])
@@ -316,10 +293,8 @@ def test_bench_moe_preset_runs_the_engine(smollm2_dir, capsys, tmp_path):
     """``bench --preset qwen3-moe-small``: a Qwen3-MoE of the preset's shape with random weights
     and SmolLM2's tokenizer, timed at batch 1 and 2."""
     from services.scheduler import bench
-    from services.scheduler.models.moe import SparseMoeBlock
-
     model = load_model(bench.preset_dir(smollm2_dir, "qwen3-moe-small", tmp_path), torch.bfloat16, "dummy")
-    assert type(model).__name__ == "Qwen3MoeForCausalLM" and model.config.vocab_size == 49152
+    assert model.config.architecture == "Qwen3MoeForCausalLM" and model.config.vocab_size == 49152
     blocks = [layer.mlp for layer in model.layers]
     assert all(isinstance(b, SparseMoeBlock) for b in blocks) and len(blocks) == 4
     assert tuple(blocks[0].experts.gate_up.shape) == (16, 384, 512) and blocks[0].top_k == 4
@@ -334,10 +309,14 @@ def test_bench_moe_preset_runs_the_engine(smollm2_dir, capsys, tmp_path):
 def _bf16_block(tokens: int):
     """A CPU Qwen3-MoE block (8 experts of 32, top 2, hidden 64) with seeded random bf16 weights,
     and an input [tokens, 64]."""
-    from services.scheduler.models.moe import MoeConfig, SparseMoeBlock
+    from services.scheduler.layers.attention_backend import TorchAttnBackend
+    from services.scheduler.layers.parallel import TensorParallel
+    from services.scheduler.models.base import LayerEnv
+    from services.scheduler.models.config import ModelConfig
 
     hf = dict(TINY, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
-    block = SparseMoeBlock(MoeConfig.from_hf(hf), torch.device("cpu"))
+    cpu = torch.device("cpu")
+    block = SparseMoeBlock(ModelConfig.from_hf(hf), LayerEnv(TensorParallel(), TorchAttnBackend(cpu), torch.float32, cpu))
     gen = torch.Generator().manual_seed(0)
     for p in (block.gate.weight, block.experts.gate_up, block.experts.down):
         p.data = (torch.randn(p.shape, generator=gen) * 0.1).bfloat16()
@@ -382,8 +361,7 @@ def test_moe_deterministic_inference_is_batch_invariant(checkpoints, smollm2_dir
 def test_expert_row_floor_pads_every_expert_call(monkeypatch):
     """Where the probe finds a GEMM floor for the experts' shapes, ``make_batch_invariant`` sets it
     on the layer's experts and every expert matmul then runs at least that many rows."""
-    from services.scheduler.layers import batch_invariant, linear
-    from services.scheduler.models import moe
+    from services.scheduler.layers import batch_invariant, linear, moe
 
     block, x = _bf16_block(tokens=3)
     with torch.inference_mode():

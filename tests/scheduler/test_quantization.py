@@ -22,7 +22,8 @@ import torch
 
 from ringserve.bench.corpus import python_docs_text
 from services.scheduler.config import EngineConfig
-from services.scheduler.engine.engine import Engine, apply_quantization
+from services.scheduler.engine.build import apply_quantization
+from services.scheduler.engine.engine import Engine
 from services.scheduler.engine.req import ReqInput, SamplingParams
 from services.scheduler.layers import quant
 from services.scheduler.layers.quant import (Int8Linear, QuantizationError, check_supported, dequantize, quantize_weight,
@@ -231,23 +232,28 @@ def test_int8_engines_answer_the_readme_question(engines, chat_ids, tokenizer, r
 
 @needs_vnni
 @pytest.mark.parametrize("method", ["int8", "int8wo"])
-def test_fused_norm_and_silu_give_the_same_bits(engines, tokenizer, chat_ids, run_all, method):
-    """``_forward_fused_int8`` (RMSNorm and SiLU-and-mul inside the linears' C calls) against
-    the separate kernels: the same token ids and logprobs, alone and in a batch of 5 (no
-    prefix cache: a cache hit changes the prefill's row count, and int8wo's kernel with it)."""
+def test_fused_norm_and_silu_give_the_same_bits(engines, smollm2_dir, tokenizer, chat_ids, run_all, method):
+    """``_forward_fused_int8`` (RMSNorm and SiLU-and-mul inside the linears' C calls, as
+    ``apply_quantization`` sets the model up) against the separate kernels (the same model
+    quantized by ``quantize_model`` and ``choose_kernels`` alone): the same token ids and
+    logprobs, alone and in a batch of 5 (no prefix cache: a cache hit changes the prefill's
+    row count, and int8wo's kernel with it)."""
     shared = engines[method]
-    model = shared.runner.model
-    engine = Engine(model, tokenizer, shared.stops.eos_ids, replace(shared.cfg, disable_radix_cache=True))
-    assert model._int8_layers()
+    fused = shared.runner.model
+    assert fused.int8_fused
+    plain = load_model(smollm2_dir, torch.bfloat16, attention_backend="cpu")
+    quant.quantize_model(plain, method)
+    quant.choose_kernels(plain, torch.bfloat16, quant.KERNELS if method == "int8" else quant.WEIGHT_ONLY)
+    assert not plain.int8_fused
     prompts = [chat_ids(q) for q in ("What is the capital of Japan?", "Name a prime.", "Say hi.", "Count to 3.",
                                      "What is 2 + 2?")]
     runs = {}
-    for fused in (True, False):
-        model.fuse_int8 = fused
+    for model in (fused, plain):
+        engine = Engine(model, tokenizer, shared.stops.eos_ids, replace(shared.cfg, disable_radix_cache=True))
         for batch in (prompts[:1], prompts):
             for i, ids in enumerate(batch):
                 engine.add_request(ReqInput(rid=f"{len(batch)}-{i}", input_ids=ids, return_logprob=True,
                                             sampling=SamplingParams(temperature=0.0, max_new_tokens=8)))
-            runs[fused, len(batch)] = {rid: (r.output_ids, r.logprobs) for rid, r in run_all(engine).items()}
-    del model.fuse_int8  # back to the class default
+            runs[model.int8_fused, len(batch)] = {rid: (r.output_ids, r.logprobs) for rid, r in run_all(engine).items()}
+    assert [l.kernels for l in quant.int8_linears(plain)] == [l.kernels for l in quant.int8_linears(fused)]
     assert runs[True, 1] == runs[False, 1] and runs[True, 5] == runs[False, 5]

@@ -20,10 +20,10 @@ import torch.distributed as dist
 from services.scheduler.config import EngineConfig, SchedulerConfig
 from services.scheduler.engine.engine import Engine
 from services.scheduler.engine.tp import TPGroup
-from services.scheduler.layers.parallel import TensorParallel, check_divisible
-from services.scheduler.models.llama import LlamaConfig
+from services.scheduler.models.config import ModelConfig
 
 from .conftest import collect, greedy
+from .tp_runs import assert_same, run_engine, specs
 
 # 8 query heads, 2 KV heads (split at 2 ranks, replicated at 4), q/k/v bias, and a
 # vocabulary (SmolLM2's 49152 ids + 3) that 2 and 4 do not divide: the last shard is padded.
@@ -40,56 +40,6 @@ def tiny_dir(smollm2_dir: Path, tmp_path_factory) -> Path:
     (d / "config.json").write_text(json.dumps(TINY))
     shutil.copy(smollm2_dir / "tokenizer.json", d / "tokenizer.json")
     return d
-
-
-def run_engine(model_dir: Path, tp_size: int, specs, load_format: str, **engine_kw):
-    """Run ``specs`` to the end on a ``tp_size``-rank engine -> (results by rid, logits of every step, final load)."""
-    cfg = SchedulerConfig(engine=EngineConfig(model=model_dir, dtype="float32", load_format=load_format, seed=0,
-                                              max_running_requests=8, **engine_kw),
-                          tp_size=tp_size, torch_threads=1, dist_timeout_s=60)
-    group = TPGroup.start(cfg) if tp_size > 1 else None
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        engine = Engine.from_config(cfg.engine, group.tp if group else TensorParallel())
-        if group is not None:
-            group.attach(engine)
-        steps: list[torch.Tensor] = []
-        forward = engine.runner.forward
-        engine.runner.forward = lambda plan, future=None: steps.append(forward(plan, future)) or steps[-1]
-        for spec in specs:
-            engine.add_request(spec)
-        results: dict = {}
-        while engine.has_work:
-            out = engine.step()
-            if out is not None:
-                collect(out, results)
-        return results, steps, engine.load()
-    finally:
-        torch.set_num_threads(threads)
-        if group is not None:
-            group.stop()
-
-
-def assert_same(tp1, tpn) -> None:
-    (res1, logits1, _), (resn, logitsn, load) = tp1, tpn
-    assert len(logits1) == len(logitsn)
-    for a, b in zip(logits1, logitsn):
-        assert a.shape == b.shape
-        torch.testing.assert_close(b, a, atol=1e-4, rtol=0)
-    assert {rid: r.output_ids for rid, r in resn.items()} == {rid: r.output_ids for rid, r in res1.items()}
-    for rid, r in res1.items():
-        torch.testing.assert_close(torch.tensor(resn[rid].logprobs), torch.tensor(r.logprobs), atol=1e-4, rtol=0)
-        torch.testing.assert_close(torch.tensor(resn[rid].prompt_logprobs), torch.tensor(r.prompt_logprobs),
-                                   atol=1e-4, rtol=0)
-    assert (load.num_running_reqs, load.req_slots_used, load.kv_used_tokens) == (0, 0, 0)
-
-
-def specs(prompts: list[list[int]], max_new_tokens: int) -> list:
-    """Greedy requests with their output logprobs; the first also asks for its prompt's."""
-    out = [replace(greedy(f"r{i}", p, max_new_tokens), return_logprob=True) for i, p in enumerate(prompts)]
-    out[0] = replace(out[0], logprob_start_len=1, prompt_top_logprobs_num=2)
-    return out
 
 
 @pytest.mark.parametrize("tp_size", [2, 4])
@@ -112,22 +62,19 @@ def test_smollm2_tp3_equals_tp1(smollm2_dir, chat_ids):
 
 
 def test_sizes_that_do_not_divide_are_refused():
-    cfg = LlamaConfig.from_hf(dict(TINY, num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536))
+    cfg = ModelConfig.from_hf(dict(TINY, num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536))
     with pytest.raises(ValueError, match="--tp-size 2 does not divide the model's 9 attention heads"):
-        check_divisible(cfg, 2)
+        cfg.check_tensor_parallel(2)
     with pytest.raises(ValueError, match="--tp-size 6 is not a multiple of the model's 4 KV heads"):
-        check_divisible(LlamaConfig.from_hf(dict(TINY, num_attention_heads=12, num_key_value_heads=4)), 6)
+        ModelConfig.from_hf(dict(TINY, num_attention_heads=12, num_key_value_heads=4)).check_tensor_parallel(6)
     with pytest.raises(ValueError, match="does not divide the model's intermediate size 250"):
-        check_divisible(LlamaConfig.from_hf(dict(TINY, intermediate_size=250)), 4)
-    check_divisible(cfg, 3)
+        ModelConfig.from_hf(dict(TINY, intermediate_size=250)).check_tensor_parallel(4)
+    cfg.check_tensor_parallel(3)
 
 
 def test_refused_before_any_rank_starts(smollm2_dir, tmp_path):
     with pytest.raises(ValueError, match="--tp-size 2 does not divide the model's 9 attention heads"):
         TPGroup.start(SchedulerConfig(engine=EngineConfig(model=smollm2_dir), tp_size=2))
-    (tmp_path / "config.json").write_text(json.dumps(dict(TINY, architectures=["Gemma3ForCausalLM"])))
-    with pytest.raises(ValueError, match=r"tensor parallelism is not implemented for \['Gemma3ForCausalLM'\]"):
-        TPGroup.start(SchedulerConfig(engine=EngineConfig(model=tmp_path), tp_size=2))
     assert not dist.is_initialized()
 
 

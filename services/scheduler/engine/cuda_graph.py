@@ -27,6 +27,7 @@ from services.scheduler.engine.kv_pool import GIB, ReqToTokenPool, TokenToKVPool
 from services.scheduler.engine.model_runner import FutureIds, StepInputs
 from services.scheduler.engine.schedule import Plan
 from services.scheduler.layers.attention import AttnMetadata, DecodeLayout
+from services.scheduler.models.base import CausalLM
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ class DecodeGraphRunner:
 
     _NAMES = ("input_ids", "positions", "out_cache_loc", "dec_slots", "seq_lens")
 
-    def __init__(self, model: torch.nn.Module, runtime: DeviceRuntime, req_pool: ReqToTokenPool,
+    def __init__(self, model: CausalLM, runtime: DeviceRuntime, req_pool: ReqToTokenPool,
                  kv_pool: TokenToKVPool, max_bs: int, capture: bool):
         self.model = model
         self.runtime = runtime
@@ -107,7 +108,7 @@ class DecodeGraphRunner:
     @torch.inference_mode()
     def _capture_all(self) -> None:
         """Capture every bucket, largest first, into one memory pool; logs time and memory."""
-        if not getattr(self.model.attn_backend, "supports_cuda_graph", False):
+        if not self.model.attn_backend.supports_cuda_graph:
             raise RuntimeError(f"attention backend {self.model.attn_backend.name!r} cannot run in a CUDA graph; "
                                "use --attention-backend triton or --disable-cuda-graph")
         dev = self.runtime.device

@@ -1,7 +1,8 @@
 """Where the engine's tensors live: one ``DeviceRuntime`` per device kind, chosen once at start-up.
 
-Every difference between running on the CPU and on a CUDA GPU that the engine sees is
-here, so ``engine/`` holds no ``if cuda`` branches:
+Every difference between running on the CPU and on a CUDA GPU is here, so neither ``engine/``
+nor the layers hold ``if cuda`` branches: the engine asks the runtime, and the model builder
+hands the layers what the runtime decided when they are built.
 
 - the step's only host-to-device copy (``to_device``: pinned host memory, ``non_blocking``
   on CUDA; the identity on CPU) and its only device-to-host copy (``to_host``);
@@ -12,7 +13,14 @@ here, so ``engine/`` holds no ``if cuda`` branches:
   activation / CUDA-graph reserve (SGLang's ``--mem-fraction-static``); on CPU a fraction
   of the memory still available after the weights load;
 - random-number generators on the device, for seeded requests;
-- whether decode may run from CUDA graphs.
+- whether decode may run from CUDA graphs, and whether the host plans the next step while
+  the device runs this one (overlap scheduling);
+- defaults that depend on the device: the attention backend, deterministic inference;
+- which kernels the layers run: oneDNN-packed bf16 linears and the int8 C linears (CPU),
+  the Triton grouped-GEMM experts and batch-invariant GEMM (CUDA), or which attention
+  backends can run here at all;
+- whether the req-to-token table has a device copy, and the collectives' backend (gloo or
+  NCCL, with the CUDA device made current).
 
 Tests on machines without a GPU replace ``to_device`` / ``to_host`` (see
 ``tests/scheduler/test_device_placement.py``): under ``FakeTensorMode`` every device tensor
@@ -32,10 +40,15 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from services.scheduler.engine.kv_pool import GIB, available_memory_bytes, kv_pool_tokens
+
+if TYPE_CHECKING:
+    from services.scheduler.config import EngineConfig
+    from services.scheduler.layers.attention_backend import AttentionBackend
 
 log = logging.getLogger(__name__)
 
@@ -105,9 +118,59 @@ class DeviceRuntime:
     """
 
     supports_cuda_graph = False
+    # The CPU forward holds the host thread: there is nothing to plan beside it.
+    overlap_default = False
+    # Host and device share memory: the req-to-token table is one tensor, never mirrored.
+    mirrors_tables = False
+    dist_backend = "gloo"
+    default_attention_backend = "cpu"  # the C kernels (``create_attention_backend`` falls back to torch)
+    # Deterministic inference's linears: "padded", probed and called only at row counts that
+    # agree (``layers.batch_invariant.RowWindow``), or "triton": the fixed-tile GEMM.
+    batch_invariant_linears = "padded"
+    int8_linears = True  # ``--quantization``'s C kernels (the CPU's flags checked by ``layers.quant``)
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
+
+    def kv_mem_fraction(self, cfg: EngineConfig) -> float:
+        """The fraction of memory ``memory_split`` gives the KV pool by default: of the memory
+        available once the weights are loaded (``--kv-cache-mem-fraction``)."""
+        return cfg.kv_cache_mem_fraction
+
+    def deterministic_default(self, dtype: torch.dtype, backend: AttentionBackend) -> bool:
+        """Deterministic inference when not asked either way: on for a bf16 model with a
+        batch-invariant attention backend (measured within 10 % of the default throughput,
+        bench/RESULTS.md); fp32 pads small batches to 16-57 rows, so off."""
+        return dtype == torch.bfloat16 and backend.batch_invariant
+
+    @property
+    def packs_linears(self) -> bool:
+        """Whether bf16 linears are held in oneDNN's blocked layout (``layers.linear``): where
+        this torch's oneDNN multiplies bf16."""
+        from services.scheduler.layers.linear import onednn_bf16
+
+        return onednn_bf16()
+
+    def fused_experts(self):
+        """The grouped-GEMM kernel MoE experts run through, or None: the CPU expert path
+        (``layers.moe.fused_experts_cpu``)."""
+        return None
+
+    def attention_backend_refusal(self, name: str) -> str | None:
+        """Why attention backend ``name`` cannot run here, or None. Triton runs on the CPU only
+        in its interpreter (``TRITON_INTERPRET=1`` set before triton defines the kernels)."""
+        if name != "triton":
+            return None
+        from services.scheduler.layers import triton_attention  # the interpreter choice is made at import
+
+        if triton_attention.interpreted():
+            return None
+        return (f"attention backend 'triton' on a {self.device.type} device needs Triton's interpreter: set "
+                "TRITON_INTERPRET=1 in the environment before the process starts (it is read when triton "
+                "defines the kernels), or use --attention-backend torch")
+
+    def bind(self) -> None:
+        """Make this device the process's current one (collectives run on it)."""
 
     def default_dtype(self) -> torch.dtype:
         """bfloat16 where the CPU multiplies it natively (AMX or AVX-512-BF16: ~4x fp32's
@@ -173,6 +236,38 @@ class CudaRuntime(DeviceRuntime):
     """A CUDA device: pinned, non-blocking copies, bf16/fp16, memory sized from the device's total."""
 
     supports_cuda_graph = True
+    overlap_default = True  # the device runs the forward while the host plans
+    mirrors_tables = True
+    dist_backend = "nccl"
+    default_attention_backend = "triton"
+    batch_invariant_linears = "triton"  # cuBLAS picks kernels by shape: the fixed-tile GEMM instead
+    int8_linears = False
+
+    def kv_mem_fraction(self, cfg: EngineConfig) -> float:
+        """SGLang's ``--mem-fraction-static``: of the device's total memory (``memory_split``)."""
+        return cfg.mem_fraction_static
+
+    def deterministic_default(self, dtype: torch.dtype, backend: AttentionBackend) -> bool:
+        """Off: cuBLAS is not batch-invariant, and the Triton GEMM that is costs throughput."""
+        return False
+
+    @property
+    def packs_linears(self) -> bool:
+        return False
+
+    def fused_experts(self):
+        """The Triton grouped GEMM (``layers.triton_moe``)."""
+        from services.scheduler.layers import triton_moe  # triton only where it runs
+
+        return triton_moe.fused_experts
+
+    def attention_backend_refusal(self, name: str) -> str | None:
+        """The cpu backend's C kernels read host memory."""
+        return f"attention backend 'cpu' runs on the CPU, not on {self.device.type}" if name == "cpu" else None
+
+    def bind(self) -> None:
+        """NCCL needs the rank's device current."""
+        torch.cuda.set_device(self.device)
 
     def default_dtype(self) -> torch.dtype:
         major, _ = torch.cuda.get_device_capability(self.device)

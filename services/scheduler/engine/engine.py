@@ -16,12 +16,11 @@ import torch
 from tokenizers import Tokenizer
 
 from services.scheduler.config import EngineConfig
-from services.scheduler.engine.cuda_graph import DecodeGraphRunner
-from services.scheduler.engine.device import DeviceRuntime, create_runtime, rank_device, resolve_device
+from services.scheduler.engine.build import build_stack, load_engine_model, size_pools
+from services.scheduler.engine.device import DeviceRuntime, create_runtime
 from services.scheduler.engine.grammar import GrammarManager, accept_grammar_tokens, apply_grammar_masks
 from services.scheduler.engine.grammar_backends import GrammarBackend, load_backend
-from services.scheduler.engine.kv_pool import GIB, ReqToTokenPool, TokenToKVPool, kv_bytes_per_token
-from services.scheduler.engine.model_runner import FutureIds, ModelRunner
+from services.scheduler.engine.model_runner import FutureIds
 from services.scheduler.engine.observer import EngineObserver
 from services.scheduler.engine.output import StepOutput
 from services.scheduler.engine.prompt_logprobs import plan_logprob_rows, score_prompts
@@ -31,19 +30,10 @@ from services.scheduler.engine.sampling import HostSample, Sampler
 from services.scheduler.engine.schedule import Plan, SchedulePolicy
 from services.scheduler.engine.stops import StopChecker, load_eos_ids
 from services.scheduler.engine.validate import validate
-from services.scheduler.layers.batch_invariant import NotBatchInvariantError, make_batch_invariant
-from services.scheduler.layers.linear import pack_linears
-from services.scheduler.layers.parallel import TensorParallel, local_kv_heads
-from services.scheduler.layers.quant import (KERNELS, WEIGHT_ONLY, check_supported, choose_kernels, describe, fix_kernels,
-                                             quantize_model)
-from services.scheduler.models import load_model
+from services.scheduler.layers.parallel import TensorParallel
+from services.scheduler.models.base import CausalLM
 
 log = logging.getLogger(__name__)
-
-# The default (bf16 on the CPU) turns deterministic inference on only where no linear pads a
-# call of fewer rows than this: measured, a floor of 2 (one GEMM, AVX-512-BF16) keeps it
-# within 10 % of the default arithmetic; a floor of 16 would cost a batch-1 step several times.
-AUTO_MAX_FLOOR = 4
 
 
 @dataclass(frozen=True)
@@ -68,47 +58,30 @@ class Engine:
     API: ``add_request``, ``abort``, ``step``, ``has_work``, ``load``.
     """
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer, eos_ids: frozenset[int], cfg: EngineConfig,
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer, eos_ids: frozenset[int], cfg: EngineConfig,
                  runtime: DeviceRuntime | None = None):
-        """The grammar backend (``cfg.grammar_backend``) reads ``cfg.model``/tokenizer.json when
+        """Build the pools, the runner and the rest around ``model`` (``engine.build``). The
+        grammar backend (``cfg.grammar_backend``) reads ``cfg.model``/tokenizer.json when
         the first constrained request arrives, in the compile thread.
 
         A model sharded over a tensor-parallel group (its ``tp``) makes this the group's rank
         0: the KV pool holds this rank's KV heads, the req-to-token writes are recorded for
         the other ranks, and CUDA graphs and overlap scheduling are off (each step is
         broadcast from the host before it runs; see ``engine.tp``)."""
-        mc = model.config
         self.cfg = cfg
-        self.tp: TensorParallel = getattr(model, "tp", TensorParallel())
-        kv_heads = local_kv_heads(mc.num_key_value_heads, self.tp.size)
-        self.runtime = runtime or create_runtime(next(model.parameters()).device)
-        device = self.runtime.device
-        self.vocab_size = mc.vocab_size
-        self.context_length = cfg.context_length or mc.max_position_embeddings
-        if self.context_length > mc.max_position_embeddings:
-            raise ValueError(f"--context-length {self.context_length} exceeds the model's "
-                             f"max_position_embeddings {mc.max_position_embeddings}")
-        kv_dtype = next(model.parameters()).dtype
-        bytes_per_token = kv_bytes_per_token(mc.num_hidden_layers, kv_heads, mc.head_dim, kv_dtype)
-        self.max_total_tokens, self.memory = self.runtime.memory_split(
-            weight_bytes(model), bytes_per_token, cfg.max_total_tokens, cfg.kv_cache_gib,
-            cfg.mem_fraction_static if device.type == "cuda" else cfg.kv_cache_mem_fraction,
-            activation_reserve_bytes(mc, cfg, kv_dtype))
-        log.info("KV pool: %d tokens of %s on %s; memory: %s", self.max_total_tokens, kv_dtype, device,
-                 self.memory.describe())
-        self.kv_pool = TokenToKVPool(self.max_total_tokens, mc.num_hidden_layers, kv_heads, mc.head_dim, kv_dtype, device)
-        self.req_pool = ReqToTokenPool(cfg.max_running_requests, self.context_length, device, self.kv_pool.pad_row,
-                                       record_writes=self.tp.size > 1)
+        runtime = runtime or create_runtime(next(model.parameters()).device)
+        shape, self.memory = size_pools(model, cfg, runtime)
+        stack = build_stack(model, cfg, runtime, shape, resolve_deterministic=True)
+        self.tp: TensorParallel = stack.tp
+        self.runtime = runtime
+        self.vocab_size = model.config.vocab_size
+        self.context_length = shape.context_length
+        self.max_total_tokens = shape.max_total_tokens
+        self.deterministic = stack.shape.deterministic
+        self.kv_pool, self.req_pool, self.runner = stack.kv_pool, stack.req_pool, stack.runner
         self.tree = None if cfg.disable_radix_cache else RadixCache(self.kv_pool)
         self.policy = SchedulePolicy(self.req_pool, self.kv_pool, cfg.max_running_requests, cfg.max_prefill_tokens,
                                      cfg.chunked_prefill_size, self.tree, cfg.schedule_policy)
-        self.deterministic = _make_deterministic(model, cfg, device)
-        graphs = None
-        if self.runtime.supports_cuda_graph and not cfg.disable_cuda_graph and self.tp.size == 1:
-            graphs = DecodeGraphRunner(model, self.runtime, self.req_pool, self.kv_pool,
-                                       min(cfg.cuda_graph_max_bs, cfg.max_running_requests), capture=True)
-        self.runner = ModelRunner(model, self.req_pool, self.kv_pool, self.runtime, graphs,
-                                  batch_invariant=self.deterministic)
         self.sampler = Sampler(self.runtime, cfg.seed, eos_ids)
         self.stops = StopChecker(tokenizer, eos_ids, self.context_length)
         self.grammars = GrammarManager(lambda: self._grammar_backend(eos_ids), cfg.grammar_compile_timeout_s)
@@ -119,16 +92,15 @@ class Engine:
         self.num_aborted_reqs = 0
         self.num_finished_reqs = 0
         self.observer = EngineObserver()  # metrics hooks (services/scheduler/metrics.py)
-        # Overlap scheduling: on by default where the device runs the forward while the host
-        # plans (CUDA); on the CPU the forward holds the host thread, so there is nothing to overlap.
-        self.overlap = cfg.overlap_schedule if cfg.overlap_schedule is not None else device.type == "cuda"
+        # Overlap scheduling: by default where the device runs the forward while the host plans.
+        self.overlap = cfg.overlap_schedule if cfg.overlap_schedule is not None else runtime.overlap_default
         self.overlap = self.overlap and self.tp.size == 1  # the other ranks never see the sampled ids
         self._inflight: _InFlight | None = None
 
     @classmethod
     def from_config(cls, cfg: EngineConfig, tp: TensorParallel = TensorParallel()) -> "Engine":
         """Load model, tokenizer.json and EOS ids from ``cfg.model`` onto ``cfg.device``
-        (rank 0 of ``tp``: its shard, on its device; see ``engine.tp.rank_device``).
+        (rank 0 of ``tp``: its shard, on its device; see ``engine.build.load_engine_model``).
 
         Raises:
             ValueError: unsupported architecture, device, dtype or attention backend, no EOS
@@ -138,12 +110,7 @@ class Engine:
             FileNotFoundError: missing config.json, tokenizer.json or weights.
         """
         model_dir = Path(cfg.model)
-        runtime = create_runtime(rank_device(resolve_device(cfg.device), tp.rank))
-        if cfg.quantization:
-            check_supported(cfg.quantization, runtime.device)  # before minutes of loading
-        model = load_model(model_dir, runtime.resolve_dtype(cfg.dtype), cfg.load_format, cfg.attention_backend,
-                           runtime.device, tp)
-        apply_quantization(model, cfg)
+        model, runtime = load_engine_model(cfg, tp)
         tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         engine = cls(model, tokenizer, load_eos_ids(model_dir, tokenizer), cfg, runtime)
         engine.grammars.warm()
@@ -251,7 +218,7 @@ class Engine:
                 logits = self.runner.forward(plan)
             else:
                 logits = self.runner.forward(plan, FutureIds(inflight.next_ids, inflight.rows))
-            score_prompts(self.runner.model, plan, scored)
+            score_prompts(self.runner.model, self.runtime, plan, scored)
             self.observer.on_step(plan, started)
             launched = self._launch(plan, logits)
         if inflight is not None:
@@ -262,16 +229,6 @@ class Engine:
             else:
                 self._finish(launched)
         return self._take_output()
-
-    def process_results(self, plan: Plan, logits: torch.Tensor) -> None:
-        """Sample, append, check stops, free finished requests and record their rows.
-
-        Args:
-            logits: float32 [len(plan.reqs), vocab], from ``self.runner.forward(plan)``.
-        """
-        launched = self._launch(plan, logits)
-        if launched is not None:
-            self._finish(launched)
 
     def _launch(self, plan: Plan, logits: torch.Tensor) -> _InFlight | None:
         """Advance the plan's requests' KV lengths, sample on the device and start the copy
@@ -409,100 +366,3 @@ def _reads_output_history(req: Req) -> bool:
     p = req.sampling
     return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
                 or len(req.output_ids) < p.min_new_tokens or req.grammar is not None)
-
-
-def apply_quantization(model: torch.nn.Module, cfg: EngineConfig) -> None:
-    """``cfg.quantization``: quantize ``model``'s linears in place and choose each one's kernel
-    per batch size from measurements (``layers.quant``); nothing when it is None.
-
-    Raises:
-        QuantizationError: a method, device or CPU ``layers.quant.check_supported`` refuses.
-    """
-    if not cfg.quantization:
-        return
-    quantize_model(model, cfg.quantization)
-    choose_kernels(model, next(model.parameters()).dtype, KERNELS if cfg.quantization == "int8" else WEIGHT_ONLY)
-    log.info("--quantization %s: %s", cfg.quantization, describe(model))
-
-
-def probe_rows(cfg: EngineConfig) -> int:
-    """The largest row count a step's linears run, as far as the batch-invariance probe checks (<= 1024)."""
-    return min(1024, *(n for n in (cfg.chunked_prefill_size, cfg.max_prefill_tokens) if n > 0))
-
-
-def _make_deterministic(model: torch.nn.Module, cfg: EngineConfig, device: torch.device) -> bool:
-    """Resolve ``cfg.deterministic_inference`` and, when on, make the forward batch-invariant:
-    the attention backend must be, and the linears are probed (packed first, as
-    ``ModelRunner`` packs them, so the probe measures the call the forward makes) and padded
-    where a row count below a floor changes a GEMM's order (``layers.batch_invariant``).
-
-    None (the default) turns it on for a bf16 model on the CPU with the cpu attention
-    backend, where it was measured within 10 % of the default throughput (bench/RESULTS.md),
-    unless the probe finds the CPU's GEMM not batch-invariant or a linear would pad calls of
-    fewer than ``AUTO_MAX_FLOOR`` rows (then off, with a warning);
-    off elsewhere (fp32 pads small batches to 16-57 rows; on CUDA cuBLAS is not batch-invariant).
-
-    Returns:
-        Whether deterministic inference is on.
-
-    Raises:
-        ValueError: asked for (True) with an attention backend that is not batch-invariant (torch).
-        NotBatchInvariantError: asked for, and a linear's GEMM has no batch-invariant row window here.
-    """
-    backend = model.attn_backend
-    asked = cfg.deterministic_inference
-    if asked is None:
-        dtype = next(model.parameters()).dtype
-        if not (device.type == "cpu" and dtype == torch.bfloat16 and backend.batch_invariant):
-            log.info("deterministic inference off (the default for %s on %s with the %s attention backend; "
-                     "--enable-deterministic-inference to turn it on)", str(dtype).removeprefix("torch."),
-                     device.type, backend.name)
-            return False
-    elif not asked:
-        log.info("deterministic inference off (--disable-deterministic-inference)")
-        return False
-    elif not backend.batch_invariant:
-        raise ValueError(f"--enable-deterministic-inference needs a batch-invariant attention backend (cpu or "
-                         f"triton), not {backend.name!r}: its SDPA and batched matmuls reduce in a batch-dependent order")
-    pack_linears(model)
-    try:
-        wrapped = make_batch_invariant(model, max_rows=probe_rows(cfg), max_floor=None if asked else AUTO_MAX_FLOOR)
-    except NotBatchInvariantError as exc:
-        if asked:
-            raise
-        log.warning("deterministic inference off: %s", exc)
-        return False
-    pinned = fix_kernels(model)  # int8 linears mixing W8A8 and weight-only: one kernel, whatever the batch
-    tp = getattr(model, "tp", None)
-    if tp is not None and tp.size > 1:
-        tp.fixed_order = True  # every layer holds this one object
-    log.info("deterministic inference on: extend attention through the %s decode kernel, %d linears at measured "
-             "row counts%s%s", backend.name, len(wrapped), ", all-reduce in rank order" if tp and tp.size > 1 else "",
-             f", {pinned} int8 linears pinned to one kernel ({describe(model)})" if pinned else "")
-    return True
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the model's parameters and buffers, each storage counted once (tied
-    embeddings share one: two Parameters over the same storage)."""
-    storages = {}
-    for t in list(model.parameters()) + list(model.buffers()):
-        storage = t.untyped_storage()
-        storages[storage._cdata] = storage.nbytes()
-    return sum(storages.values())
-
-
-def activation_reserve_bytes(mc, cfg: EngineConfig, dtype: torch.dtype) -> int:
-    """Device memory kept out of the KV pool for one step's activations, its logits and
-    sampling, and the CUDA graphs (bytes). An estimate from the shapes: a step's tokens
-    (``min(max_prefill_tokens, chunked_prefill_size)`` plus a decode row per running
-    request) times one layer's widest activations twice over, float32 logits of every
-    running request four times over (softmax, sort, filters), plus 512 MiB for the graphs'
-    pool and the allocator's slack. Only the CUDA runtime uses it."""
-    chunk = cfg.max_prefill_tokens if cfg.chunked_prefill_size <= 0 else min(cfg.max_prefill_tokens,
-                                                                                cfg.chunked_prefill_size)
-    tokens = chunk + cfg.max_running_requests
-    width = (mc.num_attention_heads + 2 * mc.num_key_value_heads) * mc.head_dim + 2 * mc.intermediate_size \
-        + 4 * mc.hidden_size
-    logits = 4 * cfg.max_running_requests * mc.vocab_size * 4
-    return 2 * tokens * width * dtype.itemsize + logits + GIB // 2

@@ -21,7 +21,8 @@ class ReqToTokenPool:
 
     The table lives on the host, where the scheduler reads and writes it (admission, the
     prefix cache, release); ``device_table`` is its copy on the device, which attention
-    reads. On the CPU the two are one tensor. On another device every write is also queued
+    reads. On the CPU the two are one tensor. On a device with memory of its own
+    (``mirrored``: ``DeviceRuntime.mirrors_tables``) every write is also queued
     (``take_writes``) and the model runner applies the step's writes to the device copy
     inside its one host-to-device copy, so the device copy is up to date for every row a
     step reads.
@@ -32,17 +33,18 @@ class ReqToTokenPool:
     Args:
         device: where ``device_table`` lives.
         pad_row: the KV pool's padding row (``TokenToKVPool.pad_row``).
+        mirrored: ``device_table`` is a copy on ``device``, kept up to date from the writes.
         record_writes: queue the writes on the CPU too (tensor parallelism: each step carries
             them to the other ranks' tables).
     """
 
     def __init__(self, max_reqs: int, max_context: int, device: torch.device = torch.device("cpu"),
-                 pad_row: int = 0, record_writes: bool = False):
+                 pad_row: int = 0, record_writes: bool = False, mirrored: bool = False):
         self.size = max_reqs
         self.pad_slot = max_reqs
         self.req_to_token = torch.zeros(max_reqs + 1, max_context, dtype=torch.int32)
         self.req_to_token[self.pad_slot] = pad_row
-        self.mirrored = torch.device(device).type != "cpu"
+        self.mirrored = mirrored
         if self.mirrored:
             self.device_table = torch.full((max_reqs + 1, max_context), pad_row, dtype=torch.int32, device=device)
         else:

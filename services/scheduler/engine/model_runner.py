@@ -25,14 +25,12 @@ from services.scheduler.engine.kv_pool import ReqToTokenPool, TokenToKVPool
 from services.scheduler.engine.req import Req
 from services.scheduler.engine.schedule import Plan
 from services.scheduler.layers.attention import AttnMetadata, DecodeLayout, ExtendLayout
-from services.scheduler.layers.linear import pack_linears
+from services.scheduler.models.base import CausalLM
 
 
 class ModelRunner:
-    """Executes plans against one model and its KV cache.
-
-    A bf16 model on CPU has its linear layers' weights packed for oneDNN here, in place
-    (``layers.linear.pack_linears``: same outputs, up to 2x faster at small batch).
+    """Executes plans against one model and its KV cache (``engine.build.build_stack`` makes it,
+    the model's linears already packed and made batch-invariant as the runtime decided).
 
     Args:
         runtime: the device runtime (default: the plain one for the model's device).
@@ -47,9 +45,8 @@ class ModelRunner:
             rank 0 sends it to the other ranks); None on a single rank.
     """
 
-    def __init__(self, model: torch.nn.Module, req_pool: ReqToTokenPool, kv_pool: TokenToKVPool,
+    def __init__(self, model: CausalLM, req_pool: ReqToTokenPool, kv_pool: TokenToKVPool,
                  runtime: DeviceRuntime | None = None, graph_runner=None, batch_invariant: bool = False):
-        pack_linears(model)
         self.model = model
         self.req_pool = req_pool
         self.kv_pool = kv_pool

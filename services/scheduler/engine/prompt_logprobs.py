@@ -1,4 +1,4 @@
-"""Prompt logprobs, computed during prefill (issue 14): what scoring harnesses such as
+"""Prompt logprobs, computed during prefill: what scoring harnesses such as
 lm-eval's loglikelihood need, ``echo`` + ``logprobs`` in OpenAI's completions, vLLM's
 ``prompt_logprobs`` and SGLang's ``logprob_start_len``.
 
@@ -27,8 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
+from services.scheduler.engine.device import DeviceRuntime
 from services.scheduler.engine.req import Req
 from services.scheduler.engine.schedule import Plan
+from services.scheduler.models.base import CausalLM
 
 LOGITS_SLICE = 256
 
@@ -59,25 +61,29 @@ def plan_logprob_rows(plan: Plan) -> list[Span]:
     return spans
 
 
-def score_prompts(model: torch.nn.Module, plan: Plan, spans: list[Span]) -> None:
+def score_prompts(model: CausalLM, runtime: DeviceRuntime, plan: Plan, spans: list[Span]) -> None:
     """Log-softmax of each span's target prompt tokens from ``plan.logprob_hidden``
-    ([R, hidden], set by the model runner), appended to each request's prompt logprobs."""
+    ([R, hidden] on the device, set by the model runner), appended to each request's prompt
+    logprobs. The targets go to the device in one copy and the results come back in one
+    copy each (chosen, and with top-k its values and ids), through the runtime."""
     if not spans:
         return
     hidden = plan.logprob_hidden
     ids = [t for s in spans for t in s.req.origin_input_ids[s.req.prompt_logprob_pos :][: s.count]]
-    targets = torch.tensor(ids, dtype=torch.int64, device=hidden.device)  # [R]
+    targets = runtime.to_device(torch.tensor(ids, dtype=torch.int64))  # [R]
     k = max(s.req.prompt_top_logprobs_num for s in spans)
     vals: list[torch.Tensor] = []
     tops: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for a in range(0, hidden.shape[0], LOGITS_SLICE):
-        logp = torch.log_softmax(model.compute_logits(hidden[a : a + LOGITS_SLICE]), dim=-1)  # [S, V] fp32
-        vals.append(logp.gather(1, targets[a : a + LOGITS_SLICE, None]).squeeze(1))
+    rows = hidden.shape[0]
+    for a in range(0, rows, LOGITS_SLICE):
+        n = min(LOGITS_SLICE, rows - a)
+        logp = torch.log_softmax(model.compute_logits(hidden.narrow(0, a, n)), dim=-1)  # [S, V] fp32
+        vals.append(logp.gather(1, targets.narrow(0, a, n).unsqueeze(1)).squeeze(1))
         if k:
             tops.append(logp.topk(k, dim=-1))
-    chosen = torch.cat(vals).tolist()
-    top_vals = torch.cat([v for v, _ in tops]).tolist() if k else None
-    top_ids = torch.cat([i for _, i in tops]).tolist() if k else None
+    chosen = runtime.to_host(torch.cat(vals)).tolist()
+    top_vals = runtime.to_host(torch.cat([v for v, _ in tops])).tolist() if k else None
+    top_ids = runtime.to_host(torch.cat([i for _, i in tops])).tolist() if k else None
     at = 0
     for s in spans:
         req, kk = s.req, s.req.prompt_top_logprobs_num

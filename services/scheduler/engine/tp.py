@@ -29,37 +29,24 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
 from ringserve.ports import free_port
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.engine.build import PoolShape, build_stack, load_engine_model
 from services.scheduler.engine.device import create_runtime, rank_device, resolve_device
-from services.scheduler.engine.engine import apply_quantization, probe_rows
-from services.scheduler.engine.kv_pool import ReqToTokenPool, TokenToKVPool
 from services.scheduler.engine.model_runner import ModelRunner, StepBatch
 from services.scheduler.engine.prompt_logprobs import LOGITS_SLICE
-from services.scheduler.layers.batch_invariant import make_batch_invariant
-from services.scheduler.layers.quant import fix_kernels
 from services.scheduler.layers.parallel import RankFailure, TensorParallel, init_tensor_parallel
-from services.scheduler.models import check_tensor_parallel, load_model
+from services.scheduler.models import check_tensor_parallel
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT = "heartbeat"
 _PR_SET_PDEATHSIG = 1
-
-
-@dataclass(frozen=True)
-class PoolShape:
-    """What rank 0 decided and every rank's pools must match."""
-
-    max_total_tokens: int
-    context_length: int
-    max_running_requests: int
-    deterministic: bool = False  # rank 0's resolved deterministic inference: every rank's linears batch-invariant
 
 
 def rank_threads(cfg: SchedulerConfig, usable: int) -> int:
@@ -117,7 +104,7 @@ class TPGroup:
                  cfg.tp_size, cfg.dist_init_addr, port, cfg.tp_size - 1, [p.pid for p in procs])
         try:
             tp = init_tensor_parallel(0, cfg.tp_size, cfg.dist_init_addr, port,
-                                      resolve_device(cfg.engine.device), cfg.dist_timeout_s)
+                                      create_runtime(resolve_device(cfg.engine.device)), cfg.dist_timeout_s)
         except Exception:
             for p in procs:
                 p.kill()
@@ -126,8 +113,8 @@ class TPGroup:
 
     def attach(self, engine) -> None:
         """Send the engine's pool shape to every rank and broadcast each of its steps from now on."""
-        _broadcast(self.tp, PoolShape(engine.max_total_tokens, engine.context_length,
-                                      engine.cfg.max_running_requests, engine.deterministic))
+        _broadcast(self.tp, PoolShape(engine.max_total_tokens, engine.context_length, engine.cfg.max_running_requests,
+                                      engine.deterministic))
         engine.runner.broadcast = self.send
 
     def send(self, batch: StepBatch) -> None:
@@ -184,31 +171,19 @@ def worker_main(rank: int, cfg: SchedulerConfig) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp-rank-{rank} %(name)s: %(message)s")
-    from services.scheduler.cpus import usable_cpus
+    from services.scheduler.main import usable_cpus
 
     torch.set_num_threads(rank_threads(cfg, usable_cpus()))
     ec = cfg.engine
     device = rank_device(resolve_device(ec.device), rank)
     try:
-        tp = init_tensor_parallel(rank, cfg.tp_size, cfg.dist_init_addr, cfg.dist_port, device, cfg.dist_timeout_s)
-        runtime = create_runtime(device)
-        model = load_model(ec.model, runtime.resolve_dtype(ec.dtype), ec.load_format, ec.attention_backend,
-                           runtime.device, tp)
-        apply_quantization(model, ec)
+        tp = init_tensor_parallel(rank, cfg.tp_size, cfg.dist_init_addr, cfg.dist_port, create_runtime(device),
+                                  cfg.dist_timeout_s)
+        model, runtime = load_engine_model(ec, tp)
         shape: PoolShape = _broadcast(tp)
-        mc = model.config
-        kv_pool = TokenToKVPool(shape.max_total_tokens, mc.num_hidden_layers, model.num_kv_heads, mc.head_dim,
-                                next(model.parameters()).dtype, runtime.device)
-        req_pool = ReqToTokenPool(shape.max_running_requests, shape.context_length, runtime.device, kv_pool.pad_row)
-        runner = ModelRunner(model, req_pool, kv_pool, runtime)  # packs the linears first, as on rank 0
-        if shape.deterministic:  # the extend layout comes in the step's segments; the linears are this rank's
-            wrapped = make_batch_invariant(model, max_rows=probe_rows(ec))
-            fix_kernels(model)
-            tp.fixed_order = True
-            log.info("rank %d: deterministic inference on, %d linears at measured row counts, all-reduce in rank order", rank,
-                     len(wrapped))
-        log.info("rank %d of %d ready: KV pool %d tokens, %d KV heads", rank, cfg.tp_size, shape.max_total_tokens,
-                 model.num_kv_heads)
+        runner = build_stack(model, ec, runtime, shape).runner  # as rank 0's, to rank 0's sizes and decisions
+        log.info("rank %d of %d ready: KV pool %d tokens, %d KV heads%s", rank, cfg.tp_size, shape.max_total_tokens,
+                 model.kv_shape().num_kv_heads, ", deterministic inference on" if shape.deterministic else "")
         with torch.inference_mode():
             while (batch := _broadcast(tp)) is not None:
                 if batch == HEARTBEAT:

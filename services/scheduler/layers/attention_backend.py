@@ -12,27 +12,33 @@ both backends: the Triton decode kernel for the decode rows and the Triton exten
 for the extend rows, writing into disjoint slices of one output, so decode rows are never
 padded to a chunk's length and neither kernel pays for the other's shape.
 
-A layer hands the backend its fused qkv projection (``forward_qkv``): the torch and triton
-backends rotate q and k in torch and call ``forward``; the cpu backend rotates and writes
-the pool in one C kernel.
+Rotary is the model's (``models.blocks.Attention``): it rotates q and k and calls ``forward``.
+A backend may offer more, declared in this contract and chosen when the model is built:
+``fuses_rotary`` (the cpu backend: rotary and the K/V store in one C kernel,
+``forward_rotary``, which runs faster than torch's rotation and store) and ``fused_ops``
+(its element-wise kernels for the model's norms and activation).
 
-No silent fallback: an unknown name raises with the known ones, and ``triton`` on a CPU
-device raises unless Triton's interpreter was on (``TRITON_INTERPRET=1``) when the
-kernels were defined.
+No silent fallback: an unknown name raises with the known ones, and a backend the device
+cannot run raises with the device runtime's reason (``DeviceRuntime.attention_backend_refusal``:
+``cpu`` off the CPU, ``triton`` on the CPU unless Triton's interpreter was on when the kernels
+were defined).
 """
 
 from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from ringserve.options import names
 from services.scheduler.layers.attention import (AttnMetadata, KVBuffers, extend_attention, gather_kv,
                                                  gather_layouts, paged_attention, store_kv)
-from services.scheduler.layers.rotary import apply_rotary_packed
+from services.scheduler.layers.norm import FusedOps
+
+if TYPE_CHECKING:
+    from services.scheduler.engine.device import DeviceRuntime
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +55,12 @@ class AttentionBackend(ABC):
     """
 
     name: ClassVar[str]
+    # Element-wise kernels the model's blocks may run instead of torch ops (RMSNorm with the
+    # residual add, SiLU-and-mul), chosen when the model is built; None: torch ops.
+    fused_ops: FusedOps | None = None
+    # Takes the un-rotated fused projection (``forward_rotary``): rotary and the K/V store in one
+    # kernel, instead of the model's rotation in torch before ``forward``.
+    fuses_rotary: ClassVar[bool] = False
     # Kernel launches depend only on the batch size (no host ints that vary per step):
     # the decode forward can be captured once per bucket (``engine.cuda_graph``).
     supports_cuda_graph: ClassVar[bool] = False
@@ -82,27 +94,25 @@ class AttentionBackend(ABC):
         """
 
 
-    def forward_qkv(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], num_heads: int,
-                    layer_id: int, meta: AttnMetadata, kv: KVBuffers, scale: float, window: int = 0,
-                    softcap: float = 0.0) -> torch.Tensor:
-        """Rotary on the fused projection's q and k, then ``forward``.
+    def forward_rotary(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+                       layer_id: int, meta: AttnMetadata, kv: KVBuffers, scale: float, window: int = 0,
+                       softcap: float = 0.0) -> torch.Tensor:
+        """Rotary on the fused projection's q and k, the K/V store and attention in one call, for
+        a backend that ``fuses_rotary`` (the model rotates in torch and calls ``forward`` otherwise).
 
         Args:
-            qkv: [T, (Hq + 2 Hkv) * D]: q heads, k heads, v heads.
-            rope: (cos, sin), each [T, 1, D] in qkv's dtype.
+            qkv: [T, (Hq + 2 Hkv) * D]: q heads, k heads, v heads (q and k not yet rotated).
+            cos, sin: [T, 1, D] in qkv's dtype, the rotary tables at each token's position.
             num_heads: Hq (Hkv and D come from the KV pool).
             window, softcap: as in ``forward``.
 
         Returns:
             [T, Hq * D] in qkv's dtype.
+
+        Raises:
+            NotImplementedError: the backend does not fuse rotary.
         """
-        t = qkv.shape[0]
-        hkv, d = kv.k_buffer[layer_id].shape[1:]
-        qk, v = qkv.split([(num_heads + hkv) * d, hkv * d], dim=-1)
-        # q and k heads are rotated together (one pass), then split as views.
-        qk = apply_rotary_packed(qk.view(t, num_heads + hkv, d), *rope)
-        q, k = qk.split([num_heads, hkv], dim=1)  # [T, Hq, D], [T, Hkv, D]
-        return self.forward(q, k, v.view(t, hkv, d), layer_id, meta, kv, scale, window, softcap)
+        raise NotImplementedError(f"attention backend {self.name!r} does not fuse rotary with its K/V store")
 
 
 class TorchAttnBackend(AttentionBackend):
@@ -121,13 +131,8 @@ class TorchAttnBackend(AttentionBackend):
 
 
 class TritonAttnBackend(AttentionBackend):
-    """The Triton kernels of ``layers.triton_attention``, reading K/V in place through the req-to-token rows.
-
-    Raises:
-        RuntimeError: the device is not CUDA and the kernels were not defined under
-            Triton's interpreter (``TRITON_INTERPRET=1`` must be in the environment before
-            triton is first imported).
-    """
+    """The Triton kernels of ``layers.triton_attention``, reading K/V in place through the req-to-token rows
+    (on CUDA, or on the CPU under Triton's interpreter: ``create_attention_backend`` checks)."""
 
     name = "triton"
     supports_cuda_graph = True
@@ -140,11 +145,6 @@ class TritonAttnBackend(AttentionBackend):
         from services.scheduler.layers import triton_attention
 
         self.kernels = triton_attention
-        if self.device.type != "cuda" and not self.kernels.interpreted():
-            raise RuntimeError(
-                f"attention backend 'triton' on a {self.device.type} device needs Triton's interpreter: set "
-                "TRITON_INTERPRET=1 in the environment before the process starts (it is read when triton "
-                "defines the kernels), or use --attention-backend torch")
 
     def init_forward_metadata(self, meta: AttnMetadata) -> None:
         """Nothing to derive: the kernels read K/V rows through the req-to-token table and
@@ -174,28 +174,28 @@ class TritonAttnBackend(AttentionBackend):
 
 class CpuAttnBackend(AttentionBackend):
     """The C kernels of ``layers.cpu_kernels``: decode attention reading K/V in place, rotary
-    fused with the K/V store; extend attention as the torch backend (SDPA over gathered rows).
+    fused with the K/V store (``fuses_rotary``); extend attention as the torch backend (SDPA
+    over gathered rows).
 
-    It also offers the model its fused element-wise kernels (``cpu_ops``: residual add +
+    It also offers the model its fused element-wise kernels (``fused_ops``: residual add +
     RMSNorm, SiLU-and-mul), which cut a batch-1 step's per-op overhead.
 
     Raises:
-        RuntimeError: the device is not the CPU.
         cpu_kernels.KernelBuildError: no C compiler, or the kernels did not build.
     """
 
     name = "cpu"
     batch_invariant = True
+    fuses_rotary = True
 
     def __init__(self, device: torch.device):
         super().__init__(device)
-        if self.device.type != "cpu":
-            raise RuntimeError(f"attention backend 'cpu' runs on the CPU, not on {self.device.type}")
         from services.scheduler.layers import cpu_kernels
 
         # Build (or find) and load it now: errors at start-up, not at the first step.
         self.library = cpu_kernels.library()
-        self.cpu_ops = cpu_kernels
+        self.kernels = cpu_kernels
+        self.fused_ops = cpu_kernels.CpuOps()
 
     def describe(self) -> str:
         return f"cpu: C kernels {self.library._name}"
@@ -207,9 +207,9 @@ class CpuAttnBackend(AttentionBackend):
         k_buf, v_buf = store_kv(k, v, layer_id, meta.out_cache_loc, kv)
         return self._attend(q.contiguous(), k_buf, v_buf, meta, scale, window, softcap)
 
-    def forward_qkv(self, qkv, rope, num_heads, layer_id, meta, kv, scale, window=0, softcap=0.0):
+    def forward_rotary(self, qkv, cos, sin, num_heads, layer_id, meta, kv, scale, window=0, softcap=0.0):
         k_buf, v_buf = kv.k_buffer[layer_id], kv.v_buffer[layer_id]
-        q = self.cpu_ops.rotary_store(qkv, rope[0], rope[1], meta.out_cache_loc, k_buf, v_buf, num_heads)
+        q = self.kernels.rotary_store(qkv, cos, sin, meta.out_cache_loc, k_buf, v_buf, num_heads)
         return self._attend(q, k_buf, v_buf, meta, scale, window, softcap)
 
     def _attend(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, meta: AttnMetadata,
@@ -220,14 +220,14 @@ class CpuAttnBackend(AttentionBackend):
         out = torch.empty(t, hq, d, dtype=k_buf.dtype)
         ext = meta.extend
         if ext is not None and ext.token_seq_lens is not None:  # deterministic: each token as a decode query
-            self.cpu_ops.decode_attention(q.narrow(0, 0, n), k_buf, v_buf, ext.kv_indices, ext.token_seq_lens, scale,
+            self.kernels.decode_attention(q.narrow(0, 0, n), k_buf, v_buf, ext.kv_indices, ext.token_seq_lens, scale,
                                           out=out.narrow(0, 0, n), window=window, softcap=softcap, rows=ext.token_rows)
         elif ext is not None:
             keys, values = gather_kv(k_buf, v_buf, meta.extend.kv_indices)
             out[:n] = extend_attention(q.narrow(0, 0, n), keys.transpose(1, 2), values.transpose(1, 2), meta.extend,
                                        scale, window, softcap).view(n, hq, d)
         if meta.decode is not None:
-            self.cpu_ops.decode_attention(q.narrow(0, n, t - n), k_buf, v_buf, meta.decode.kv_indices,
+            self.kernels.decode_attention(q.narrow(0, n, t - n), k_buf, v_buf, meta.decode.kv_indices,
                                           meta.decode.seq_lens, scale, out=out.narrow(0, n, t - n), window=window,
                                           softcap=softcap)
         return out.view(t, hq * d)
@@ -241,27 +241,29 @@ ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {
 names.check_registry("attention backend", ATTENTION_BACKENDS, names.ATTENTION_BACKENDS)
 
 
-def create_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """The backend called ``name`` for ``device``; "auto" is triton on CUDA devices, cpu on the
-    CPU (torch there, with a warning that says why, when the C kernels cannot be built).
+def create_attention_backend(name: str, runtime: DeviceRuntime) -> AttentionBackend:
+    """The backend called ``name`` for the runtime's device; "auto" is the runtime's default
+    (``DeviceRuntime.default_attention_backend``: triton on CUDA, cpu on the CPU -- torch
+    there, with a warning that says why, when the C kernels cannot be built).
 
     Raises:
         ValueError: ``name`` is neither "auto" nor in ``ATTENTION_BACKENDS`` (the message lists them).
-        RuntimeError: from the backend, when it cannot run on ``device`` (see ``TritonAttnBackend``,
-            ``CpuAttnBackend``).
+        RuntimeError: a backend the device cannot run (``DeviceRuntime.attention_backend_refusal``).
     """
-    device = torch.device(device)
     if name == "auto":
-        name = {"cuda": "triton", "cpu": "cpu"}.get(device.type, "torch")
+        name = runtime.default_attention_backend
         if name == "cpu":
             try:
-                return _logged(CpuAttnBackend(device))
+                return _logged(CpuAttnBackend(runtime.device))
             except RuntimeError as exc:
                 log.warning("attention backend 'cpu' unavailable, using 'torch': %s", exc)
                 name = "torch"
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; known: auto, {', '.join(sorted(ATTENTION_BACKENDS))}")
-    return _logged(ATTENTION_BACKENDS[name](device))
+    refusal = runtime.attention_backend_refusal(name)
+    if refusal is not None:
+        raise RuntimeError(refusal)
+    return _logged(ATTENTION_BACKENDS[name](runtime.device))
 
 
 def _logged(backend: AttentionBackend) -> AttentionBackend:

@@ -211,10 +211,6 @@ def measure(in_features: int, out_features: int, dtype: torch.dtype, device: str
             cap //= 2
 
 
-def _on_cuda(model: torch.nn.Module) -> bool:
-    return any(p.device.type == "cuda" for p in model.parameters())
-
-
 def _use_triton(model: torch.nn.Module) -> dict[str, int]:
     """CUDA: every linear and RMSNorm through the fixed-tile Triton kernels (``layers.triton_batch_invariant``)."""
     from services.scheduler.layers import triton_batch_invariant as tbi  # triton only where it runs
@@ -233,16 +229,17 @@ def _use_triton(model: torch.nn.Module) -> dict[str, int]:
     return swapped
 
 
-def make_batch_invariant(model: torch.nn.Module, max_rows: int = 1024,
+def make_batch_invariant(model: torch.nn.Module, max_rows: int = 1024, kernels: str = "padded",
                          max_floor: int | None = None) -> dict[str, RowWindow]:
     """Make ``model``'s linears batch-invariant, in place; idempotent.
 
-    On the CPU every linear is wrapped in a ``RowPaddedLinear`` calling it only with the row
-    counts of its measured ``RowWindow`` (a wrapped linear is not probed again), and stacked
-    MoE experts (``models.moe.Experts``) get one window for both of their matmuls. Every
-    window is measured before anything is wrapped. On CUDA every linear and ``RMSNorm`` runs
-    through the fixed-tile Triton kernels instead (``layers.triton_batch_invariant``: cuBLAS
-    and torch's reductions choose their strategy by shape), with no probe.
+    ``kernels`` "padded" (the CPU's, ``DeviceRuntime.batch_invariant_linears``): every linear
+    is wrapped in a ``RowPaddedLinear`` calling it only with the row counts of its measured
+    ``RowWindow`` (a wrapped linear is not probed again), and stacked MoE experts
+    (``layers.moe.Experts``) get one window for both of their matmuls; every window is
+    measured before anything is wrapped. "triton" (CUDA's): every linear and ``RMSNorm``
+    runs through the fixed-tile Triton kernels instead (``layers.triton_batch_invariant``:
+    cuBLAS and torch's reductions choose their strategy by shape), with no probe.
 
     Args:
         max_rows: bounds the probe's largest call (``measure``); the LM head is probed to
@@ -258,7 +255,7 @@ def make_batch_invariant(model: torch.nn.Module, max_rows: int = 1024,
     Raises:
         NotBatchInvariantError: see ``measure``; or a floor above ``max_floor``.
     """
-    if _on_cuda(model):
+    if kernels == "triton":
         return {name: RowWindow(1, 1) for name in _use_triton(model)}
     threads = torch.get_num_threads()
     linears: list[tuple[str, torch.nn.Module, str, torch.nn.Module, RowWindow]] = []

@@ -239,3 +239,11 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(t, two_i // 2, dtype=gate_up.dtype)
     library().rs_silu_and_mul(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2, kind)
     return out
+
+
+class CpuOps:
+    """``add_rms_norm`` and ``silu_and_mul`` as the object a model's blocks hold
+    (``layers.norm.FusedOps``): the cpu attention backend offers it."""
+
+    add_rms_norm = staticmethod(add_rms_norm)
+    silu_and_mul = staticmethod(silu_and_mul)

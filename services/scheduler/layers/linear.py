@@ -15,10 +15,16 @@ from __future__ import annotations
 import torch
 
 
+def onednn_bf16() -> bool:
+    """Whether this torch has oneDNN with bf16 support (the CPU runtime packs where it does:
+    ``DeviceRuntime.packs_linears``)."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def can_pack(weight: torch.Tensor) -> bool:
-    """True for a bf16 CPU weight when this torch has oneDNN with bf16 support."""
-    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
-            and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    """True for a bf16 weight when this torch's oneDNN multiplies bf16 (``pack_linears`` runs
+    only where the device runtime packs: its weights are in host memory)."""
+    return weight.dtype == torch.bfloat16 and onednn_bf16()
 
 
 class PackedLinear(torch.nn.Module):
@@ -56,9 +62,10 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 def pack_linears(model: torch.nn.Module) -> int:
     """Replace every packable ``nn.Linear`` in ``model`` by a ``PackedLinear``, in place, and
     let every module with a ``pack()`` method (stacked MoE experts) pack its own weights.
+    For a model on the CPU (the builder calls it where ``DeviceRuntime.packs_linears``).
 
-    Returns how many weights were packed (0 for an fp32 model, a GPU model, or a torch
-    without oneDNN bf16); calling it again packs nothing.
+    Returns how many weights were packed (0 for an fp32 model or a torch without oneDNN
+    bf16); calling it again packs nothing.
     """
     count = 0
     for module in list(model.modules()):

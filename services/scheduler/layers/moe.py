@@ -1,8 +1,11 @@
-"""Mixture-of-experts pieces shared by every MoE model: top-k routing, the CPU grouped-expert
-path and the token-to-expert block layout the Triton kernel (``layers.triton_moe``) reads.
+"""Mixture-of-experts pieces shared by every MoE model: the stacked experts (``Experts``), top-k
+routing, the CPU grouped-expert path and the token-to-expert block layout the Triton kernel
+(``layers.triton_moe``) reads.
 
 Expert weights are stacked at load: ``w13`` [E, 2 I, H] (each expert's gate rows, then its
-up rows) and ``w2`` [E, H, I]. A step's tokens are routed to ``top_k`` experts each; the
+up rows) and ``w2`` [E, H, I]. Under tensor parallelism every rank holds every expert, cut
+along the intermediate dim I as a gated MLP is (its gate and up rows, its down columns), and
+the MoE block sums the partial outputs over the ranks. A step's tokens are routed to ``top_k`` experts each; the
 (token, slot) pairs are sorted by expert so that each expert multiplies one contiguous block
 of rows (a grouped matmul), never one token at a time. The layout follows vLLM's and
 SGLang's ``fused_moe`` (``moe_align_block_size``).
@@ -15,7 +18,90 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from services.scheduler.layers.batch_invariant import RowWindow
+from services.scheduler.layers.linear import can_pack, pack_weight, packed_linear
+from services.scheduler.layers.parallel import TensorParallel
+from services.scheduler.layers.parallel_linear import copy_into
+
 ExpertMLP = Callable[[int, torch.Tensor], torch.Tensor]  # (expert, rows [N, H]) -> [N, H]
+GATE, UP, DOWN = "gate", "up", "down"
+
+
+class Experts(torch.nn.Module):
+    """Stacked expert weights: ``gate_up`` [E, 2 I/N, H] (this rank's gate rows, then its up
+    rows), ``down`` [E, H, I/N].
+
+    Loading (``weight_loader``): a per-expert checkpoint tensor with ``shard_id`` (expert,
+    "gate" | "up" | "down"), or the whole stacked [E, 2 I, H] / [E, H, I] tensor (shard_id None).
+
+    On the CPU in bf16, ``pack`` (called by ``layers.linear.pack_linears``) also holds each
+    expert's two weights in oneDNN's blocked layout, as ``PackedLinear`` does for dense layers
+    (the stacked tensors stay: the Triton path and ``state_dict`` read them). For
+    deterministic inference ``layers.batch_invariant`` probes ``linear_shapes`` and sets
+    ``window``: an expert's rows run only at the row counts it measured (``RowWindow``), so a
+    token's bits do not depend on how many others chose the same expert.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 tp: TensorParallel = TensorParallel(), dtype: torch.dtype | None = None):
+        super().__init__()
+        self.num_experts = num_experts
+        self.tp = tp
+        inter = intermediate_size // tp.size
+        self.gate_up = torch.nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size, dtype=dtype),
+                                          requires_grad=False)
+        self.down = torch.nn.Parameter(torch.empty(num_experts, hidden_size, inter, dtype=dtype), requires_grad=False)
+        for p, parts in ((self.gate_up, (GATE, UP)), (self.down, (DOWN,))):
+            p.weight_loader = self.weight_loader
+            p.shard_ids = frozenset((e, part) for e in range(num_experts) for part in parts)
+        self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.window: RowWindow | None = None
+
+    def weight_loader(self, param: torch.nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str] | None) -> None:
+        """Copy this rank's rows (gate, up: [I, H]) or columns (down: [H, I]) of a checkpoint tensor."""
+        n = self.down.shape[2]
+        if shard_id is None:  # the stacked tensor of every expert
+            for e in range(self.num_experts):
+                one = loaded.select(0, e)
+                if param is self.down:
+                    self.weight_loader(param, one, (e, DOWN))
+                else:
+                    self.weight_loader(param, one.narrow(0, 0, one.shape[0] // 2), (e, GATE))
+                    self.weight_loader(param, one.narrow(0, one.shape[0] // 2, one.shape[0] // 2), (e, UP))
+            return
+        e, part = shard_id
+        if part == DOWN:
+            copy_into(param.data.select(0, e), loaded.narrow(1, self.tp.rank * n, n))
+        else:
+            copy_into(param.data.select(0, e).narrow(0, 0 if part == GATE else n, n),
+                      loaded.narrow(0, self.tp.rank * n, n))
+
+    def linear_shapes(self) -> list[tuple[int, int]]:
+        """(in_features, out_features) of each expert's two matmuls: gate_up, then down."""
+        e, two_i, h = self.gate_up.shape
+        return [(h, two_i), (two_i // 2, h)]
+
+    def pack(self) -> int:
+        """Pack every expert's weights for oneDNN if ``layers.linear.can_pack`` allows; returns how many."""
+        if self.packed is not None or not can_pack(self.gate_up):
+            return 0
+        self.packed = [(pack_weight(self.gate_up.select(0, e)), pack_weight(self.down.select(0, e)))
+                       for e in range(self.num_experts)]
+        return 2 * self.num_experts
+
+    def mlp(self, act) -> ExpertMLP:
+        """(e, rows [N, H]) -> down_e(act(gate_up_e(rows))) [N, H], on the packed weights when packed."""
+        if self.packed is None:
+            run = stacked_expert(self.gate_up, self.down, act)
+        else:
+            packed = self.packed
+
+            def run(e: int, rows: torch.Tensor) -> torch.Tensor:
+                return packed_linear(act(packed_linear(rows, packed[e][0])), packed[e][1])
+        window = self.window
+        if window is None:
+            return run
+        return lambda e, rows: window.apply(lambda part: run(e, part), rows)
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,7 +138,7 @@ def fused_experts_cpu(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
 
     Args:
         x: [T, H]; weights: float32 [T, K]; ids: int64 [T, K]; expert_mlp: (e, rows [N, H])
-            -> [N, H], e.g. ``stacked_expert`` or ``models.moe.Experts``' oneDNN-packed one.
+            -> [N, H], e.g. ``stacked_expert`` or ``Experts``' oneDNN-packed one.
 
     Returns:
         [T, H] in x's dtype.

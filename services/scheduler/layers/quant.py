@@ -72,7 +72,9 @@ def check_supported(method: str, device: torch.device) -> None:
     """
     if method not in QUANTIZATION_METHODS:
         raise QuantizationError(f"unknown --quantization {method!r}; supported: {', '.join(QUANTIZATION_METHODS)}")
-    if device.type != "cpu":
+    from services.scheduler.engine.device import create_runtime  # the device's runtime says what runs there
+
+    if not create_runtime(device).int8_linears:
         raise QuantizationError(f"--quantization {method} runs on the CPU only (its kernels are AVX-512-VNNI C), "
                                 f"not on {device}; serve the bf16 weights there")
     if not cpu_runs_int8():

@@ -138,6 +138,17 @@ class RotaryEmbedding(torch.nn.Module):
                 self.sin.index_select(0, positions).unsqueeze(1).to(dtype))
 
 
+def rotate_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+               head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A fused projection qkv [T, (Hq + 2 Hkv) * D] -> rotated q [T, Hq, D], rotated k [T, Hkv, D]
+    and v [T, Hkv, D]; q and k are rotated together (one pass), then split as views."""
+    t = qkv.shape[0]
+    qk, v = qkv.split([(num_heads + num_kv_heads) * head_dim, num_kv_heads * head_dim], dim=-1)
+    qk = apply_rotary_packed(qk.view(t, num_heads + num_kv_heads, head_dim), cos, sin)
+    q, k = qk.split([num_heads, num_kv_heads], dim=1)
+    return q, k, v.view(t, num_kv_heads, head_dim)
+
+
 def apply_rotary_packed(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate q and k heads held side by side, qk [T, Hq + Hkv, D], by cos/sin [T, 1, D]
     -> new contiguous [T, Hq + Hkv, D]. One pass over both (rotating q and k separately

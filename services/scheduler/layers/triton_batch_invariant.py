@@ -52,6 +52,13 @@ def _matmul_kernel(X, W, B, OUT, M, N, K, stride_xm, stride_wn, stride_om,
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
+def _interpreted() -> bool:
+    """Whether the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` at import)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_matmul_kernel, InterpretedFunction)
+
+
 def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight^T + bias`` with every row computed the same way for any row count.
 
@@ -67,7 +74,7 @@ def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     x = x.contiguous()
     weight = weight.contiguous()
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    interpreted = x.device.type != "cuda"  # the interpreter's tl.dot cannot multiply 16-bit floats
+    interpreted = _interpreted()  # the interpreter's tl.dot cannot multiply 16-bit floats
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
     _matmul_kernel[grid](x, weight, bias if bias is not None else weight, out, m, n, k,
                          x.stride(0), weight.stride(0), out.stride(0),
@@ -122,7 +129,7 @@ class TritonRMSNorm(RMSNorm):
         """A ``TritonRMSNorm`` sharing ``norm``'s weight."""
         new = cls.__new__(cls)
         torch.nn.Module.__init__(new)
-        new.weight, new.eps = norm.weight, norm.eps
+        new.weight, new.eps, new.fused = norm.weight, norm.eps, None
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Fused mixture-of-experts as a Triton grouped GEMM (GPU): the CUDA path of ``models.moe``.
+"""Fused mixture-of-experts as a Triton grouped GEMM (GPU): the CUDA path of ``models.blocks.SparseMoeBlock``.
 
 The (token, slot) pairs are laid out in expert blocks of ``BLOCK_M`` rows on the device
 (``layers.moe.moe_align_block_size``); one program multiplies one block of rows by one

@@ -13,7 +13,7 @@ launch goes through the kernels' own wrappers (which pick tiles and constexprs) 
   with it (the smallest step: where a tile table keyed by the token count would pick its
   decode entry, and where the JIT would specialize a token count of 1);
 - each of those again in bf16 with every attention layer's ``softcap`` on, for a model whose
-  attention offers it (Gemma 3's, which no released config switches on).
+  family defines it (Gemma 3's, which no released config switches on: ``SOFTCAPPED``).
 
 A kernel, a tile table or a variant added to the code is launched by these steps without a
 change here; a kernel no step launches shows up in ``unlaunched``.
@@ -36,7 +36,8 @@ from services.scheduler.engine.device import CudaRuntime
 from services.scheduler.engine.kv_pool import TokenToKVPool
 from services.scheduler.layers.attention import AttnMetadata, DecodeLayout, ExtendLayout
 from services.scheduler.layers.batch_invariant import make_batch_invariant
-from services.scheduler.models import ARCHITECTURES
+from services.scheduler.models import dummy_model
+from services.scheduler.models.blocks import Attention
 from services.scheduler.triton_aot.compiler import Call, capturing
 
 CUDA = torch.device("cuda:0")
@@ -65,6 +66,9 @@ QWEN25_7B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "voca
              "rms_norm_eps": 1e-6, "rope_theta": 1e6, "max_position_embeddings": 32768, "tie_word_embeddings": False,
              "hidden_act": "silu"}
 SOFTCAP = 30.0  # any cap > 0 selects the soft-capped kernels
+# The shapes whose family defines attention logit soft-capping (Gemma's); no other family's
+# attention is ever capped, so their capped variants are not compiled.
+SOFTCAPPED = frozenset({"Gemma-3-270M"})
 
 
 def models(smollm2_dir: Path) -> dict[str, dict]:
@@ -117,25 +121,23 @@ def record(shapes: dict[str, dict]) -> list[Call]:
     with (capturing(list(shipped_kernels().values()), source) as calls, FakeTensorMode(), torch.inference_mode(),
           _contiguous_through_the_dispatcher()):
         for name, cfg in shapes.items():
-            cls = next(ARCHITECTURES[a] for a in cfg["architectures"] if a in ARCHITECTURES)
             if "layer_types" not in cfg:  # every layer alike: one is enough
                 cfg = {**cfg, "num_hidden_layers": 1}
-            for dtype_name, dtype in CudaRuntime(CUDA).supported_dtypes().items():
+            runtime = CudaRuntime(CUDA)
+            for dtype_name, dtype in runtime.supported_dtypes().items():
                 # Soft-capping is float32 arithmetic on the scores in every dtype: it is checked
                 # in the default one (CudaRuntime.default_dtype at compute capability >= 8.0).
-                for softcap in (0.0, SOFTCAP) if dtype == torch.bfloat16 else (0.0,):
-                    model = cls.dummy(cfg, dtype, seed=None, attention_backend="triton", device=CUDA)
-                    attention = [m for m in model.modules() if hasattr(m, "softcap")]
-                    if softcap and not attention:
-                        break
-                    for m in attention:
-                        m.softcap = softcap
-                    c = model.config
-                    kv = TokenToKVPool(4096, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, dtype, CUDA)
+                for softcap in (0.0, SOFTCAP) if dtype == torch.bfloat16 and name in SOFTCAPPED else (0.0,):
+                    model = dummy_model(cfg, dtype, seed=None, attention_backend="triton", runtime=runtime)
+                    for m in model.modules():
+                        if isinstance(m, Attention):
+                            m.softcap = softcap
+                    c = model.kv_shape()
+                    kv = TokenToKVPool(4096, c.num_layers, c.num_kv_heads, c.head_dim, dtype, CUDA)
                     tag = f"{name} {dtype_name}" + (" softcap" if softcap else "")
                     source[0] = f"{tag} mixed"
                     _step(model, kv, *mixed, per_token=False)
-                    make_batch_invariant(model)  # on CUDA: the Triton GEMM and RMSNorm
+                    make_batch_invariant(model, kernels=runtime.batch_invariant_linears)  # the Triton GEMM and RMSNorm
                     source[0] = f"{tag} deterministic mixed"
                     _step(model, kv, *mixed, per_token=True)
                     source[0] = f"{tag} deterministic decode b=1"
