@@ -1,7 +1,8 @@
 """Per-request decode state (``DecodeStatus``) and the text it releases each step.
 
 The algorithm follows SGLang's DetokenizerManager (``DecodeStatus`` with surr/read offsets,
-itself vLLM's incremental detokenization) with the fixes that issue 3 asks for. Per rid:
+itself vLLM's incremental detokenization), with fixes for the field failures of
+docs/cases.md (split characters, SentencePiece spaces, stop prefixes). Per rid:
 
 * ``decode_ids[surr_offset:read_offset]`` is the committed context window (token
   coordinates) and ``decode_ids[read_offset:]`` the ids not yet committed. Each step decodes

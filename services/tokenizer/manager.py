@@ -6,7 +6,7 @@ waiting ``generate`` call drains it. No gRPC here: the scheduler is reached
 through a ``Dispatcher`` and outputs arrive through ``handle_batch``, so the
 whole life cycle is testable without a network.
 
-Life cycle of one request (DESIGN.md, invariants 2 and 4):
+Life cycle of one request (docs/architecture.md, invariants 2 and 4):
 
 1. ``prepare`` (``services.tokenizer.prepare``): the input bounds (``services.tokenizer.
    bounds``) on the loop, then render/tokenize, validate, expand ``n`` into sub-requests
@@ -211,7 +211,7 @@ class TokenizerManager:
         """End of a Generate call: drop what is done or never dispatched, abort the rest.
 
         Dispatched, unfinished states get an AbortReq and stay (detached) until the
-        scheduler's final row deletes them (DESIGN.md invariant 4).
+        scheduler's final row deletes them (docs/architecture.md, invariant 4).
         """
         for st in states:
             if self.rid_to_state.get(st.rid) is not st:

@@ -6,7 +6,7 @@ how many requests it has in flight on each, and tells it where each prompt went.
 Policy (after SGLang's cache-aware router, ``sgl-router`` ``cache_aware`` policy, which
 keeps an approximate radix tree of the prompts each worker served and sends a request
 to the worker with the longest match unless the load is imbalanced; here load comes
-first and the prefix only breaks ties, as ringserve's issue 7 asks):
+first and the prefix only breaks ties, so no replica is overloaded for a cache hit):
 
 1. **Least outstanding work**: the replica with the fewest requests that *this*
    tokenizer instance dispatched there and that have not finished. Each instance

@@ -1,7 +1,7 @@
 """Per-request entry state (``ReqState``) and the rows of a ``BatchStrOutput`` it receives.
 
 Follows SGLang's ``ReqState`` (``tokenizer_manager.py``): an output list, an
-event the waiting call sleeps on, and the flags of invariant 4 of DESIGN.md
+event the waiting call sleeps on, and the flags of invariant 4 of docs/architecture.md
 (dispatched, abort_sent, finished). ``absorb`` folds a state's queued rows into the
 GenerateOutput its call sends.
 """
