@@ -24,9 +24,10 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from ringserve.apikeys import MISSING, WRONG
 from ringserve.client import AsyncRingserveClient, RingserveClient, chat_request
 from ringserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
-from tests.ringstack import launched
+from tests.helpers.ringstack import launched
+from tests.helpers.tiers import ring_fixture
 
-from .test_reliability_endpaths import chat
+from tests.helpers.ring_requests import chat
 
 KEYS = ("sk-e2e-current-7Qx2v9", "sk-e2e-previous-Lm4k8Z")
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
@@ -53,7 +54,7 @@ REQUESTS = {
 }
 
 
-@pytest.fixture(scope="module")
+@ring_fixture(scope="module")
 def ring(smollm2_dir, tmp_path_factory):
     directory = tmp_path_factory.mktemp("api-keys")
     keyfile = directory / "keys"

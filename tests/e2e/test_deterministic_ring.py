@@ -10,17 +10,17 @@ import asyncio
 from pathlib import Path
 
 import httpx
-import pytest
 
-from tests.ringstack import launched
+from tests.helpers.ringstack import launched
+from tests.helpers.tiers import ring_fixture
 
-from .sse_reader import call
+from tests.helpers.sse_reader import call
 
 PROMPTS = ["How much does a good bicycle cost?", "Name a famous bridge.", "What is the capital of Peru?",
            "What do bees make?", "Why is the sea salty?", "Write a haiku about autumn."]
 
 
-@pytest.fixture(scope="module")
+@ring_fixture(scope="module")
 def bf16_ring(smollm2_dir: Path, tmp_path_factory):
     log = tmp_path_factory.mktemp("det-ring") / "ring.log"
     with launched(smollm2_dir, "--dtype", "bfloat16", log_path=log) as ring:

@@ -14,11 +14,12 @@ import time
 import httpx
 import pytest
 
-from tests.ringstack import launched
-from .test_reliability_endpaths import assert_released_after_abort, chat, read_events
+from tests.helpers.ringstack import launched
+from tests.helpers.tiers import ring_fixture
+from tests.helpers.ring_requests import assert_released_after_abort, chat, read_events
 
 
-@pytest.fixture(scope="module")
+@ring_fixture(scope="module")
 def ring(smollm2_dir):
     with launched(smollm2_dir, "--max-running-requests", "2", "--max-queued-requests", "1",
                   "--max-total-tokens", "4096") as s:

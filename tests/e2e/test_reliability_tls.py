@@ -22,18 +22,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ringserve import grpcutil
 from ringserve.v1 import common_pb2, tokenizer_pb2_grpc
-from tests.ringstack import launched
+from tests.helpers.ringstack import launched
+from tests.helpers.tiers import ring_fixture
+from tests.helpers.tls import write_pems
 
-from .test_reliability_endpaths import chat
-
-
-def write_pems(ca: trustme.CA, directory: Path) -> dict[str, Path]:
-    cert = ca.issue_cert("127.0.0.1", "localhost")
-    paths = {"ca": directory / "ca.pem", "cert": directory / "cert.pem", "key": directory / "key.pem"}
-    ca.cert_pem.write_to_path(str(paths["ca"]))
-    cert.private_key_pem.write_to_path(str(paths["key"]))
-    paths["cert"].write_bytes(b"".join(blob.bytes() for blob in cert.cert_chain_pems))
-    return paths
+from tests.helpers.ring_requests import chat
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +34,7 @@ def pems(tmp_path_factory) -> dict[str, Path]:
     return write_pems(trustme.CA(), tmp_path_factory.mktemp("tls"))
 
 
-@pytest.fixture(scope="module")
+@ring_fixture(scope="module")
 def ring(smollm2_dir, pems):
     with launched(smollm2_dir, "--tls-cert-file", str(pems["cert"]), "--tls-key-file", str(pems["key"]),
                   "--tls-ca-file", str(pems["ca"])) as s:

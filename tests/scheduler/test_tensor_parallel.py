@@ -23,7 +23,7 @@ from services.scheduler.engine.tp import TPGroup
 from services.scheduler.layers.parallel import TensorParallel, check_divisible
 from services.scheduler.models.llama import LlamaConfig
 
-from .conftest import collect, greedy
+from tests.helpers.engine_steps import collect, greedy
 
 # 8 query heads, 2 KV heads (split at 2 ranks, replicated at 4), q/k/v bias, and a
 # vocabulary (SmolLM2's 49152 ids + 3) that 2 and 4 do not divide: the last shard is padded.
