@@ -9,7 +9,6 @@ import zipfile
 
 from ringserve import models
 from services.detokenizer.vocab import BYTE_FALLBACK, BYTE_LEVEL
-
 from tests.helpers.repo import CACHE_DIR
 from tests.helpers.textgen import generate
 

@@ -16,7 +16,6 @@ import httpx
 import pytest
 
 from services.tokenizer.constraints import choice_grammar
-
 from tests.helpers.sse_reader import sse_events
 from tests.helpers.structured import chat, chat_body, error_of
 

@@ -20,7 +20,6 @@ import jsonschema
 import pytest
 
 from tests.helpers.ringstack import launched_gateway
-
 from tests.helpers.structured import chat, chat_body
 
 SCHEMA_S06 = {"type": "object", "properties": {"guard": {"const": "SCHEMA_ENFORCED"}, "answer": {"type": "integer"}},

@@ -18,7 +18,6 @@ import pytest
 from tokenizers import Tokenizer
 
 from ringserve.client import AsyncRingserveClient, chat_request, text_request
-
 from tests.helpers.sse_reader import call
 
 COUNTING = "Counting upward by ones, separated by spaces: 1 2 3"

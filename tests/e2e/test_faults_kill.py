@@ -22,9 +22,9 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tests.helpers.ring_requests import chat, post, read_stream, serves_again, wait_until
 from tests.helpers.ringstack import launched, still_serves
 from tests.helpers.tiers import ring_fixture
-from tests.helpers.ring_requests import chat, post, read_stream, serves_again, wait_until
 
 
 @ring_fixture(scope="module")

@@ -25,9 +25,8 @@ from services.scheduler.main import parse_args as scheduler_args
 from services.tokenizer.main import parse_args as tokenizer_args
 from tests.helpers.repo import CACHE_DIR
 from tests.helpers.ringstack import launched
-from tests.helpers.tiers import model_fixture, ring_fixture
-
 from tests.helpers.sse_reader import call
+from tests.helpers.tiers import model_fixture, ring_fixture
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,", "Water boils at",
            "Die Hauptstadt von Deutschland ist"]

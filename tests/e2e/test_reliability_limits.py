@@ -17,11 +17,10 @@ import httpx
 import pytest
 
 from ringserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
-from tests.helpers.ringstack import launched
-from tests.helpers.tiers import ring_fixture
-
-from tests.helpers.sse_reader import sse_events
 from tests.helpers.ring_requests import chat
+from tests.helpers.ringstack import launched
+from tests.helpers.sse_reader import sse_events
+from tests.helpers.tiers import ring_fixture
 
 BUDGET = 300
 TIMEOUT_S = 4

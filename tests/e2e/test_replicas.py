@@ -21,9 +21,9 @@ import grpc
 import httpx
 
 from ringserve.v1 import common_pb2, scheduler_pb2_grpc
+from tests.helpers.ring_requests import PARIS_ANSWER, PROMPT, chat, read_stream, wait_until
 from tests.helpers.ringstack import launched
 from tests.helpers.tiers import ring_fixture
-from tests.helpers.ring_requests import PARIS_ANSWER, PROMPT, chat, read_stream, wait_until
 
 QUESTIONS = [
     "What is the capital of France?",

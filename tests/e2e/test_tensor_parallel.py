@@ -17,9 +17,9 @@ import time
 import httpx
 import psutil
 
+from tests.helpers.ring_requests import chat, post, read_events, read_stream, serves_again, wait_until
 from tests.helpers.ringstack import launched
 from tests.helpers.tiers import ring_fixture
-from tests.helpers.ring_requests import chat, post, read_events, read_stream, serves_again, wait_until
 
 QUESTIONS = ["What is the capital of France?", "Name three colors.", "Write a haiku about the sea."]
 

@@ -15,7 +15,6 @@ from ringserve import grpcutil
 from ringserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from services.gateway.backend import MAX_OPENING_CALLS, TokenizerClient
 from services.gateway.config import GatewayConfig
-
 from tests.helpers.gateway_requests import assert_error, body_for
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

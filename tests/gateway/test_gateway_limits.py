@@ -10,7 +10,6 @@ import json
 import pytest
 
 from ringserve.limits import MAX_JSON_BYTES
-
 from tests.helpers.gateway_requests import MSG, assert_error, body_for, call
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

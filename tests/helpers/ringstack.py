@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -44,6 +44,8 @@ class Stack:
     metrics_urls: dict[str, str]  # service -> its Prometheus /metrics URL
     # Metadata of the tokenizer calls made here: the API key of a ring launched with --api-key.
     grpc_metadata: tuple[tuple[str, str], ...] = ()
+    # Headers of the gateway calls a test makes: the same key, as an Authorization header.
+    http_headers: dict[str, str] = field(default_factory=dict)
     # Metadata of the scheduler and detokenizer calls made here: the ring's internal credential.
     internal_metadata: tuple[tuple[str, str], ...] = ()
 

@@ -22,7 +22,6 @@ from services.scheduler.engine.engine import Engine
 from services.scheduler.engine.tp import TPGroup
 from services.scheduler.layers.parallel import TensorParallel, check_divisible
 from services.scheduler.models.llama import LlamaConfig
-
 from tests.helpers.engine_steps import collect, greedy
 
 # 8 query heads, 2 KV heads (split at 2 ranks, replicated at 4), q/k/v bias, and a
