@@ -22,7 +22,7 @@ from ringserve import models
 from tests.helpers import ringstack
 from tests.helpers.helm import helm_binary
 from tests.helpers.repo import CACHE_DIR
-from tests.helpers.tiers import model_fixture, ring_fixture, tier_of
+from tests.helpers.tiers import model_fixture, refuse_unmarked_launch, ring_fixture, tier_of
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -45,13 +45,9 @@ def pytest_runtest_call(item: pytest.Item):
 
 
 def _refuse_unmarked_launch(item: pytest.Item):
-    """Fail a test outside the ring tier that launched a ring (``ringstack.launched``), in
-    its body or through a fixture declared without ``ring_fixture``: ``-m unit`` would run it."""
     before = ringstack.launches
     result = yield
-    if ringstack.launches != before and item.get_closest_marker("ring") is None:
-        raise pytest.UsageError(f"{item.nodeid} launched a ring but is not in the ring tier: declare its ring "
-                                "fixture with ring_fixture (tests/helpers/tiers.py) or mark it pytest.mark.ring")
+    refuse_unmarked_launch(item, before, ringstack.launches)
     return result
 
 

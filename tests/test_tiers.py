@@ -1,13 +1,14 @@
 """The tier each test gets at collection (tests/helpers/tiers.py), for tests whose tier is known:
 a fake named like a ring is still ``unit``, a ring reached through another fixture is
 ``ring``, an explicit mark wins over the fixtures, and the tests that end a session ring run
-after all others."""
+after all others; a test outside the ring tier that launches a ring fails."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.helpers.repo import REPO
+from tests.helpers.tiers import refuse_unmarked_launch
 
 KNOWN = {
     # The gateway's own `stack` fixture is a fake tokenizer, not the session ring.
@@ -50,3 +51,11 @@ def test_known_tests_get_their_tier_and_ring_enders_run_last(monkeypatch):
     enders = [n for n in order if n.startswith("tests/e2e/test_launcher_orphans.py::test_") and
               ("killed" in n or "ctrl_c" in n)]
     assert order[-2:] == enders and len(enders) == 2
+
+
+def test_a_launch_outside_the_ring_tier_is_refused(request):
+    assert request.node.get_closest_marker("unit") is not None
+    refuse_unmarked_launch(request.node, 3, 3)  # nothing launched
+    with pytest.raises(pytest.UsageError, match=r"test_tiers.py::test_a_launch_outside_the_ring_tier_is_refused "
+                                                r"launched a ring but is not in the ring tier"):
+        refuse_unmarked_launch(request.node, 3, 4)

@@ -59,3 +59,16 @@ def tier_of(item: pytest.Item) -> str:
     # The last definition of a name is the one this test gets (a closer conftest or module overrides).
     used = {getattr(fixturedefs[-1].func, "tier", "unit") for fixturedefs in defs if fixturedefs}
     return max(used | {"unit"}, key=TIERS.index)
+
+
+def refuse_unmarked_launch(item: pytest.Item, launches_before: int, launches_after: int) -> None:
+    """Fail ``item`` if rings were launched while it set up or ran (``ringstack.launches``
+    moved) and it is not in the ring tier: a fixture that launches one was declared without
+    ``ring_fixture``, or the test launches one itself unmarked, and ``-m unit`` would run it.
+
+    Raises:
+        pytest.UsageError: naming the test and the two ways to declare it.
+    """
+    if launches_after != launches_before and item.get_closest_marker("ring") is None:
+        raise pytest.UsageError(f"{item.nodeid} launched a ring but is not in the ring tier: declare its ring "
+                                "fixture with ring_fixture (tests/helpers/tiers.py) or mark it pytest.mark.ring")
