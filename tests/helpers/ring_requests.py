@@ -11,7 +11,7 @@ import time
 import httpx
 
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
-PARIS_ANSWER = "The capital of France is Paris."  # SmolLM2-Instruct's greedy answer, fp32 and bf16
+PARIS_ANSWER = "The capital of France is Paris."  # SmolLM2-Instruct's greedy answer in fp32 (not in bf16)
 PROMPT = "The three primary colors are"  # a completion prompt
 # The two valid keys of tests/e2e/conftest.py's keyed_ring (a rotation: the current and the previous).
 API_KEYS = ("sk-e2e-current-7Qx2v9", "sk-e2e-previous-Lm4k8Z")
