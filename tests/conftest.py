@@ -1,10 +1,11 @@
-"""Fixtures shared by every test: the packaged models, converted once per machine."""
+"""Fixtures shared by every test (the packaged models, converted once per machine; the shared
+ring) and the tiers: each collected test gets its ``unit``, ``model`` or ``ring`` marker from
+the fixtures it uses (tests/helpers/tiers.py), so ``pytest -m unit`` runs the fast tier."""
 
 from __future__ import annotations
 
 import os
 import secrets
-import subprocess
 from pathlib import Path
 
 # torch's OpenMP workers spin while idle unless told otherwise; with several
@@ -18,30 +19,56 @@ os.environ.setdefault("RINGSERVE_INTERNAL_TOKEN", secrets.token_urlsafe(32))
 import pytest
 
 from ringserve import models
-
-CACHE_DIR = Path(os.environ.get("RINGSERVE_CACHE_DIR", models.DEFAULT_CACHE))
-REPO = Path(__file__).resolve().parents[1]
-
-
-def run_make(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    """``make ARGS`` in the repository, as a user would type it: without the variables and
-    flags of a `make test` that runs these tests (MAKEFLAGS would pass its command-line
-    variables on, MAKELEVEL would add "Entering directory" lines)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")}
-    return subprocess.run(["make", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=60, check=check)
+from tests.helpers import ringstack
+from tests.helpers.helm import helm_binary
+from tests.helpers.repo import CACHE_DIR
+from tests.helpers.tiers import model_fixture, refuse_unmarked_launch, ring_fixture, tier_of
 
 
-@pytest.fixture(scope="session")
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark each test with its tier; run the tests that end a session ring after all others."""
+    for item in items:
+        tier = tier_of(item)
+        if item.get_closest_marker(tier) is None:
+            item.add_marker(tier)
+    items.sort(key=lambda item: item.get_closest_marker("ends_ring") is not None)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item):
+    return (yield from _refuse_unmarked_launch(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    return (yield from _refuse_unmarked_launch(item))
+
+
+def _refuse_unmarked_launch(item: pytest.Item):
+    before = ringstack.launches
+    result = yield
+    refuse_unmarked_launch(item, before, ringstack.launches)
+    return result
+
+
+@model_fixture(scope="session")
 def smollm2_dir() -> Path:
     """HF-format SmolLM2-135M-Instruct directory (config.json, model.safetensors, tokenizer.json)."""
     return models.prepare_smollm2(CACHE_DIR)
 
 
-@pytest.fixture(scope="session")
+@ring_fixture(scope="session")
 def stack(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    """The whole ring serving SmolLM2 in fp32, launched once per test session (tests/ringstack.py);
-    its services write to a file (``stack.log()``), so tests can check what bad input logs."""
-    from tests.ringstack import launched
-
-    with launched(smollm2_dir, log_path=tmp_path_factory.mktemp("stack") / "ring.log") as ring:
+    """The whole ring serving SmolLM2 in fp32, launched once per test session (tests/helpers/ringstack.py);
+    its services write to a file (``stack.log()``), so tests can check what bad input logs. It
+    starts as a shell's background job does, with SIGINT ignored: the last test of a session
+    (tests/e2e/test_launcher_orphans.py) stops it with Ctrl-C."""
+    with ringstack.launched(smollm2_dir, log_path=tmp_path_factory.mktemp("stack") / "ring.log",
+                            sigint_ignored=True) as ring:
         yield ring
+
+
+@pytest.fixture(scope="session")
+def helm() -> Path:
+    """The Helm 3 binary (tests/helpers/helm.py), fetched once per machine."""
+    return helm_binary()

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from ringserve.bench.client import send_request
 from ringserve.bench.serve import ServeConfig, run_benchmark
@@ -19,6 +20,7 @@ from ringserve.launch import free_port
 HF_SERVER = Path(__file__).resolve().parents[2] / "bench" / "baselines" / "hf_server.py"
 
 
+@pytest.mark.ring  # starts the transformers baseline server
 def test_hf_server_streams_exact_token_count(smollm2_dir):
     port = free_port()
     proc = subprocess.Popen(

@@ -8,6 +8,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from ringserve.bench.soak import GAUGES, SoakConfig, Tally, report
 
 BASELINE = [
@@ -19,6 +21,7 @@ BASELINE = [
 ]
 
 
+@pytest.mark.ring  # `ringserve bench soak` launches its own ring
 def test_short_soak_with_a_scheduler_kill_ends_at_baseline(smollm2_dir, tmp_path):
     log = tmp_path / "ring.log"
     proc = subprocess.run(

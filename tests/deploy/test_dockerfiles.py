@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_make
+from tests.helpers.repo import run_make
 
 try:
     import tomllib

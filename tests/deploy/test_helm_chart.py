@@ -4,9 +4,7 @@ offline against the Kubernetes schemas (kubernetes-validate), and check the esse
 from __future__ import annotations
 
 import base64
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,37 +12,11 @@ import yaml
 
 import kubernetes_validate as kv
 from kubernetes_validate import utils as kv_utils
+from tests.helpers.helm import (CHART, FULL, K8S_VERSION, NAMESPACE, RELEASE, VALUE_SETS, VALUES, by, container, render,
+                                render_notes)
 
-REPO = Path(__file__).resolve().parents[2]
-CHART = REPO / "deploy" / "helm" / "ringserve"
-VALUES = Path(__file__).resolve().parent / "values"
-K8S_VERSION = "1.31.0"  # kubernetes-validate ships its schemas; matches the kubectl-v31 layer
-NAMESPACE = "serve"
-RELEASE = "rs"
-FULL = "rs-ringserve"
 # Custom resources: no upstream schema; checked structurally below.
 CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
-VALUE_SETS = ["cpu-single", "gpu-multi", "tls-apikey", "grpc-api", "grpc-api-tls"]
-
-
-def render(helm: Path, values: str | None, *extra: str) -> list[dict]:
-    cmd = [str(helm), "template", RELEASE, str(CHART), "--namespace", NAMESPACE,
-           "--kube-version", K8S_VERSION]
-    if values:
-        cmd += ["-f", str(VALUES / f"{values}.yaml")]
-    cmd += list(extra)
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=60)
-    return [d for d in yaml.safe_load_all(out.stdout) if d]
-
-
-def by(docs: list[dict], kind: str, name: str) -> dict:
-    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
-    assert len(found) == 1, f"{kind}/{name}: {len(found)} found"
-    return found[0]
-
-
-def container(pod_spec: dict, name: str) -> dict:
-    return next(c for c in pod_spec["containers"] if c["name"] == name)
 
 
 @pytest.fixture(scope="module")
@@ -259,22 +231,6 @@ def test_gpu_multi_replica(rendered: dict[str, list[dict]], helm: Path) -> None:
     assert "round_robin" in notes and "WARNING" not in notes
     assert "connects to all 1 replica pod(s)" in render_notes(helm, "cpu-single")
     assert "9020 (scheduler)" in notes and f"ServiceMonitors {FULL}-gateway, {FULL}-tokenizer and {FULL}-replica" in notes
-
-
-def render_notes(helm: Path, values: str) -> str:
-    """NOTES.txt as `helm install` would print it (helm template skips NOTES and
-    install --dry-run needs a cluster): render it through tpl in a copy of the chart."""
-    with tempfile.TemporaryDirectory() as tmp:
-        chart = Path(tmp) / "ringserve"
-        shutil.copytree(CHART, chart)
-        (chart / "notes.txt").write_text((chart / "templates" / "NOTES.txt").read_text())
-        (chart / "templates" / "zz-notes.yaml").write_text(
-            'notes: {{ tpl (.Files.Get "notes.txt") . | toJson }}\n')
-        out = subprocess.run(
-            [str(helm), "template", RELEASE, str(chart), "--namespace", NAMESPACE,
-             "-f", str(VALUES / f"{values}.yaml"), "--show-only", "templates/zz-notes.yaml"],
-            check=True, capture_output=True, text=True, timeout=60)
-    return yaml.safe_load(out.stdout)["notes"]
 
 
 def test_tls_and_api_key(rendered: dict[str, list[dict]]) -> None:

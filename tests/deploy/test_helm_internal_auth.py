@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.deploy.test_helm_chart import CHART, FULL, RELEASE, by, container, render
+from tests.helpers.helm import CHART, FULL, RELEASE, by, container, render
 
 SKIP = "--insecure-skip-internal-auth"
 

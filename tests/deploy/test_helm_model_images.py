@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.deploy.test_helm_chart import CHART, FULL, RELEASE, VALUE_SETS, by, container, render, render_notes
+from tests.helpers.helm import CHART, FULL, RELEASE, VALUE_SETS, by, render, render_notes
 
 GHCR = "ghcr.io/ringserve"
 MODEL_DIR = "/models/SmolLM2-135M-Instruct"

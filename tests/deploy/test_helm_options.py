@@ -15,7 +15,7 @@ import yaml
 
 from ringserve.options.parse import ConfigParser, Placed, options
 from ringserve.options.table import SERVICES
-from tests.deploy.test_helm_chart import CHART, FULL, VALUE_SETS, by, container, render
+from tests.helpers.helm import CHART, FULL, VALUE_SETS, by, container, render
 
 # Where each service runs: (workload kind, name, container).
 CONTAINERS = {

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import yaml
 
-from tests.conftest import run_make
-from tests.deploy.test_helm_chart import K8S_VERSION, by
+from tests.helpers.helm import K8S_VERSION, by
+from tests.helpers.repo import run_make
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
 from ringserve import models
 from services.detokenizer.vocab import build_byte_table, load_tokenizer
-
-CACHE_DIR = Path(os.environ.get("RINGSERVE_CACHE_DIR", models.DEFAULT_CACHE))
-# gemma3-strip: Gemma 3's tokens behind a Llama-2-style decoder with a Strip step, which
-# has no verified fast path: the general offset algorithm serves it.
-VOCABS = ("smollm2", "qwen25", "gemma3", "gemma3-strip")
-FAST_VOCABS = ("smollm2", "qwen25", "gemma3")
+from tests.helpers.repo import CACHE_DIR
+from tests.helpers.tiers import model_fixture
+from tests.helpers.vocabs import VOCABS
 
 
-@pytest.fixture(scope="session")
+@model_fixture(scope="session")
 def vocab_dirs() -> dict[str, Path]:
     """name -> directory with tokenizer.json, for SmolLM2, Qwen2.5, Gemma 3 and Gemma 3 with Strip."""
     return {name: models.PREPARERS[name](CACHE_DIR) for name in VOCABS}

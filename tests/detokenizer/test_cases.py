@@ -10,10 +10,9 @@ import pytest
 from ringserve.v1 import common_pb2
 from services.detokenizer.manager import DetokenizerManager
 from services.detokenizer.replay import StreamSpec, build_steps, collect
-
-from .conftest import VOCABS
-from .streams import chunked, common_prefix_len, decided_positions, Case
-from .textgen import generate
+from tests.helpers.detok_streams import chunked, common_prefix_len, decided_positions, Case
+from tests.helpers.textgen import generate
+from tests.helpers.vocabs import VOCABS
 
 C01 = "社区非常活跃，鼠标与键盘 — 삼겹살 — ďábelské — 👩‍💻 🇯🇵 👍🏽 café"
 C02 = "This engine serves LLMs. It is fast. Don't stop — it's fine.  Two spaces here."

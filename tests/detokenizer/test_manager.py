@@ -110,7 +110,7 @@ def test_one_step_request_and_prefill_only_steps(make_manager, tokenizers):
 @pytest.mark.parametrize("vocab", ["smollm2", "gemma3", "gemma3-strip"])
 def test_invalid_byte_is_committed_and_text_keeps_streaming(vocab, make_manager, tokenizers, ref_tables):
     """A lone continuation byte decodes to U+FFFD for good: it is sent, and so is what follows."""
-    from .streams import byte_ids
+    from tests.helpers.detok_streams import byte_ids
 
     tok, table = tokenizers[vocab], ref_tables[vocab]
     pieces = table.pieces_keep

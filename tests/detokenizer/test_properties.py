@@ -11,10 +11,9 @@ import pytest
 
 from services.detokenizer.manager import DetokenizerManager
 from services.detokenizer.offsets import MAX_INCOMPLETE_TOKENS
-
-from .conftest import FAST_VOCABS, VOCABS
-from .streams import check_cases, make_cases, run_cases
-from .textgen import generate
+from tests.helpers.detok_streams import check_cases, make_cases, run_cases
+from tests.helpers.textgen import generate
+from tests.helpers.vocabs import FAST_VOCABS, VOCABS
 
 N_TEXTS = 10_000
 N_RANDOM = 2_000

@@ -11,6 +11,7 @@ import pytest
 
 from ringserve.v1 import detokenizer_pb2
 from services.detokenizer.servicer import AlreadySubscribed, DetokenizerServicer, Subscriptions
+from tests.helpers.detokenizer_routing import RoutingManager, rows
 
 
 class Aborted(Exception):
@@ -32,24 +33,8 @@ class FakeContext:
         self.initial_metadata_sent = True
 
 
-class RoutingManager:
-    """A DetokenizerManager stand-in: each batch's rids become one text row for its tokenizer id."""
-
-    num_decode_states = 0
-
-    def handle_batch(self, batch: detokenizer_pb2.BatchTokenIDOutput) -> dict[str, detokenizer_pb2.BatchStrOutput]:
-        out: dict[str, detokenizer_pb2.BatchStrOutput] = {}
-        for rid, tokenizer_id in zip(batch.rids, batch.tokenizer_ids):
-            out.setdefault(tokenizer_id, detokenizer_pb2.BatchStrOutput()).rids.append(rid)
-        return out
-
-
 def subscribe(servicer: DetokenizerServicer, tokenizer_id: str, context: FakeContext):
     return servicer.Subscribe(detokenizer_pb2.SubscribeRequest(tokenizer_id=tokenizer_id), context)
-
-
-def rows(rid: str, tokenizer_id: str) -> detokenizer_pb2.BatchTokenIDOutput:
-    return detokenizer_pb2.BatchTokenIDOutput(rids=[rid], tokenizer_ids=[tokenizer_id])
 
 
 def test_table_one_stream_per_id() -> None:

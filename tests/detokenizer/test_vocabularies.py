@@ -9,9 +9,8 @@ import zipfile
 
 from ringserve import models
 from services.detokenizer.vocab import BYTE_FALLBACK, BYTE_LEVEL
-
-from .conftest import CACHE_DIR
-from .textgen import generate
+from tests.helpers.repo import CACHE_DIR
+from tests.helpers.textgen import generate
 
 
 def test_qwen25_ids_match_the_package_tokenizer(tmp_path, tokenizers):

@@ -1,4 +1,5 @@
-"""Issue 19: API keys on the public gRPC API, against a ring launched with two keys.
+"""Issue 19: API keys on the public gRPC API, against a ring launched with two keys
+(``keyed_ring``, tests/e2e/conftest.py, which test_reliability_overload.py shares).
 
 One key comes from ``--api-key``, the other from ``--api-key-file`` (a rotation: both are
 valid). Every RPC of ``ringserve.v1.Tokenizer`` ends UNAUTHENTICATED without a key and
@@ -24,18 +25,11 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from ringserve.apikeys import MISSING, WRONG
 from ringserve.client import AsyncRingserveClient, RingserveClient, chat_request
 from ringserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
-from tests.ringstack import launched
+from tests.helpers.ring_requests import API_KEYS, bearer, chat
 
-from .test_reliability_endpaths import chat
-
-KEYS = ("sk-e2e-current-7Qx2v9", "sk-e2e-previous-Lm4k8Z")
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
 ANSWER = "The capital of France is Paris."
 SERVICE = tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"]
-
-
-def bearer(key: str) -> tuple[tuple[str, str], ...]:
-    return (("authorization", f"Bearer {key}"),)
 
 
 # One valid request per RPC of the public service (the test fails when an RPC is added
@@ -53,15 +47,9 @@ REQUESTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def ring(smollm2_dir, tmp_path_factory):
-    directory = tmp_path_factory.mktemp("api-keys")
-    keyfile = directory / "keys"
-    keyfile.write_text(f"{KEYS[1]}\n")
-    with launched(smollm2_dir, "--api-key", KEYS[0], "--api-key-file", str(keyfile), "--log-requests",
-                  log_path=directory / "ring.log") as s:
-        s.grpc_metadata = bearer(KEYS[0])
-        yield s
+@pytest.fixture
+def ring(keyed_ring):
+    return keyed_ring
 
 
 def call(stub: tokenizer_pb2_grpc.TokenizerStub, method: str, metadata) -> list:
@@ -89,11 +77,11 @@ def test_every_rpc_needs_a_valid_key(ring):
         stub = tokenizer_pb2_grpc.TokenizerStub(ch)
         for method in REQUESTS:
             assert refusal(stub, method, ()) == (grpc.StatusCode.UNAUTHENTICATED, MISSING), method
-            for wrong in (bearer("sk-e2e-wrong"), bearer(KEYS[0][:-1]), (("authorization", KEYS[0]),),
-                          (("authorization", f"Basic {KEYS[0]}"),)):
+            for wrong in (bearer("sk-e2e-wrong"), bearer(API_KEYS[0][:-1]), (("authorization", API_KEYS[0]),),
+                          (("authorization", f"Basic {API_KEYS[0]}"),)):
                 assert refusal(stub, method, wrong) == (grpc.StatusCode.UNAUTHENTICATED, WRONG), (method, wrong)
         assert tokenized_calls(ring) == tokenized  # refused before any work
-        for key in KEYS:
+        for key in API_KEYS:
             out = {method: call(stub, method, bearer(key)) for method in REQUESTS}
             assert out["Generate"][-1].finish_reason.type == common_pb2.FINISH_LENGTH
             assert out["Generate"][-1].completion_tokens == 4
@@ -109,7 +97,7 @@ def test_every_rpc_needs_a_valid_key(ring):
 
 
 def test_abort_without_the_key_does_not_stop_a_request(ring):
-    with RingserveClient(ring.tokenizer, api_key=KEYS[0]) as client:
+    with RingserveClient(ring.tokenizer, api_key=API_KEYS[0]) as client:
         stream = client.chat(PARIS, rid="victim", max_new_tokens=24, temperature=0.0, ignore_eos=True)
         first = next(stream)
         assert first.rid == "victim" and first.finish_reason is None
@@ -125,14 +113,14 @@ def test_abort_without_the_key_does_not_stop_a_request(ring):
 
 
 def test_typed_client_sync_and_async(ring):
-    with RingserveClient(ring.tokenizer, api_key=KEYS[1]) as client:
+    with RingserveClient(ring.tokenizer, api_key=API_KEYS[1]) as client:
         assert "".join(c.text for c in client.chat(PARIS, max_new_tokens=16, temperature=0.0, timeout_s=60)) == ANSWER
     with RingserveClient(ring.tokenizer) as client, pytest.raises(grpc.RpcError) as info:
         client.model_info(timeout_s=30)
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
     async def async_chat() -> str:
-        async with AsyncRingserveClient(ring.tokenizer, api_key=KEYS[0]) as aclient:
+        async with AsyncRingserveClient(ring.tokenizer, api_key=API_KEYS[0]) as aclient:
             return "".join([c.text async for c in aclient.chat(PARIS, max_new_tokens=16, temperature=0.0, timeout_s=60)])
 
     assert asyncio.run(async_chat()) == ANSWER
@@ -143,7 +131,7 @@ def test_example_script_with_a_key(ring):
     example = Path(__file__).resolve().parents[2] / "examples" / "grpc_chat.py"
     env = {k: v for k, v in os.environ.items() if k != "RINGSERVE_API_KEY"}
     ok = subprocess.run([sys.executable, str(example), ring.tokenizer, "What is the capital of France?", "--timeout",
-                         "120"], capture_output=True, text=True, timeout=300, env={**env, "RINGSERVE_API_KEY": KEYS[1]})
+                         "120"], capture_output=True, text=True, timeout=300, env={**env, "RINGSERVE_API_KEY": API_KEYS[1]})
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.count(f"{ANSWER}\n[finish_reason=stop, tokens=8]") == 2, ok.stdout
     refused = subprocess.run([sys.executable, str(example), ring.tokenizer], capture_output=True, text=True,
@@ -160,7 +148,7 @@ def test_deadline_and_cancellation_abort_the_request(ring):
     """docs/grpc.md's promise to direct clients: a deadline that passes, or a stream closed
     early, aborts the request in the scheduler and frees every service's state."""
     aborts = scheduler_aborts(ring)
-    with RingserveClient(ring.tokenizer, api_key=KEYS[0]) as client:
+    with RingserveClient(ring.tokenizer, api_key=API_KEYS[0]) as client:
         with pytest.raises(grpc.RpcError) as info:
             list(client.chat(PARIS, max_new_tokens=2000, ignore_eos=True, timeout_s=2))
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -186,12 +174,12 @@ def test_health_and_reflection_stay_open(ring, service):
 
 
 def test_gateway_passes_the_key(ring):
-    for key in KEYS:
+    for key in API_KEYS:
         r = httpx.post(f"{ring.base_url}/v1/chat/completions", json=chat(ring, max_tokens=16),
                        headers={"Authorization": f"Bearer {key}"}, timeout=120)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"] == ANSWER
-    r = httpx.get(f"{ring.base_url}/get_load", headers={"Authorization": f"Bearer {KEYS[1]}"}, timeout=30)
+    r = httpx.get(f"{ring.base_url}/get_load", headers={"Authorization": f"Bearer {API_KEYS[1]}"}, timeout=30)
     assert r.status_code == 200 and len(r.json()["tokenizer"]) == 1
     r = httpx.post(f"{ring.base_url}/v1/chat/completions", json=chat(ring, max_tokens=16), timeout=30)
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
@@ -204,7 +192,7 @@ def test_log_requests_opts_in(ring):
     marker = "quokka-marker-5d41402abc"
     ask = [{"role": "user", "content": f"Repeat this word exactly: {marker}"}]
     resp = httpx.post(f"{ring.base_url}/v1/chat/completions", json=chat(ring, ask, max_tokens=24),
-                      headers={"Authorization": f"Bearer {KEYS[0]}"}, timeout=60)
+                      headers={"Authorization": f"Bearer {API_KEYS[0]}"}, timeout=60)
     assert resp.status_code == 200, resp.text
     content = resp.json()["choices"][0]["message"]["content"]
     log = ring.log()
@@ -213,18 +201,18 @@ def test_log_requests_opts_in(ring):
 
 
 def test_keys_never_logged_nor_on_a_command_line(ring):
-    """Runs last, after every other test has written to the log (plus one request of its own)."""
+    """Runs last in this module, after its other tests have written to the log (plus one request of its own)."""
     r = httpx.post(f"{ring.base_url}/v1/chat/completions", json=chat(ring, max_tokens=4),
-                   headers={"Authorization": f"Bearer {KEYS[1]}"}, timeout=120)
+                   headers={"Authorization": f"Bearer {API_KEYS[1]}"}, timeout=120)
     assert r.status_code == 200, r.text
     log = ring.log()
     assert "tokenizer" in log and "API key required (2 valid)" in log  # the services' output is there
     assert "request " in log  # --log-requests: the gateway logged the requests it served
-    for key in KEYS:
+    for key in API_KEYS:
         assert key not in log
         for piece in (key[:12], key[-8:]):  # nor any recognisable part of it
             assert piece not in log
     for name in ("gateway", "tokenizer"):
         with open(f"/proc/{ring.pid(name)}/cmdline", "rb") as f:
             cmdline = f.read().decode()
-        assert "--api-key" not in cmdline and not any(key in cmdline for key in KEYS), name
+        assert "--api-key" not in cmdline and not any(key in cmdline for key in API_KEYS), name

@@ -12,7 +12,7 @@ import asyncio
 import httpx
 import pytest
 
-from .sse_reader import Result, call
+from tests.helpers.sse_reader import Result, call
 
 
 def parts(*texts: str) -> list[dict]:

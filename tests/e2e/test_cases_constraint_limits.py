@@ -16,9 +16,8 @@ import httpx
 import pytest
 
 from services.tokenizer.constraints import choice_grammar
-
-from .sse_reader import sse_events
-from .structured_helpers import chat, chat_body, error_of
+from tests.helpers.sse_reader import sse_events
+from tests.helpers.structured import chat, chat_body, error_of
 
 ROW_LIMIT = ("Parser Error: Current row has 2501 items; max is 2000; consider making your grammar left-recursive "
              "if it's right-recursive")

@@ -19,9 +19,8 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.ringstack import launched_gateway
-
-from .structured_helpers import chat, chat_body
+from tests.helpers.ringstack import launched_gateway
+from tests.helpers.structured import chat, chat_body
 
 SCHEMA_S06 = {"type": "object", "properties": {"guard": {"const": "SCHEMA_ENFORCED"}, "answer": {"type": "integer"}},
               "required": ["guard", "answer"], "additionalProperties": False}

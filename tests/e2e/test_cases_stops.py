@@ -18,8 +18,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from ringserve.client import AsyncRingserveClient, chat_request, text_request
-
-from .sse_reader import call
+from tests.helpers.sse_reader import call
 
 COUNTING = "Counting upward by ones, separated by spaces: 1 2 3"
 RIVERS = "Write three short paragraphs about rivers, separated by blank lines.\n\n"

@@ -10,7 +10,7 @@ import asyncio
 import httpx
 import pytest
 
-from .sse_reader import call
+from tests.helpers.sse_reader import call
 
 FINISH_REASONS = {"stop", "length", "tool_calls"}
 

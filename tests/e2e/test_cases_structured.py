@@ -16,8 +16,8 @@ import httpx
 import jsonschema
 import pytest
 
-from .sse_reader import sse_events
-from .structured_helpers import chat, chat_body, error_of
+from tests.helpers.sse_reader import sse_events
+from tests.helpers.structured import chat, chat_body, error_of
 
 TOOL_W = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},

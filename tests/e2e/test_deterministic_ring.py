@@ -2,33 +2,23 @@
 ring on the CPU (bf16, no flag) gives a greedy request the same text streamed and not
 streamed, whichever of the two ran first and so found the other's prompt in the prefix
 cache. Before deterministic inference this failed for 2 of 5 short prompts tried one after
-the other (the cached run prefills only the last token, in other arithmetic)."""
+the other (the cached run prefills only the last token, in other arithmetic). The ring is
+``tls_ring`` (tests/e2e/conftest.py), which test_reliability_tls.py shares."""
 
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import httpx
-import pytest
 
-from tests.ringstack import launched
-
-from .sse_reader import call
+from tests.helpers.sse_reader import call
 
 PROMPTS = ["How much does a good bicycle cost?", "Name a famous bridge.", "What is the capital of Peru?",
            "What do bees make?", "Why is the sea salty?", "Write a haiku about autumn."]
 
 
-@pytest.fixture(scope="module")
-def bf16_ring(smollm2_dir: Path, tmp_path_factory):
-    log = tmp_path_factory.mktemp("det-ring") / "ring.log"
-    with launched(smollm2_dir, "--dtype", "bfloat16", log_path=log) as ring:
-        yield ring, log
-
-
-def test_streamed_and_not_streamed_agree_whichever_hits_the_cache(bf16_ring):
-    ring, log = bf16_ring
+def test_streamed_and_not_streamed_agree_whichever_hits_the_cache(tls_ring):
+    ring = tls_ring  # bf16, no flag about determinism (its TLS between services changes no arithmetic)
 
     async def run() -> list[tuple[str, str, str]]:
         async with httpx.AsyncClient(base_url=ring.base_url, timeout=120) as client:
@@ -49,4 +39,4 @@ def test_streamed_and_not_streamed_agree_whichever_hits_the_cache(bf16_ring):
 
     for prompt, first, second in asyncio.run(run()):
         assert first == second, prompt
-    assert "deterministic inference on" in log.read_text()
+    assert "deterministic inference on" in ring.log()

@@ -13,7 +13,6 @@ gateway's ``/metrics``, the tokenizer's ``liveness`` health service) never fails
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import time
@@ -23,13 +22,12 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.ringstack import launched, still_serves
-from .test_reliability_endpaths import chat
+from tests.helpers.ring_requests import chat, post, read_stream, serves_again, wait_until
+from tests.helpers.ringstack import launched, still_serves
+from tests.helpers.tiers import ring_fixture
 
-PARIS = "The capital of France is Paris."
 
-
-@pytest.fixture(scope="module")
+@ring_fixture(scope="module")
 def ring(smollm2_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("faults") / "ring.log"
     with launched(smollm2_dir, "--restart-on-failure", "--grace-period", "5", log_path=log) as s:
@@ -39,33 +37,6 @@ def ring(smollm2_dir, tmp_path_factory):
 def long_story(ring, stream: bool) -> dict:
     return chat(ring, [{"role": "user", "content": "Write a very long story."}], max_tokens=2000,
                 stream=stream, ignore_eos=True)
-
-
-async def read_stream(client: httpx.AsyncClient, body: dict,
-                      first_event: asyncio.Event | None = None) -> tuple[list[dict | str], float]:
-    """Read a whole SSE response: (its events, parsed; [DONE] as the string, monotonic end time).
-    ``first_event`` is set when the first event has arrived."""
-    events: list[dict | str] = []
-    async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
-        assert resp.status_code == 200, await resp.aread()
-        async for line in resp.aiter_lines():
-            if line.startswith("data: "):
-                events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
-                if first_event is not None:
-                    first_event.set()
-    return events, time.monotonic()
-
-
-async def post(client: httpx.AsyncClient, body: dict) -> tuple[httpx.Response, float]:
-    resp = await client.post("/v1/chat/completions", json=body)
-    return resp, time.monotonic()
-
-
-async def wait_until(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"not {what} after {timeout_s} s"
-        await asyncio.sleep(0.1)
 
 
 async def kill_under_load(ring, service: str) -> None:
@@ -87,21 +58,6 @@ async def kill_under_load(ring, service: str) -> None:
     assert resp.status_code == 503, resp.text
     assert resp.json()["error"]["type"] == "service_unavailable_error"
     assert "retry-after" in resp.headers
-
-
-async def serves_again(ring, timeout_s: float = 120) -> None:
-    """The killed service is back: readiness (/health_generate: one token through the whole
-    ring) 200, then a request succeeds, everything back to baseline. /health alone is
-    liveness: it can be 200 while a restarted peer is still reconnecting."""
-    async with httpx.AsyncClient(base_url=ring.base_url, timeout=60) as client:
-        deadline = time.monotonic() + timeout_s
-        while (await client.get("/health_generate")).status_code != 200:
-            assert time.monotonic() < deadline, "the gateway's /health_generate did not come back"
-            await asyncio.sleep(0.2)
-        resp = await client.post("/v1/chat/completions", json=chat(ring, max_tokens=16))
-        assert resp.status_code == 200, resp.text
-        assert resp.json()["choices"][0]["message"]["content"] == PARIS
-    ring.wait_idle(timeout_s=5)
 
 
 async def test_scheduler_killed_mid_stream(ring):

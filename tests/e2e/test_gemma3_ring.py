@@ -23,10 +23,10 @@ import torch
 from ringserve import models
 from services.scheduler.main import parse_args as scheduler_args
 from services.tokenizer.main import parse_args as tokenizer_args
-from tests.conftest import CACHE_DIR
-from tests.ringstack import launched
-
-from .sse_reader import call
+from tests.helpers.repo import CACHE_DIR
+from tests.helpers.ringstack import launched
+from tests.helpers.sse_reader import call
+from tests.helpers.tiers import model_fixture, ring_fixture
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,", "Water boils at",
            "Die Hauptstadt von Deutschland ist"]
@@ -34,12 +34,12 @@ STEPS = 32
 SERVED = "gemma-3-270m-q4_k_m"
 
 
-@pytest.fixture(scope="module")
+@model_fixture(scope="module")
 def gemma_gguf() -> Path:
     return models.gemma3_gguf(CACHE_DIR)
 
 
-@pytest.fixture(scope="module")
+@ring_fixture(scope="module")
 def gemma_ring(gemma_gguf):
     with launched(gemma_gguf, "--max-total-tokens", "4096", "--max-running-requests", "8") as ring:
         yield ring
@@ -123,6 +123,7 @@ def test_cache_key_follows_path_size_and_mtime(tmp_path):
     assert not models.gguf_model_dir(gguf, tmp_path).exists()  # no half conversion left
 
 
+@pytest.mark.model  # reads the cache without a fixture
 def test_smollm2_gguf_converts_with_its_chat_template():
     """The packaged SmolLM2 GGUF served the same way: its conversion (made once per cache)
     has the chat template from the GGUF metadata and loads in the scheduler."""

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.deploy.conftest import helm  # noqa: F401  (the fixture)
-from tests.deploy.test_helm_chart import CHART, RELEASE
+from tests.helpers.helm import CHART, RELEASE
 
 
 def rendered_test_pod(helm_bin: Path, *sets: str) -> dict:
@@ -21,7 +20,7 @@ def rendered_test_pod(helm_bin: Path, *sets: str) -> dict:
     return yaml.safe_load(out.stdout)
 
 
-def test_helm_test_pod_gets_an_answer_from_the_ring(helm: Path, stack) -> None:  # noqa: F811
+def test_helm_test_pod_gets_an_answer_from_the_ring(helm: Path, stack) -> None:
     pod = rendered_test_pod(helm)
     assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
     chat = pod["spec"]["containers"][0]
@@ -35,7 +34,7 @@ def test_helm_test_pod_gets_an_answer_from_the_ring(helm: Path, stack) -> None: 
     assert out.stdout == "SmolLM2-135M-Instruct: 'The capital of France is Paris.' (8 tokens)\n"
 
 
-def test_helm_test_pod_sends_the_api_key(helm: Path) -> None:  # noqa: F811
+def test_helm_test_pod_sends_the_api_key(helm: Path) -> None:
     pod = rendered_test_pod(helm, "apiKey.enabled=true", "apiKey.value=sk-x")
     env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
     assert env["RINGSERVE_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "rs-ringserve-api-key", "key": "api-key"}

@@ -23,9 +23,8 @@ import httpx
 import orjson
 import pytest
 
-from tests.ringstack import Stack, launched_gateway
-
-from .test_reliability_endpaths import chat
+from tests.helpers.ring_requests import chat
+from tests.helpers.ringstack import Stack, launched_gateway
 
 TIMEOUT_S = 1.0
 PARIS = "The capital of France is Paris."

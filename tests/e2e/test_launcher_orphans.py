@@ -2,21 +2,21 @@
 service still exits, through the parent-death signal each one sets for itself after exec;
 Ctrl-C stops the ring even when the launcher inherited SIGINT ignored (started in the
 background by a shell); its KV memory share is split over the replicas; its ports are distinct;
-each process is wired to its peers and gets the options passed on to its service."""
+each process is wired to its peers and gets the options passed on to its service.
+
+The first two end the session's shared rings (``tools_ring``, ``stack``), so they run after
+every other test (``pytest.mark.ends_ring``) and launch no ring of their own."""
 
 from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from ringserve.launch import Launcher, free_port, free_ports, parse_args, service_processes, wait_launched
-from tests.ringstack import SERVICES, launched
+from ringserve.launch import Launcher, free_port, free_ports, parse_args, service_processes
+from tests.helpers.ringstack import SERVICES
 
 
 def _running(pid: int) -> bool:
@@ -28,36 +28,29 @@ def _running(pid: int) -> bool:
         return False
 
 
-def test_every_service_exits_when_the_launcher_is_killed(smollm2_dir: Path, tmp_path: Path) -> None:
-    with launched(smollm2_dir, "--max-total-tokens", "2048", log_path=tmp_path / "ring.log") as ring:
-        pids = {name: ring.pid(name) for name in SERVICES}
-        assert all(_running(pid) for pid in pids.values())
-        os.kill(ring.proc.pid, signal.SIGKILL)
-        ring.proc.wait()
-        deadline = time.monotonic() + 20.0
-        while time.monotonic() < deadline and any(_running(pid) for pid in pids.values()):
-            time.sleep(0.2)
-        assert {name: _running(pid) for name, pid in pids.items()} == dict.fromkeys(SERVICES, False)
+@pytest.mark.ends_ring
+def test_every_service_exits_when_the_launcher_is_killed(tools_ring) -> None:
+    ring = tools_ring  # launched for other tests; this one, run after them all, ends it
+    pids = {name: ring.pid(name) for name in SERVICES}
+    assert all(_running(pid) for pid in pids.values())
+    os.kill(ring.proc.pid, signal.SIGKILL)
+    ring.proc.wait()
+    deadline = time.monotonic() + 20.0
+    while time.monotonic() < deadline and any(_running(pid) for pid in pids.values()):
+        time.sleep(0.2)
+    assert {name: _running(pid) for name, pid in pids.items()} == dict.fromkeys(SERVICES, False)
 
 
-def test_ctrl_c_stops_a_launcher_started_with_sigint_ignored(smollm2_dir: Path, tmp_path: Path) -> None:
-    port = free_port()
-    launch = [sys.executable, "-m", "ringserve.cli", "launch", "--model", str(smollm2_dir), "--port", str(port),
-              "--tokenizer-port", "0", "--dtype", "float32", "--max-total-tokens", "2048"]
-    with open(tmp_path / "ring.log", "w") as log:
-        # `trap "" INT` is what a non-interactive shell does to a command it starts with `&`.
-        proc = subprocess.Popen(["sh", "-c", 'trap "" INT; exec "$@"', "sh", *launch], start_new_session=True,
-                                stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_launched(proc, f"http://127.0.0.1:{port}/health", timeout_s=300)
-        children = [pid for name in SERVICES for pid, _ in service_processes(proc.pid, name)]
-        assert len(children) == 4
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(60) == 0
-        assert [pid for pid in children if _running(pid)] == []
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+@pytest.mark.ends_ring
+def test_ctrl_c_stops_a_launcher_started_with_sigint_ignored(stack) -> None:
+    """The session ring starts as a shell's background job does (``trap "" INT``, see
+    ``ringstack.launched``); this test, run after all the others, ends it."""
+    proc = stack.proc
+    children = [pid for name in SERVICES for pid, _ in service_processes(proc.pid, name)]
+    assert len(children) == 4
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(60) == 0
+    assert [pid for pid in children if _running(pid)] == []
 
 
 def test_kv_memory_share_is_split_over_replicas() -> None:

@@ -7,9 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
+import pytest
 
 from ringserve.launch import service_processes
-from tests.ringstack import launched
+from tests.helpers.ringstack import launched
 
 GIVEN = {"--served-model-name": "tiny", "--context-length": "512", "--max-queued-requests": "7",
          "--tool-call-parser": "none", "--max-total-tokens": "4096"}
@@ -28,6 +29,7 @@ def _given(args: list[str]) -> dict[str, str]:
     return {a: b for a, b in zip(args, args[1:]) if a in GIVEN}
 
 
+@pytest.mark.ring  # launches a ring of its own: its options differ from every shared ring's
 def test_each_given_option_reaches_the_services_that_have_it(smollm2_dir: Path, tmp_path: Path) -> None:
     with launched(smollm2_dir, *(w for item in GIVEN.items() for w in item), log_path=tmp_path / "ring.log") as ring:
         args = {name: service_processes(ring.proc.pid, name)[0][1] for name in EXPECTED}

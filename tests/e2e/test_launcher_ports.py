@@ -17,7 +17,7 @@ import pytest
 from ringserve import grpcutil
 from ringserve.launch import parse_args
 from ringserve.ports import PortInUse, check_ports, free_ports
-from tests.conftest import run_make
+from tests.helpers.repo import run_make
 
 REPO = Path(__file__).resolve().parents[2]
 

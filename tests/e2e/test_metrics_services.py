@@ -12,12 +12,12 @@ from pathlib import Path
 import httpx
 import orjson
 
-from tests.ringstack import SERVICES
+from tests.helpers.ring_requests import PROMPT
+from tests.helpers.ringstack import SERVICES
 
 REPO = Path(__file__).resolve().parents[2]
 METRICS_DOC = REPO / "docs" / "metrics.md"
 DASHBOARD = REPO / "deploy" / "grafana" / "ringserve.json"
-PROMPT = "The three primary colors are"
 NAME = re.compile(r"ringserve:[A-Za-z0-9_:]+")
 
 

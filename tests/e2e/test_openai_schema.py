@@ -49,9 +49,8 @@ from schemathesis.specs.openapi.checks import (
 
 from services.gateway.app import create_app
 from services.gateway.config import GatewayConfig
-
-from .bad_values import (OpenApi, Raw, dump_body, field_name, json_fields, json_shapes, json_value, nested,
-                         no_errors_logged, set_json)
+from tests.helpers.bad_values import (OpenApi, Raw, dump_body, field_name, json_fields, json_shapes, json_value,
+                                      nested, no_errors_logged, set_json)
 
 MAX_NEW_TOKENS = 4
 MAX_N = 2

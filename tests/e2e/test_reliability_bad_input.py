@@ -41,9 +41,8 @@ from ringserve.v1 import (
     tokenizer_pb2,
     tokenizer_pb2_grpc,
 )
-from tests.ringstack import still_serves
-
-from .bad_values import STRINGS, no_errors_logged, proto_fields, proto_values, set_proto
+from tests.helpers.bad_values import STRINGS, no_errors_logged, proto_fields, proto_values, set_proto
+from tests.helpers.ringstack import still_serves
 
 VOCAB = 49152  # SmolLM2
 CONTEXT = 8192

@@ -18,13 +18,9 @@ import uuid
 import httpx
 import pytest
 
+from tests.helpers.ring_requests import PARIS, assert_released_after_abort, chat, read_events
+
 LONG_STORY = [{"role": "user", "content": "Write a very long story."}]
-PARIS = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-def chat(stack, messages=PARIS, max_tokens: int = 32, stream: bool = False, **extra) -> dict:
-    return {"model": stack.model_name, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-            "stream": stream, **extra}
 
 
 def long_story(stack, **extra) -> dict:
@@ -32,31 +28,8 @@ def long_story(stack, **extra) -> dict:
     return chat(stack, LONG_STORY, max_tokens=2048, stream=True, ignore_eos=True, **extra)
 
 
-async def read_events(client: httpx.AsyncClient, body: dict, k: int) -> list[str]:
-    """Open a stream, read ``k`` data events, then close the connection (a disconnect)."""
-    events = []
-    async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
-        assert resp.status_code == 200, await resp.aread()
-        async for line in resp.aiter_lines():
-            if line.startswith("data: "):
-                events.append(line)
-                if len(events) == k:
-                    break
-    return events
-
-
 def aborted(stack) -> int:
     return stack.scheduler_load().num_aborted_reqs
-
-
-def assert_released_after_abort(stack, before_aborted: int, n: int, within_s: float) -> float:
-    """Wait for baseline; check the scheduler aborted exactly ``n`` more rids. Returns seconds taken."""
-    t0 = time.monotonic()
-    _, sched, _ = stack.wait_idle(timeout_s=15)
-    took = time.monotonic() - t0
-    assert sched.num_aborted_reqs == before_aborted + n
-    assert took < within_s, f"state released after {took:.2f} s"
-    return took
 
 
 async def idle_latency(client: httpx.AsyncClient, stack) -> float:

@@ -17,10 +17,10 @@ import httpx
 import pytest
 
 from ringserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
-from tests.ringstack import launched
-
-from .sse_reader import sse_events
-from .test_reliability_endpaths import chat
+from tests.helpers.ring_requests import chat
+from tests.helpers.ringstack import launched
+from tests.helpers.sse_reader import sse_events
+from tests.helpers.tiers import ring_fixture
 
 BUDGET = 300
 TIMEOUT_S = 4
@@ -29,7 +29,7 @@ MESSAGE_LIMIT = 1 << 20
 MARKER = "quokka-marker-5d41402abc"
 
 
-@pytest.fixture(scope="module")
+@ring_fixture(scope="module")
 def ring(smollm2_dir, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("limits") / "ring.log"
     with launched(smollm2_dir, "--max-queued-tokens", str(BUDGET), "--request-timeout", str(TIMEOUT_S),

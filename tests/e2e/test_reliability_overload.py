@@ -1,9 +1,9 @@
 """Issue 6, overload (case C12) and the end paths that need a full scheduler (C08 queued).
 
-A ring of its own with two request slots, a queue of one (``--max-queued-requests 1``)
-and a 4096-token KV pool: two long requests fill the slots, a third waits, a fourth is
-refused at once with 429. Liveness stays fast meanwhile and /get_load reports the
-occupancy.
+On the ring with two request slots, a queue of one (``--max-queued-requests 1``) and a
+4096-token KV pool (``keyed_ring``, tests/e2e/conftest.py, behind API keys): two long
+requests fill the slots, a third waits, a fourth is refused at once with 429. Liveness stays
+fast meanwhile and /get_load reports the occupancy.
 """
 
 from __future__ import annotations
@@ -14,15 +14,12 @@ import time
 import httpx
 import pytest
 
-from tests.ringstack import launched
-from .test_reliability_endpaths import assert_released_after_abort, chat, read_events
+from tests.helpers.ring_requests import assert_released_after_abort, chat, read_events
 
 
-@pytest.fixture(scope="module")
-def ring(smollm2_dir):
-    with launched(smollm2_dir, "--max-running-requests", "2", "--max-queued-requests", "1",
-                  "--max-total-tokens", "4096") as s:
-        yield s
+@pytest.fixture
+def ring(keyed_ring):
+    return keyed_ring
 
 
 def saturating(ring) -> dict:
@@ -42,7 +39,7 @@ async def wait_load(ring, running: int, waiting: int, timeout_s: float = 30) -> 
 
 async def test_c12_saturated_liveness_capacity_and_429(ring):
     ring.wait_idle()
-    async with httpx.AsyncClient(base_url=ring.base_url, timeout=120) as client:
+    async with httpx.AsyncClient(base_url=ring.base_url, headers=ring.http_headers, timeout=120) as client:
         runners = [asyncio.create_task(read_events(client, saturating(ring), 10_000)) for _ in range(2)]
         await wait_load(ring, 2, 0)
         queued = asyncio.create_task(client.post("/v1/chat/completions", json=chat(ring, max_tokens=8)))
@@ -96,7 +93,7 @@ async def test_scheduler_validation_error_after_dispatch_releases_everything(rin
     """Passes the tokenizer's checks (context 8192) but not the scheduler's (KV pool 4096):
     the error comes back after the ReqState was created and the request dispatched."""
     ring.wait_idle()
-    async with httpx.AsyncClient(base_url=ring.base_url, timeout=60) as client:
+    async with httpx.AsyncClient(base_url=ring.base_url, headers=ring.http_headers, timeout=60) as client:
         for stream in (False, True):
             resp = await client.post("/v1/chat/completions", json=chat(ring, max_tokens=5000, stream=stream))
             assert resp.status_code == 400, resp.text
@@ -104,7 +101,7 @@ async def test_scheduler_validation_error_after_dispatch_releases_everything(rin
             assert error["type"] == "invalid_request_error"
             assert "--max-total-tokens" in error["message"]
     ring.wait_idle(timeout_s=5)
-    async with httpx.AsyncClient(base_url=ring.base_url, timeout=60) as client:
+    async with httpx.AsyncClient(base_url=ring.base_url, headers=ring.http_headers, timeout=60) as client:
         resp = await client.post("/v1/chat/completions", json=chat(ring, max_tokens=16))
     assert resp.json()["choices"][0]["message"]["content"] == "The capital of France is Paris."
     ring.wait_idle(timeout_s=5)

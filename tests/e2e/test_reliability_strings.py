@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ringserve.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from tests.gateway.string_slots import body_with, endpoint_slots
-from tests.ringstack import still_serves
+from tests.helpers.ringstack import still_serves
+from tests.helpers.string_slots import body_with, endpoint_slots
 
 SLOTS = endpoint_slots()
 ALL = [(route, slot) for route, slots in SLOTS.items() for slot in slots]

@@ -1,4 +1,5 @@
-"""Issue 6, TLS: a ring launched with mutual TLS between every gRPC service.
+"""Issue 6, TLS: a ring launched with mutual TLS between every gRPC service (``tls_ring``,
+tests/e2e/conftest.py, in bf16; test_deterministic_ring.py shares it).
 
 Certificates come from a throwaway CA (trustme): one certificate for 127.0.0.1 serves as
 every service's server certificate and as the client certificate of every channel. The
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import grpc
 import httpx
@@ -22,30 +22,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ringserve import grpcutil
 from ringserve.v1 import common_pb2, tokenizer_pb2_grpc
-from tests.ringstack import launched
-
-from .test_reliability_endpaths import chat
-
-
-def write_pems(ca: trustme.CA, directory: Path) -> dict[str, Path]:
-    cert = ca.issue_cert("127.0.0.1", "localhost")
-    paths = {"ca": directory / "ca.pem", "cert": directory / "cert.pem", "key": directory / "key.pem"}
-    ca.cert_pem.write_to_path(str(paths["ca"]))
-    cert.private_key_pem.write_to_path(str(paths["key"]))
-    paths["cert"].write_bytes(b"".join(blob.bytes() for blob in cert.cert_chain_pems))
-    return paths
+from tests.helpers.ring_requests import chat
+from tests.helpers.tls import write_pems
 
 
-@pytest.fixture(scope="module")
-def pems(tmp_path_factory) -> dict[str, Path]:
-    return write_pems(trustme.CA(), tmp_path_factory.mktemp("tls"))
-
-
-@pytest.fixture(scope="module")
-def ring(smollm2_dir, pems):
-    with launched(smollm2_dir, "--tls-cert-file", str(pems["cert"]), "--tls-key-file", str(pems["key"]),
-                  "--tls-ca-file", str(pems["ca"])) as s:
-        yield s
+@pytest.fixture
+def ring(tls_ring):
+    return tls_ring
 
 
 def model_info(channel: grpc.Channel) -> str:
@@ -53,9 +36,11 @@ def model_info(channel: grpc.Channel) -> str:
 
 
 def test_mutual_tls_ring_serves_a_chat(ring, pems):
-    resp = httpx.post(f"{ring.base_url}/v1/chat/completions", json=chat(ring, max_tokens=16), timeout=60)
+    # Japan, not France: in bf16 SmolLM2 answers Tokyo, as in fp32, but does not answer Paris.
+    ask = [{"role": "user", "content": "What is the capital of Japan?"}]
+    resp = httpx.post(f"{ring.base_url}/v1/chat/completions", json=chat(ring, ask, max_tokens=16), timeout=60)
     assert resp.status_code == 200, resp.text
-    assert resp.json()["choices"][0]["message"]["content"] == "The capital of France is Paris."
+    assert resp.json()["choices"][0]["message"]["content"] == "The capital of Japan is Tokyo."
     creds = grpc.ssl_channel_credentials(pems["ca"].read_bytes(), pems["key"].read_bytes(),
                                          pems["cert"].read_bytes())
     with grpc.secure_channel(ring.tokenizer, creds) as ch:

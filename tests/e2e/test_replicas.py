@@ -19,13 +19,11 @@ import time
 
 import grpc
 import httpx
-import pytest
 
 from ringserve.v1 import common_pb2, scheduler_pb2_grpc
-from tests.ringstack import launched
-from .test_faults_kill import PARIS, read_stream, wait_until
-from .test_metrics_services import PROMPT
-from .test_reliability_endpaths import chat
+from tests.helpers.ring_requests import PARIS_ANSWER, PROMPT, chat, read_stream, wait_until
+from tests.helpers.ringstack import launched
+from tests.helpers.tiers import ring_fixture
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -35,7 +33,7 @@ QUESTIONS = [
 ]
 
 
-@pytest.fixture(scope="module")
+@ring_fixture(scope="module")
 def ring(smollm2_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("replicas") / "ring.log"
     with launched(smollm2_dir, "--tokenizers", "2", "--replicas", "2", "--max-total-tokens", "8192",
@@ -151,7 +149,7 @@ def test_every_instance_exports_under_the_served_name(ring):
 async def test_greedy_outputs_equal_the_single_ring(ring, stack):
     single, replicated = await asyncio.gather(answers(stack.base_url, stack), answers(ring.base_url, ring))
     assert replicated == single
-    assert replicated[0] == PARIS
+    assert replicated[0] == PARIS_ANSWER
     ring.wait_idle()
 
 
@@ -225,7 +223,7 @@ async def test_killing_one_replica_fails_only_its_requests(ring):
         # New requests go to the replica that is up (scheduler-0 is still restarting).
         resps = await asyncio.gather(*(client.post("/v1/chat/completions", json=ask(ring, QUESTIONS[0]))
                                        for _ in range(2)))
-        assert [r.json()["choices"][0]["message"]["content"] for r in resps] == [PARIS, PARIS]
+        assert [r.json()["choices"][0]["message"]["content"] for r in resps] == [PARIS_ANSWER, PARIS_ANSWER]
 
         survivors = await asyncio.wait_for(asyncio.gather(*(t for t in streams if t not in failed)), 120)
     for events, _ in survivors:

@@ -16,16 +16,15 @@ import time
 
 import httpx
 import psutil
-import pytest
 
-from tests.ringstack import launched
-from .test_faults_kill import post, read_stream, serves_again, wait_until
-from .test_reliability_endpaths import chat, read_events
+from tests.helpers.ring_requests import chat, post, read_events, read_stream, serves_again, wait_until
+from tests.helpers.ringstack import launched
+from tests.helpers.tiers import ring_fixture
 
 QUESTIONS = ["What is the capital of France?", "Name three colors.", "Write a haiku about the sea."]
 
 
-@pytest.fixture(scope="module")
+@ring_fixture(scope="module")
 def tp_ring(smollm2_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("tp") / "ring.log"
     with launched(smollm2_dir, "--tp-size", "3", "--restart-on-failure", "--chunked-prefill-size", "16",

@@ -15,9 +15,7 @@ from ringserve import grpcutil
 from ringserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from services.gateway.backend import MAX_OPENING_CALLS, TokenizerClient
 from services.gateway.config import GatewayConfig
-
-from .test_gateway_errors import assert_error
-from .test_gateway_limits import body_for
+from tests.helpers.gateway_requests import assert_error, body_for
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

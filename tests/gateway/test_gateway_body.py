@@ -8,7 +8,7 @@ import json
 import orjson
 import pytest
 
-from tests.loop_lag import worst_lag_during
+from tests.helpers.loop_lag import worst_lag_during
 
 # The loop's work for 50,000 messages is ~50 ms of parsing (2.5 s on main, validating and
 # converting them); the margin is for 2 cores shared with other work.

@@ -8,22 +8,9 @@ import orjson
 import pytest
 
 from ringserve.v1 import tokenizer_pb2
+from tests.helpers.gateway_requests import MSG, assert_error
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
-
-MSG = [{"role": "user", "content": "hi"}]
-
-
-def assert_error(r, status: int, param=None, code=None, type_: str = "invalid_request_error") -> dict:
-    assert r.status_code == status, r.text
-    assert r.headers["content-type"] == "application/json"
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    assert err["type"] == type_ and isinstance(err["message"], str) and err["message"]
-    assert err["param"] == param, err
-    assert err["code"] == code, err
-    assert "Traceback" not in r.text
-    return err
 
 
 # (body overrides, param, code) for chat; each is checked with stream true and false.

@@ -10,12 +10,10 @@ import json
 import pytest
 
 from ringserve.limits import MAX_JSON_BYTES
-
-from .test_gateway_errors import assert_error
+from tests.helpers.gateway_requests import MSG, assert_error, body_for, call
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
-MSG = [{"role": "user", "content": "hi"}]
 DEEP = "nests deeper than 32 levels of objects and arrays, the limit for JSON inside a request"
 LARGE = "larger than 262144 bytes (256 KiB), the limit for JSON and grammars inside a request"
 
@@ -34,11 +32,6 @@ def deep_text(depth: int) -> str:
 
 def tool(parameters: dict) -> dict:
     return {"type": "function", "function": {"name": "f", "parameters": parameters}}
-
-
-def call(arguments: str) -> dict:
-    return {"role": "assistant", "content": None,
-            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}]}
 
 
 # (path, body overrides, param, message) for documents over a limit; each must be refused
@@ -70,14 +63,6 @@ OVER = [
                               "tool_choice": "required"},
      "tool_choice", f"the tool-call schema built from tools: {DEEP}"),
 ]
-
-
-def body_for(path: str, override: dict) -> dict:
-    if path == "/generate":
-        return {"text": "hi", "sampling_params": {"max_new_tokens": 2}, **override}
-    base = {"model": "smol", "max_tokens": 2}
-    base.update({"messages": MSG} if path == "/v1/chat/completions" else {"prompt": "hi"})
-    return {**base, **override}
 
 
 @pytest.mark.parametrize("path,override,param,message", OVER, ids=[o[3].split(":")[0] for o in OVER])

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.gateway.string_slots import BASES, KEY, MARK, body_with, endpoint_slots, raw_body
+from tests.helpers.string_slots import BASES, KEY, MARK, body_with, endpoint_slots, raw_body
 
 asyncio = pytest.mark.asyncio(loop_scope="session")
 

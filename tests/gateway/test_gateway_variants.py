@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from .test_gateway_errors import assert_error
-from .test_gateway_limits import MSG, body_for, call
+from tests.helpers.gateway_requests import MSG, assert_error, body_for, call
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

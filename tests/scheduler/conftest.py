@@ -9,7 +9,7 @@ import time
 # spinning, which keeps these tests fast while other processes share the cores.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,9 +18,9 @@ from tokenizers import Tokenizer
 
 from services.scheduler.config import EngineConfig
 from services.scheduler.engine.engine import Engine
-from services.scheduler.engine.req import FinishReason, ReqInput, SamplingParams
 from services.scheduler.engine.stops import load_eos_ids
 from services.scheduler.models import load_model
+from tests.helpers.engine_steps import Result, collect, greedy
 
 torch.set_num_threads(2)
 
@@ -47,61 +47,6 @@ def make_engine(smollm2_dir, sched_model, tokenizer):
     return make
 
 
-@dataclass
-class Result:
-    """Everything the engine emitted for one rid."""
-
-    output_ids: list[int] = field(default_factory=list)
-    rows: int = 0
-    init_rows: list[int] = field(default_factory=list)  # step indices of rows carrying RowInit
-    finish: FinishReason | None = None
-    completion_tokens: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    logprobs: list[float] = field(default_factory=list)
-    top_ids: list[int] = field(default_factory=list)
-    top_vals: list[float] = field(default_factory=list)
-    top_width: int = 0
-    prompt_start: int | None = None  # prompt logprobs (issue 14), once per rid
-    prompt_logprobs: list[float] = field(default_factory=list)
-    prompt_top_ids: list[int] = field(default_factory=list)
-    prompt_top_vals: list[float] = field(default_factory=list)
-
-
-def collect(out, results: dict[str, Result], step: int = 0) -> None:
-    """Fold one StepOutput into per-rid Results, checking the columnar layout as it goes."""
-    inits = {i.row: i for i in out.inits}
-    pos = lp = top = 0
-    for row, rid in enumerate(out.rids):
-        res = results.setdefault(rid, Result())
-        n = out.new_token_counts[row]
-        res.output_ids.extend(out.output_ids[pos : pos + n])
-        pos += n
-        res.rows += 1
-        if row in inits:
-            res.init_rows.append(step)
-            res.top_width = inits[row].top_logprobs_num
-        assert res.finish is None, f"{rid} has a row after its final row"
-        res.finish = out.finish_reasons[row]
-        res.completion_tokens = out.completion_tokens[row]
-        res.prompt_tokens = out.prompt_tokens[row]
-        res.cached_tokens = out.cached_tokens[row]
-        k = out.logprob_counts[row]
-        res.logprobs.extend(out.output_token_logprobs[lp : lp + k])
-        lp += k
-        width = k * res.top_width
-        res.top_ids.extend(out.top_logprob_ids[top : top + width])
-        res.top_vals.extend(out.top_logprob_vals[top : top + width])
-        top += width
-    assert (pos, lp, top) == (len(out.output_ids), len(out.output_token_logprobs), len(out.top_logprob_ids))
-    for p in out.prompt_logprobs:
-        res = results[out.rids[p.row]]
-        assert res.prompt_start is None, "prompt logprobs are sent once"
-        assert len(p.top_ids) == len(p.top_vals) == p.top_n * len(p.logprobs)
-        res.prompt_start = p.start
-        res.prompt_logprobs, res.prompt_top_ids, res.prompt_top_vals = p.logprobs, p.top_ids, p.top_vals
-
-
 @pytest.fixture(scope="session")
 def run_all():
     """Step an engine until idle; returns {rid: Result}."""
@@ -122,11 +67,6 @@ def run_all():
     return run
 
 
-def greedy(rid: str, ids: list[int], max_new_tokens: int = 16, **kw) -> ReqInput:
-    """A greedy request."""
-    return ReqInput(rid=rid, input_ids=ids, sampling=SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, **kw))
-
-
 @pytest.fixture(scope="session")
 def greedy_req():
     return greedy
@@ -140,17 +80,3 @@ def chat_ids(tokenizer):
         return tokenizer.encode(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n").ids
 
     return ids
-
-
-def run_interpreted(script: str, timeout_s: float = 300) -> dict:
-    """Run ``script`` in a subprocess with Triton's interpreter on (TRITON_INTERPRET must be set
-    before triton is imported) from the repository root; returns the JSON of its last line."""
-    import json
-    import subprocess
-    import sys
-
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[2], env=env,
-                          capture_output=True, text=True, timeout=timeout_s)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])

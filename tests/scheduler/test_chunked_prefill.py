@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from tests.scheduler.conftest import collect
+from tests.helpers.engine_steps import collect
 
 LONG = "Summarize the following notes. " + " ".join(f"Note {i}: the {i}th lamp was lit at dusk." for i in range(30))
 

@@ -5,8 +5,8 @@ SmolLM2 in bf16 (the default dtype) on the cpu attention backend; 50 prompts, 5 
 sampled with a seed, each run (a) alone on a cold engine, (b) again once its prompt is
 cached, (c) among 63 other concurrent requests, (d) with a chunked-prefill size that splits
 it, beside the decodes of the others. Deterministic: the four give identical ids and
-logprobs. Default arithmetic (the same model, deterministic inference off): how many
-differ is printed, not asserted.
+logprobs. How many differ with the default arithmetic (deterministic inference off) is
+measured by bench/deterministic_effect.py.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from services.scheduler.layers import batch_invariant
 from services.scheduler.layers.batch_invariant import (NotBatchInvariantError, RowPaddedLinear, make_batch_invariant,
                                                        measure)
 from services.scheduler.models import load_model
-from tests.scheduler.conftest import Result, collect
+from tests.helpers.engine_steps import Result, collect
 
 NEW_TOKENS = 8
 TOPICS = ["the sea", "a robot", "bread", "winter", "a lighthouse", "chess", "rain", "a violin", "mountains", "a library"]
@@ -44,12 +44,6 @@ def _bf16_factory(smollm2_dir, tokenizer, make_engine):
 def bf16_engine(smollm2_dir, tokenizer, make_engine):
     """Factory of engines over a bf16 SmolLM2 with the cpu backend (its own model: the
     deterministic engines pad some of its linears in place)."""
-    return _bf16_factory(smollm2_dir, tokenizer, make_engine)
-
-
-@pytest.fixture(scope="module")
-def bf16_default_engine(smollm2_dir, tokenizer, make_engine):
-    """The same over a model no deterministic engine has touched (the default arithmetic)."""
     return _bf16_factory(smollm2_dir, tokenizer, make_engine)
 
 
@@ -110,17 +104,6 @@ def test_deterministic_inference_gives_the_same_tokens_and_logprobs_four_ways(bf
             assert got.output_ids == want.output_ids, (way, rid)
             assert got.logprobs == want.logprobs, (way, rid)  # bit for bit, not approx
     assert _differing(runs) == {"cached": 0, "concurrent": 0, "chunked": 0}
-
-
-def test_default_arithmetic_reports_how_many_differ(bf16_default_engine, chat_ids, capsys):
-    """Informative: the same four runs with deterministic inference off, on the first 20 prompts
-    (50 take a minute more). Measured: 16 differ once cached, all 20 among 63 concurrent
-    requests and all 20 chunked (oneDNN's one-row down_proj alone changes every decode)."""
-    runs = _four_ways(bf16_default_engine, _prompts(chat_ids), deterministic=False, count=20)
-    differ = _differing(runs)
-    with capsys.disabled():
-        print(f"\ndeterministic inference off, of 20 prompts differing from the cold run (ids or logprobs): {differ}")
-    assert set(differ) == {"cached", "concurrent", "chunked"}
 
 
 def test_default_is_on_for_bf16_on_the_cpu_only(bf16_engine, make_engine, smollm2_dir, tokenizer):

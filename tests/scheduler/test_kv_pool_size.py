@@ -57,7 +57,9 @@ def test_engine_sized_in_gib_never_holds_more(make_engine, chat_ids, greedy_req,
     engine = make_engine(max_total_tokens=None, kv_cache_gib=0.01)  # fp32 weights: 46080 bytes per token
     size = int(0.01 * GIB) // 46080
     assert engine.max_total_tokens == engine.kv_pool.size == engine.load().kv_total_tokens == size == 233
-    prompt = chat_ids("Hello!")
+    # A long prompt and a short output (prefill is cheap, decode steps are not) that fill the pool exactly.
+    prompt = chat_ids("Summarize: " + "the lamp was lit at dusk. " * 26)
+    assert size - len(prompt) == 37
     engine.add_request(greedy_req("fits", prompt, size - len(prompt), ignore_eos=True))
     engine.add_request(greedy_req("too-big", prompt, size - len(prompt) + 1, ignore_eos=True))
     results = run_all(engine)

@@ -18,7 +18,7 @@ from services.scheduler.layers.parallel import TensorParallel
 from services.scheduler.models import ARCHITECTURES, build_model, load_model
 from services.scheduler.models.config import FAMILIES, ModelConfig
 
-from .tiny_models import TINY
+from tests.helpers.tiny_models import TINY
 
 QWEN3_MOE = dict(TINY, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=8,
                  num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1])

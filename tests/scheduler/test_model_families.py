@@ -37,7 +37,7 @@ from services.scheduler.engine.stops import load_eos_ids
 from services.scheduler.models import load_model
 from services.scheduler.models.blocks import SparseMoeBlock
 
-from .tiny_models import ARCHS, TINY, tiny_checkpoint
+from tests.helpers.tiny_models import ARCHS, TINY, tiny_checkpoint
 
 MLPS = {"Qwen3MoeForCausalLM": ["SparseMoeBlock", "GatedMLP"], "Qwen2MoeForCausalLM": ["GatedMLP", "SparseMoeBlock"],
         "MixtralForCausalLM": ["SparseMoeBlock"] * 2}

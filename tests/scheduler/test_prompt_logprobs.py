@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from services.scheduler.engine.req import FinishType, ReqInput, SamplingParams
-from tests.scheduler.conftest import collect
+from tests.helpers.engine_steps import collect
 
 PROMPTS = [
     "The capital of France is Paris, and the capital of Italy is Rome.",

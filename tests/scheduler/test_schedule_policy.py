@@ -1,4 +1,6 @@
-"""Retraction under a deliberately tiny KV pool, and the longest-prefix-match admission order."""
+"""Retraction under a deliberately tiny KV pool gives the greedy output of a roomy one. (The
+policy's plans themselves, admission order included, are tested without a model in
+test_policy_plans.py.)"""
 
 from __future__ import annotations
 
@@ -30,14 +32,6 @@ def test_retracted_requests_resume_with_identical_greedy_output(make_engine, cha
     assert (load.kv_used_tokens, load.req_slots_used, load.num_waiting_reqs) == (0, 0, 0)
 
 
-def test_lpm_admits_the_longest_cached_prefix_first(make_engine, chat_ids, greedy_req, run_all):
-    system = chat_ids("You are a helpful assistant who answers briefly.")
-    for policy, first in (("fcfs", "cold"), ("lpm", "warm")):
-        engine = make_engine(max_running_requests=1, schedule_policy=policy)
-        engine.add_request(greedy_req("seed", system, 1))
-        run_all(engine)
-        engine.add_request(greedy_req("cold", chat_ids("What is rain?"), 2))
-        engine.add_request(greedy_req("warm", system + chat_ids("What is snow?"), 2))
-        assert engine.step().rids == [first]
-        results = run_all(engine)
-        assert results["warm"].cached_tokens >= len(system)
+def test_the_engine_plans_with_the_configured_policy(make_engine):
+    engines = [make_engine(schedule_policy=p, chunked_prefill_size=c) for p, c in (("fcfs", 0), ("lpm", 64))]
+    assert [(e.policy.policy, e.policy.chunked_prefill_size) for e in engines] == [("fcfs", 0), ("lpm", 64)]

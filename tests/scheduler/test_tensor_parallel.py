@@ -21,9 +21,8 @@ from services.scheduler.config import EngineConfig, SchedulerConfig
 from services.scheduler.engine.engine import Engine
 from services.scheduler.engine.tp import TPGroup
 from services.scheduler.models.config import ModelConfig
-
-from .conftest import collect, greedy
-from .tp_runs import assert_same, run_engine, specs
+from tests.helpers.engine_steps import collect, greedy
+from tests.helpers.tp_runs import assert_same, run_engine, specs
 
 # 8 query heads, 2 KV heads (split at 2 ranks, replicated at 4), q/k/v bias, and a
 # vocabulary (SmolLM2's 49152 ids + 3) that 2 and 4 do not divide: the last shard is padded.

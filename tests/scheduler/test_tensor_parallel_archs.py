@@ -26,8 +26,8 @@ from services.scheduler.config import EngineConfig, SchedulerConfig
 from services.scheduler.engine.tp import TPGroup
 from services.scheduler.models.config import ModelConfig
 
-from .tiny_models import TINY, tiny_checkpoint
-from .tp_runs import assert_same, run_engine, specs
+from tests.helpers.tiny_models import TINY, tiny_checkpoint
+from tests.helpers.tp_runs import assert_same, run_engine, specs
 
 ARCHS = ["Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM",
          "Qwen2MoeForCausalLM", "MixtralForCausalLM"]

@@ -5,7 +5,7 @@ triton is imported, hence the subprocess."""
 
 from __future__ import annotations
 
-from tests.scheduler.conftest import run_interpreted
+from tests.helpers.triton_interpreter import run_interpreted
 
 CHECK = r"""
 import json, numpy as np, torch

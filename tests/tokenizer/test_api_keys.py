@@ -19,7 +19,7 @@ from ringserve.client import AsyncRingserveClient, RingserveClient, channel_cred
 from ringserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from services.tokenizer import main as tokenizer_main
 from services.tokenizer.servicer import SERVICE_NAME
-from tests.e2e.test_reliability_tls import write_pems
+from tests.helpers.tls import write_pems
 
 
 def parse(argv: list[str], environ: dict[str, str] | None = None) -> ApiKeys:

@@ -22,7 +22,7 @@ from ringserve.v1 import common_pb2, detokenizer_pb2, detokenizer_pb2_grpc
 from services.detokenizer.servicer import DetokenizerServicer
 from services.scheduler.detok_link import DetokenizerLink as SchedulerSideLink
 from services.tokenizer.links import DetokenizerLink
-from tests.detokenizer.test_subscriptions import RoutingManager, rows
+from tests.helpers.detokenizer_routing import RoutingManager, rows
 
 DETOKENIZER = "ringserve.v1.Detokenizer"
 TOKEN = "tok3n-for-the-tests"

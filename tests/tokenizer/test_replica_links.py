@@ -13,8 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ringserve.grpcutil import insecure_channel, start_server
 from ringserve.v1 import common_pb2, detokenizer_pb2_grpc, scheduler_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
 from services.tokenizer.main import TokenizerConfig, TokenizerService
-
-from .test_servicer import TIMEOUT_S, FakeDetokenizer, FakeScheduler, collect, wait_for_value
+from tests.helpers.tokenizer_peers import TIMEOUT_S, FakeDetokenizer, FakeScheduler, collect, wait_for_value
 
 
 class LoadedScheduler(FakeScheduler):

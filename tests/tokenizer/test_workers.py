@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from ringserve.v1 import common_pb2, tokenizer_pb2
-from tests.loop_lag import worst_lag_during
+from tests.helpers.loop_lag import worst_lag_during
 
 
 def text_req(chars: int) -> tokenizer_pb2.GenerateReqInput:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from .sse_reader import sse_events
+from tests.helpers.sse_reader import sse_events
 
 
 @dataclass

@@ -1,12 +1,13 @@
 """The whole ring, launched by tests as a user would: ``ringserve launch`` with the real model.
 
 The session fixture ``stack`` (tests/conftest.py) is one shared ring for every test that
-leaves it healthy. Fault and overload tests launch a separate ring per module with
-``launched(...)`` (fresh ports) and may kill, stop, restart or saturate its services; the
-services are the launcher's children, and ``pid(name)`` finds the current process of one by
-its command line, so it follows a service that ``--restart-on-failure`` started again.
-Each ring gets its own internal credential (``$RINGSERVE_INTERNAL_TOKEN`` for the launcher);
-``internal_metadata`` presents it on the scheduler's and detokenizer's ports.
+leaves it healthy. Fault and overload tests launch a separate ring with ``launched(...)``
+(fresh ports), from a fixture declared with ``ring_fixture`` (tests/helpers/tiers.py), and
+may kill, stop, restart or saturate its services; the services are the launcher's children,
+and ``pid(name)`` finds the current process of one by its command line, so it follows a
+service that ``--restart-on-failure`` started again. Each ring gets its own internal
+credential (``$RINGSERVE_INTERNAL_TOKEN`` for the launcher); ``internal_metadata`` presents
+it on the scheduler's and detokenizer's ports.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -43,6 +44,8 @@ class Stack:
     metrics_urls: dict[str, str]  # service -> its Prometheus /metrics URL
     # Metadata of the tokenizer calls made here: the API key of a ring launched with --api-key.
     grpc_metadata: tuple[tuple[str, str], ...] = ()
+    # Headers of the gateway calls a test makes: the same key, as an Authorization header.
+    http_headers: dict[str, str] = field(default_factory=dict)
     # Metadata of the scheduler and detokenizer calls made here: the ring's internal credential.
     internal_metadata: tuple[tuple[str, str], ...] = ()
 
@@ -97,6 +100,10 @@ class Stack:
 
 
 SERVICES = ("gateway", "tokenizer", "scheduler", "detokenizer")
+
+# Rings launched by this process so far: the root conftest fails a test outside the ring tier
+# that launched one.
+launches = 0
 
 
 def still_serves(stack: Stack) -> None:
@@ -187,11 +194,16 @@ def launched_gateway(tokenizer: str, *flags: str, log_path: Path | None = None) 
 
 
 @contextmanager
-def launched(model_dir: Path, *extra: str, log_path: Path | None = None) -> Iterator[OwnStack]:
+def launched(model_dir: Path, *extra: str, log_path: Path | None = None,
+             sigint_ignored: bool = False) -> Iterator[OwnStack]:
     """Launch a ring with ``extra`` launcher flags; stop it (SIGTERM, then SIGKILL) at the end.
 
-    With ``log_path`` every process's output goes to that file instead of the test's.
+    With ``log_path`` every process's output goes to that file instead of the test's. With
+    ``sigint_ignored`` the launcher inherits SIGINT ignored, as from a non-interactive shell
+    that starts it with ``&`` (``trap "" INT``).
     """
+    global launches
+    launches += 1
     ports = {name: free_port() for name in ("http", "tokenizer", "scheduler", "detokenizer")}
     metrics_ports = {name: free_port() for name in ("tokenizer", "scheduler", "detokenizer")}
     cmd = [
@@ -202,6 +214,8 @@ def launched(model_dir: Path, *extra: str, log_path: Path | None = None) -> Iter
         *(arg for name, port in metrics_ports.items() for arg in (f"--{name}-metrics-port", str(port))),
         *extra,
     ]
+    if sigint_ignored:
+        cmd = ["sh", "-c", 'trap "" INT; exec "$@"', "sh", *cmd]
     auth = InternalAuth.generate()
     log = open(log_path, "w") if log_path is not None else None  # noqa: SIM115 (closed below)
     proc = subprocess.Popen(cmd, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **auth.env()},

@@ -12,7 +12,7 @@ from services.scheduler.engine.engine import Engine
 from services.scheduler.engine.tp import TPGroup
 from services.scheduler.layers.parallel import TensorParallel
 
-from .conftest import collect, greedy
+from tests.helpers.engine_steps import collect, greedy
 
 
 def run_engine(model_dir: Path, tp_size: int, specs, load_format: str, **engine_kw):
