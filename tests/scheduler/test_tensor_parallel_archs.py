@@ -62,6 +62,7 @@ def test_tp2_equals_tp1(checkpoint, arch):
     assert_same(one, two)
 
 
+@pytest.mark.model  # reads the prepared Gemma 3 from the cache
 def test_gemma3_270m_tp2_equals_tp1():
     """The real Gemma 3 270M (fp32 from the packaged GGUF): 4 query heads, one KV head, 18 layers."""
     path = models.prepare_gemma3_model(models.DEFAULT_CACHE)
