@@ -165,7 +165,7 @@ gpu-check:
 	$(PYTHON) bench/gpu_check.py --cache-dir $(CACHE_DIR)
 
 bench-detok: setup
-	$(PY) -m services.detokenizer.bench --cache-dir $(CACHE_DIR)
+	$(PY) bench/detokenizer.py --cache-dir $(CACHE_DIR)
 
 # Constrained decoding against the same workload unconstrained (bench/RESULTS.md).
 bench-structured: setup

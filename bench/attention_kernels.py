@@ -26,9 +26,9 @@ from types import SimpleNamespace
 
 import torch
 
-from services.scheduler.engine.device import create_runtime
-from services.scheduler.layers.attention import AttnMetadata, DecodeLayout, ExtendLayout
-from services.scheduler.layers.attention_backend import create_attention_backend
+from services.scheduler.attention.backends import create_attention_backend
+from services.scheduler.attention.paged import AttnMetadata, DecodeLayout, ExtendLayout
+from services.scheduler.executor.device import create_runtime
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from services.scheduler.layers import cpu_kernels
-from services.scheduler.layers.attention import _decode
+from services.scheduler.attention.paged import _decode
+from services.scheduler.kernels import cpu_kernels
 from services.scheduler.layers.rotary import apply_rotary_packed
 
 HQ, HKV, D, HIDDEN, INTER, POOL = 9, 3, 64, 576, 1536, 20000

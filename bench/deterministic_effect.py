@@ -22,10 +22,10 @@ from tokenizers import Tokenizer
 from ringserve.models import DEFAULT_CACHE, SMOLLM2_DIR
 from services.scheduler.config import EngineConfig
 from services.scheduler.engine.engine import Engine
-from services.scheduler.engine.req import ReqInput, SamplingParams
-from services.scheduler.engine.stops import load_eos_ids
 from services.scheduler.layers.batch_invariant import NotBatchInvariantError
 from services.scheduler.models import load_model
+from services.scheduler.policy.req import ReqInput, SamplingParams
+from services.scheduler.policy.stops import load_eos_ids
 
 TOPICS = ["the sea", "a robot", "bread", "winter", "a lighthouse", "chess", "rain", "a violin", "mountains", "a library"]
 CONCURRENT = 64

@@ -9,7 +9,7 @@ process, the three front services together, and the run's median ITL / output to
 
 CPU time, unlike wall time, barely moves when other work shares the cores, so it is the
 figure to compare between two checkouts run back to back. Compare the median ITL with
-``python -m services.scheduler.bench --dtype bfloat16 --batch 1 --threads 2`` (the engine
+``python bench/engine.py --dtype bfloat16 --batch 1 --threads 2`` (the engine
 alone) run in the same sitting, under the same ``OMP_WAIT_POLICY``.
 
 Usage (from the repo root)::

@@ -45,12 +45,12 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from bench.engine import main as engine_bench  # noqa: E402
 from ringserve.models import SMOLLM2_DIR  # noqa: E402
-from services.scheduler.bench import main as engine_bench  # noqa: E402
 from services.scheduler.config import EngineConfig  # noqa: E402
 from services.scheduler.engine.engine import Engine  # noqa: E402
-from services.scheduler.engine.req import Req, ReqInput, SamplingParams  # noqa: E402
-from services.scheduler.engine.schedule import Plan  # noqa: E402
+from services.scheduler.policy.req import Req, ReqInput, SamplingParams  # noqa: E402
+from services.scheduler.policy.schedule import Plan  # noqa: E402
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "The three laws of thermodynamics are", "List five prime numbers:"]
@@ -63,8 +63,8 @@ LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "voca
 
 def check_kernels(device: str) -> dict:
     """Triton decode/extend attention against the torch reference on ``device`` tensors (max abs error)."""
-    from services.scheduler.layers.attention import _decode
-    from services.scheduler.layers.triton_attention import decode_attention, extend_attention
+    from services.scheduler.attention.paged import _decode
+    from services.scheduler.kernels.triton_attention import decode_attention, extend_attention
 
     gen = torch.Generator().manual_seed(0)
     out = {}
@@ -104,9 +104,9 @@ def check_fused_moe(device: str, quick: bool) -> dict:
     """The Triton fused-MoE (Qwen3-30B-A3B's expert shapes: 128 experts of 768 over hidden 2048,
     top 8; ``quick``: 8 experts of 48 over 64, top 2) on ``device`` against the CPU expert path
     in float32, at 1, 64 and 1000 tokens (quick: 1, 7, 40) (max abs error)."""
-    from services.scheduler.layers.moe import fused_experts_cpu, select_experts, stacked_expert
-    from services.scheduler.layers.triton_moe import fused_experts
+    from services.scheduler.kernels.triton_moe import fused_experts
     from services.scheduler.layers.activation import silu_and_mul
+    from services.scheduler.layers.moe import fused_experts_cpu, select_experts, stacked_expert
 
     gen = torch.Generator().manual_seed(0)
     e, k, h, i = (8, 2, 64, 48) if quick else (128, 8, 2048, 768)

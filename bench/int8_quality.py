@@ -22,11 +22,11 @@ from tokenizers import Tokenizer
 from ringserve.bench.corpus import python_docs_text
 from ringserve.models import DEFAULT_CACHE, SMOLLM2_DIR
 from services.scheduler.config import EngineConfig
-from services.scheduler.engine.build import apply_quantization
 from services.scheduler.engine.engine import Engine
-from services.scheduler.engine.req import ReqInput, SamplingParams
-from services.scheduler.engine.stops import load_eos_ids
+from services.scheduler.executor.build import apply_quantization
 from services.scheduler.models import load_model
+from services.scheduler.policy.req import ReqInput, SamplingParams
+from services.scheduler.policy.stops import load_eos_ids
 
 
 WINDOW = 1_000  # tokens per request, as the quality gate scores them

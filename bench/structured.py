@@ -29,8 +29,8 @@ from ringserve.models import DEFAULT_CACHE
 from services.scheduler.config import EngineConfig
 from services.scheduler.engine import engine as engine_module
 from services.scheduler.engine.engine import Engine
-from services.scheduler.engine.grammar_backends import GrammarSpec
-from services.scheduler.engine.req import ReqInput, SamplingParams
+from services.scheduler.policy.grammar_backends import GrammarSpec
+from services.scheduler.policy.req import ReqInput, SamplingParams
 
 MAX_NEW_TOKENS = 96
 

@@ -12,7 +12,7 @@ A batch of n rows has
   (``top_logprobs_nums[i]`` in BatchStrOutput; in BatchTokenIDOutput the rid's
   ``RowInit.top_logprobs_num``, which only the detokenizer's per-rid state knows).
 
-Writers: the scheduler's ``StepOutput`` appends rows (``engine/output.py``), the detokenizer
+Writers: the scheduler's ``StepOutput`` appends rows (``policy/output.py``), the detokenizer
 copies rows per tokenizer (``gather``). Readers: the tokenizer splits a BatchStrOutput into
 rows and the detokenizer walks a step's ids (``split``, ``offsets``). Checker: ``check``, run
 before the detokenizer touches a batch.

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-# Model dtypes: "auto" and the names of engine.device's ``supported_dtypes`` (float16 on CUDA only).
+# Model dtypes: "auto" and the names of executor.device's ``supported_dtypes`` (float16 on CUDA only).
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# services.scheduler.layers.attention_backend.ATTENTION_BACKENDS; the flag adds "auto".
+# services.scheduler.attention.backends.ATTENTION_BACKENDS; the flag adds "auto".
 ATTENTION_BACKENDS = ("torch", "cpu", "triton")
 # services.scheduler.layers.quant: per-channel int8 linears (W8A8 or weight-only, the faster) or weight-only.
 QUANTIZATION_METHODS = ("int8", "int8wo")
-# services.scheduler.engine.grammar_backends.GRAMMAR_BACKENDS (each needs its package installed).
+# services.scheduler.policy.grammar_backends.GRAMMAR_BACKENDS (each needs its package installed).
 GRAMMAR_BACKENDS = ("llguidance", "xgrammar")
-# services.scheduler.engine.schedule: first come first served, longest cached prefix first.
+# services.scheduler.policy.schedule: first come first served, longest cached prefix first.
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 # services.scheduler.models: safetensors, or random weights of config.json's shapes.
 LOAD_FORMATS = ("auto", "dummy")

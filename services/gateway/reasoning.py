@@ -10,7 +10,7 @@
   (``GenerateOutput.reasoning_open``).
 
 With ``chat_template_kwargs.enable_thinking`` false nothing is reasoning. The scheduler's
-grammar gate (services/scheduler/engine/grammar_gate.py) decides by the same rule where an
+grammar gate (services/scheduler/policy/grammar_gate.py) decides by the same rule where an
 output constraint starts, so text the grammar shaped is always content.
 
 Tags split across chunks are held back until they are whole, so no delta and no final

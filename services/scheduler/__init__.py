@@ -1,5 +1,27 @@
 """The scheduler: a GPU engine that also runs on the CPU.
 
+Layout, by role (each package's docstring has its rule):
+
+- ``policy``: host-side decisions and records -- requests, validation, the schedule of
+  each step, request-slot and KV accounting, the radix prefix cache, stops, grammar state,
+  output rows. It imports nothing from ``executor`` or ``engine``.
+- ``executor``: device execution -- the device runtime, building the stack, the model
+  runner, CUDA graphs, the sampler, prompt logprobs, tensor-parallel ranks. It runs
+  policy's plan for policy's requests; which requests run is never its choice.
+- ``engine``: orchestration -- ``Engine.step`` runs policy then executor then policy, and
+  ``EngineLoop`` drives it in its own thread. The only package that imports both.
+- the model side, below the executor: ``models`` (one contract, the architectures and
+  their weights), ``layers`` (the blocks models are made of), ``attention`` (per-step
+  metadata and the attention backends), ``kernels`` (C and Triton kernels).
+- the service around the engine: ``main`` (flags, start-up, shutdown), ``servicer`` (gRPC),
+  ``wire`` (protobuf <-> engine types), ``detok_link`` (the stream to the detokenizer),
+  ``metrics``, ``config``, ``cpus``; ``triton_aot`` compiles the Triton kernels ahead of
+  time on a machine without a GPU.
+
+The line between ``policy`` and ``executor`` is where mini-sglang draws it (``scheduler/``
+vs ``engine/``), vLLM (``core/`` vs ``worker/``) and SGLang (``managers/`` and
+``mem_cache/`` vs ``model_executor/``).
+
 What runs where in one step (``engine.Engine.step``), on a CUDA device:
 
 - host: ``SchedulePolicy.schedule`` makes the plan (which requests extend or decode,
@@ -8,7 +30,7 @@ What runs where in one step (``engine.Engine.step``), on a CUDA device:
   step needs -- ids, positions, KV rows, req slots, lengths, the packed-token map, the
   rows that sample, the queued table writes -- into one int64 tensor.
 - host to device: that tensor, once, pinned and ``non_blocking``
-  (``engine.device.DeviceRuntime.to_device``); the table writes land in the device copy
+  (``executor.device.DeviceRuntime.to_device``); the table writes land in the device copy
   of the req-to-token table.
 - device: the forward (embedding, rotary, norms, SiLU-and-mul as torch ops; attention as
   the Triton kernels, which read K/V through the req-to-token table in place), the LM
@@ -22,7 +44,7 @@ What runs where in one step (``engine.Engine.step``), on a CUDA device:
   requests into the prefix cache, the step's ``BatchTokenIDOutput``.
 
 What is captured: the decode forward from embedding to logits, once per batch-size
-bucket at start-up (``engine.cuda_graph``); a decode-only step of B requests copies its
+bucket at start-up (``executor.cuda_graph``); a decode-only step of B requests copies its
 inputs into the first B rows of static buffers, pads its bucket with rows that touch only
 a padding row of the KV pool, and replays. Steps with an extend part run eagerly.
 
@@ -43,7 +65,7 @@ history (penalties, min tokens), first waits for step N, so every plan is the on
 without overlap (``tests/scheduler/test_overlap.py``: the same tokens, finish reasons and
 gauges). On the CPU the forward holds the host thread, so overlap is off there by default.
 
-Tensor parallelism (``--tp-size N``, ``engine.tp``, ``layers.parallel``): this process is
+Tensor parallelism (``--tp-size N``, ``executor.tp``, ``layers.parallel``): this process is
 rank 0 and does all of the above; before each forward it broadcasts the packed int64 tensor
 and the layouts' host ints (``model_runner.StepBatch``) over a gloo group, and ranks
 1..N-1 run the same forward on their shard of every weight and their own KV pool (their

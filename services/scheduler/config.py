@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-# engine.schedule imports the policy names from here.
+# policy.schedule imports the policy names from here.
 from ringserve.options.names import SCHEDULE_POLICIES  # noqa: F401
 from ringserve.options.scheduler import EngineOptions, SchedulerOptions
 

@@ -6,7 +6,7 @@ has not finished a step for that long, and back when it moves again. On SIGTERM 
 service turns NOT_SERVING, refuses new requests (UNAVAILABLE), lets the ones in flight
 finish for up to ``--grace-period`` seconds, aborts what is left and exits 0.
 
-With ``--tp-size N`` this process is rank 0 of N (``engine.tp``): it starts the other ranks,
+With ``--tp-size N`` this process is rank 0 of N (``executor.tp``): it starts the other ranks,
 and when one of them is lost it turns NOT_SERVING, ends every request in flight with
 UNAVAILABLE, stops the others and exits 1 (a launcher's ``--restart-on-failure`` then
 starts the whole group again).
@@ -42,7 +42,7 @@ def parse_args(argv: list[str] | None) -> SchedulerConfig:
     args, values = cli.parse(argv)
     method = values["engine.quantization"]
     if method:  # refused here, before the model loads (torch imported only for it)
-        from services.scheduler.engine.device import resolve_device
+        from services.scheduler.executor.device import resolve_device
         from services.scheduler.layers.quant import QuantizationError, check_supported
         try:
             check_supported(method, resolve_device(values["engine.device"]))
@@ -115,7 +115,7 @@ async def serve(cfg: SchedulerConfig, stop: asyncio.Event | None = None,
     from services.scheduler.detok_link import DetokenizerLink
     from services.scheduler.engine.engine import Engine
     from services.scheduler.engine.loop import EngineLoop
-    from services.scheduler.engine.tp import TPGroup, rank_threads
+    from services.scheduler.executor.tp import TPGroup, rank_threads
     from services.scheduler.layers.parallel import TensorParallel
     from services.scheduler.metrics import SchedulerMetrics
     from services.scheduler.servicer import SchedulerServicer

@@ -26,8 +26,8 @@ from prometheus_client import Counter
 from ringserve.metrics import PREFIX, Read, ServiceMetrics
 from services.scheduler.engine.engine import Engine
 from services.scheduler.engine.observer import EngineObserver
-from services.scheduler.engine.req import FinishType, Req
-from services.scheduler.engine.schedule import Plan
+from services.scheduler.policy.req import FinishType, Req
+from services.scheduler.policy.schedule import Plan
 
 _REASONS = {FinishType.STOP: "stop", FinishType.LENGTH: "length", FinishType.ABORT: "abort"}
 
@@ -92,7 +92,7 @@ class SchedulerMetrics(EngineObserver):
                  lambda: engine.policy.num_retracted),
             Read("num_decode_steps", "Steps that decoded at least one request.", "counter",
                  lambda: engine.num_decode_steps),
-            # The start-up memory split of the scheduler's device (engine.device.MemorySplit).
+            # The start-up memory split of the scheduler's device (executor.device.MemorySplit).
             Read("memory_weights_bytes", "Bytes the model's weights take on the scheduler's device.", "gauge",
                  lambda: engine.memory.weights),
             Read("memory_kv_cache_bytes", "Bytes the KV pool takes on the scheduler's device.", "gauge",

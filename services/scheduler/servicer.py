@@ -73,7 +73,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         async for msg in request_iterator:
             kind = msg.WhichOneof("msg")
             if kind == "req":
-                # The engine validates it (NaN and every bound included: engine/validate.py).
+                # The engine validates it (NaN and every bound included: policy/validate.py).
                 self.loop.submit(req_input_from_proto(msg.req, tokenizer_id))
             elif kind == "abort":
                 # Only this stream's own requests: an AbortReq naming another tokenizer (or

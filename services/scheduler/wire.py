@@ -6,9 +6,9 @@ from dataclasses import asdict, fields
 
 from ringserve.v1 import common_pb2, detokenizer_pb2, scheduler_pb2
 from services.scheduler.engine.engine import LoadStats
-from services.scheduler.engine.grammar_backends import GrammarSpec
-from services.scheduler.engine.output import StepOutput
-from services.scheduler.engine.req import FinishReason, ReqInput, SamplingParams
+from services.scheduler.policy.grammar_backends import GrammarSpec
+from services.scheduler.policy.output import StepOutput
+from services.scheduler.policy.req import FinishReason, ReqInput, SamplingParams
 
 
 # ResolvedSamplingParams fields copied as they are; the rest need a conversion.

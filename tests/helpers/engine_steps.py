@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.scheduler.engine.req import FinishReason, ReqInput, SamplingParams
+from services.scheduler.policy.req import FinishReason, ReqInput, SamplingParams
 
 
 @dataclass

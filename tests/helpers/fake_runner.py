@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from services.scheduler.engine.kv_pool import ReqToTokenPool, TokenToKVPool
-from services.scheduler.engine.radix_cache import RadixCache
-from services.scheduler.engine.req import Req, ReqInput, SamplingParams
-from services.scheduler.engine.schedule import Plan, SchedulePolicy
+from services.scheduler.policy.kv_pool import ReqToTokenPool, TokenToKVPool
+from services.scheduler.policy.radix_cache import RadixCache
+from services.scheduler.policy.req import Req, ReqInput, SamplingParams
+from services.scheduler.policy.schedule import Plan, SchedulePolicy
 
 
 def create_policy(kv_tokens: int = 64, max_running: int = 4, max_prefill_tokens: int = 16384,

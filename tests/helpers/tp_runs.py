@@ -9,7 +9,7 @@ import torch
 
 from services.scheduler.config import EngineConfig, SchedulerConfig
 from services.scheduler.engine.engine import Engine
-from services.scheduler.engine.tp import TPGroup
+from services.scheduler.executor.tp import TPGroup
 from services.scheduler.layers.parallel import TensorParallel
 
 from tests.helpers.engine_steps import collect, greedy

@@ -8,10 +8,10 @@ import torch
 from ringserve.options import names
 from services.gateway.reasoning import REASONING_PARSERS
 from services.gateway.tool_parsers import TOOL_CALL_PARSERS
-from services.scheduler.engine.device import CudaRuntime, DeviceRuntime
-from services.scheduler.engine.grammar_backends import GRAMMAR_BACKENDS
-from services.scheduler.layers.attention_backend import ATTENTION_BACKENDS
+from services.scheduler.attention.backends import ATTENTION_BACKENDS
+from services.scheduler.executor.device import CudaRuntime, DeviceRuntime
 from services.scheduler.layers.quant import QUANTIZATION_METHODS
+from services.scheduler.policy.grammar_backends import GRAMMAR_BACKENDS
 
 
 def test_gateway_parsers_are_the_names() -> None:

@@ -18,8 +18,8 @@ from tokenizers import Tokenizer
 
 from services.scheduler.config import EngineConfig
 from services.scheduler.engine.engine import Engine
-from services.scheduler.engine.stops import load_eos_ids
 from services.scheduler.models import load_model
+from services.scheduler.policy.stops import load_eos_ids
 from tests.helpers.engine_steps import Result, collect, greedy
 
 torch.set_num_threads(2)

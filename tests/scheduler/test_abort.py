@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.scheduler.engine.req import FinishType, ReqInput, SamplingParams
+from services.scheduler.policy.req import FinishType, ReqInput, SamplingParams
 
 
 def test_abort_running_and_waiting_frees_memory(make_engine, chat_ids, greedy_req, run_all):

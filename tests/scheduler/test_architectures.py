@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
-from services.scheduler.engine.kv_pool import ReqToTokenPool, TokenToKVPool
-from services.scheduler.engine.model_runner import ModelRunner
-from services.scheduler.engine.req import Req, ReqInput
-from services.scheduler.engine.schedule import SchedulePolicy
+from services.scheduler.executor.model_runner import ModelRunner
 from services.scheduler.models import load_model
+from services.scheduler.policy.kv_pool import ReqToTokenPool, TokenToKVPool
+from services.scheduler.policy.req import Req, ReqInput
+from services.scheduler.policy.schedule import SchedulePolicy
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256)

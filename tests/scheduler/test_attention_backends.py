@@ -19,9 +19,9 @@ import torch
 
 from ringserve.launch import parse_args as launch_args
 from ringserve.options.names import ATTENTION_BACKENDS
-from services.scheduler.engine.device import create_runtime
-from services.scheduler.layers.attention_backend import ATTENTION_BACKENDS as REGISTRY
-from services.scheduler.layers.attention_backend import create_attention_backend
+from services.scheduler.attention.backends import ATTENTION_BACKENDS as REGISTRY
+from services.scheduler.attention.backends import create_attention_backend
+from services.scheduler.executor.device import create_runtime
 from services.scheduler.main import parse_args
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,13 +30,13 @@ SAME_LOGITS = r"""
 import json, sys, torch
 from pathlib import Path
 from tokenizers import Tokenizer
+from services.scheduler.attention.backends import create_attention_backend
 from services.scheduler.config import EngineConfig
 from services.scheduler.engine.engine import Engine
-from services.scheduler.engine.req import ReqInput, SamplingParams
-from services.scheduler.engine.device import create_runtime
-from services.scheduler.engine.stops import load_eos_ids
-from services.scheduler.layers.attention_backend import create_attention_backend
+from services.scheduler.executor.device import create_runtime
 from services.scheduler.models import load_model
+from services.scheduler.policy.req import ReqInput, SamplingParams
+from services.scheduler.policy.stops import load_eos_ids
 
 torch.set_num_threads(2)
 model_dir = Path(sys.argv[1])
@@ -97,8 +97,8 @@ print(json.dumps({
 
 REFUSALS = r"""
 import json, sys, torch
-from services.scheduler.engine.device import create_runtime
-from services.scheduler.layers.attention_backend import create_attention_backend
+from services.scheduler.attention.backends import create_attention_backend
+from services.scheduler.executor.device import create_runtime
 from services.scheduler.models import load_model
 
 errors = {}

@@ -12,7 +12,7 @@ import pytest
 
 from ringserve.v1 import scheduler_pb2
 from services.scheduler.engine.engine import LoadStats
-from services.scheduler.engine.req import ReqInput, SamplingParams
+from services.scheduler.policy.req import ReqInput, SamplingParams
 from services.scheduler.servicer import SchedulerServicer
 
 

@@ -1,4 +1,4 @@
-"""The cpu backend's C kernels (``layers.cpu_kernels``) against the torch ops they replace.
+"""The cpu backend's C kernels (``kernels.cpu_kernels``) against the torch ops they replace.
 
 Element-wise kernels must give the torch path's bits in bf16 (rotary and the K/V store
 exactly in fp32 too); decode attention is checked against an fp32 softmax reference,
@@ -18,17 +18,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.scheduler.engine.device import create_runtime
-from services.scheduler.engine.kv_pool import ReqToTokenPool, TokenToKVPool
-from services.scheduler.engine.model_runner import ModelRunner
-from services.scheduler.engine.req import Req, ReqInput
-from services.scheduler.engine.schedule import SchedulePolicy
-from services.scheduler.layers import attention_backend, cpu_kernels
-from services.scheduler.layers.attention import AttnMetadata, DecodeLayout
-from services.scheduler.layers.attention_backend import create_attention_backend
+from services.scheduler.attention import backends
+from services.scheduler.attention.backends import create_attention_backend
+from services.scheduler.attention.paged import AttnMetadata, DecodeLayout
+from services.scheduler.executor.device import create_runtime
+from services.scheduler.executor.model_runner import ModelRunner
+from services.scheduler.kernels import cpu_kernels
 from services.scheduler.layers.norm import RMSNorm
 from services.scheduler.layers.rotary import apply_rotary_packed, rotate_qkv
 from services.scheduler.models import blocks, dummy_model
+from services.scheduler.policy.kv_pool import ReqToTokenPool, TokenToKVPool
+from services.scheduler.policy.req import Req, ReqInput
+from services.scheduler.policy.schedule import SchedulePolicy
 
 
 def _reference_decode(q, k_buf, v_buf, kv_indices, seq_lens, scale, window=0, softcap=0.0):
@@ -158,8 +159,8 @@ def test_decode_attention_reads_no_key_past_its_row():
 
 def test_auto_backend_falls_back_to_torch_without_a_compiler(tmp_path):
     script = ("import logging, torch; logging.basicConfig(level=logging.WARNING)\n"
-              "from services.scheduler.layers.attention_backend import create_attention_backend\n"
-              "from services.scheduler.engine.device import create_runtime\n"
+              "from services.scheduler.attention.backends import create_attention_backend\n"
+              "from services.scheduler.executor.device import create_runtime\n"
               "print(create_attention_backend('auto', create_runtime(torch.device('cpu'))).name)\n")
     env = dict(os.environ, CC="no-such-cc", RINGSERVE_CACHE_DIR=str(tmp_path))
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120,
@@ -170,7 +171,7 @@ def test_auto_backend_falls_back_to_torch_without_a_compiler(tmp_path):
 
 
 def test_the_backend_logs_which_kernels_it_runs(caplog):
-    with caplog.at_level("INFO", logger="services.scheduler.layers.attention_backend"):
+    with caplog.at_level("INFO", logger="services.scheduler.attention.backends"):
         cpu = create_runtime(torch.device("cpu"))
         assert create_attention_backend("auto", cpu).name == "cpu"
         assert create_attention_backend("torch", cpu).name == "torch"
@@ -224,8 +225,8 @@ def test_the_model_hands_a_fusing_backend_the_unrotated_projection(smollm2_dir, 
     calls = {"fused": 0, "torch": 0}
     rotate = blocks.rotate_qkv
     monkeypatch.setattr(blocks, "rotate_qkv", lambda *a: calls.__setitem__("torch", calls["torch"] + 1) or rotate(*a))
-    real = attention_backend.CpuAttnBackend.forward_rotary
-    monkeypatch.setattr(attention_backend.CpuAttnBackend, "forward_rotary",
+    real = backends.CpuAttnBackend.forward_rotary
+    monkeypatch.setattr(backends.CpuAttnBackend, "forward_rotary",
                         lambda self, *a: calls.__setitem__("fused", calls["fused"] + 1) or real(self, *a))
     shape = model.kv_shape()
     req_pool, kv_pool = ReqToTokenPool(2, 64), TokenToKVPool(64, shape.num_layers, shape.num_kv_heads, shape.head_dim,

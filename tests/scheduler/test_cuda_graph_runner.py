@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from services.scheduler.engine.cuda_graph import DecodeGraphRunner
+from services.scheduler.executor.cuda_graph import DecodeGraphRunner
 
 
 def _decode_logits(make_engine, chat_ids, greedy_req, n: int, graphs: bool):

@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from services.scheduler.engine.engine import Engine
-from services.scheduler.engine.req import ReqInput, SamplingParams
 from services.scheduler.layers import batch_invariant
 from services.scheduler.layers.batch_invariant import (NotBatchInvariantError, RowPaddedLinear, make_batch_invariant,
                                                        measure)
 from services.scheduler.models import load_model
+from services.scheduler.policy.req import ReqInput, SamplingParams
 from tests.helpers.engine_steps import Result, collect
 
 NEW_TOKENS = 8

@@ -9,14 +9,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from services.scheduler.attention.backends import create_attention_backend
 from services.scheduler.config import EngineConfig
-from services.scheduler.engine import device as devmod
-from services.scheduler.engine.cuda_graph import graph_buckets
-from services.scheduler.engine.device import CudaRuntime, DeviceRuntime, create_runtime, resolve_device
-from services.scheduler.engine.kv_pool import GIB
-from services.scheduler.layers import linear, triton_moe
-from services.scheduler.layers.attention_backend import create_attention_backend
+from services.scheduler.executor import device as devmod
+from services.scheduler.executor.cuda_graph import graph_buckets
+from services.scheduler.executor.device import CudaRuntime, DeviceRuntime, create_runtime, resolve_device
+from services.scheduler.kernels import triton_moe
+from services.scheduler.layers import linear
 from services.scheduler.main import parse_args
+from services.scheduler.policy.kv_pool import GIB
 
 
 def test_dtype_auto_follows_the_cpu(monkeypatch):

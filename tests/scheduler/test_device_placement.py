@@ -24,12 +24,12 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 
 from services.scheduler.config import EngineConfig
-from services.scheduler.engine.cuda_graph import DecodeGraphRunner
-from services.scheduler.engine.device import CudaRuntime, DeviceRuntime, MemorySplit
 from services.scheduler.engine.engine import Engine
-from services.scheduler.engine.req import FinishType, ReqInput, SamplingParams
-from services.scheduler.engine.stops import load_eos_ids
+from services.scheduler.executor.cuda_graph import DecodeGraphRunner
+from services.scheduler.executor.device import CudaRuntime, DeviceRuntime, MemorySplit
 from services.scheduler.models import dummy_model
+from services.scheduler.policy.req import FinishType, ReqInput, SamplingParams
+from services.scheduler.policy.stops import load_eos_ids
 
 CUDA = torch.device("cuda:0")
 
@@ -72,7 +72,7 @@ class FakeCudaRuntime(CudaRuntime):
 
 
 class CheckedTritonKernels:
-    """Stands in for ``layers.triton_attention``: checks every tensor argument is on the device."""
+    """Stands in for ``kernels.triton_attention``: checks every tensor argument is on the device."""
 
     def __init__(self):
         self.calls = {"decode_attention": 0, "extend_attention": 0}

@@ -26,9 +26,9 @@ import torch
 
 from services.scheduler.config import EngineConfig
 from services.scheduler.engine.engine import Engine
-from services.scheduler.engine.req import ReqInput, SamplingParams
 from services.scheduler.models import load_model
 from services.scheduler.models.config import ModelConfig
+from services.scheduler.policy.req import ReqInput, SamplingParams
 
 WINDOW = 8
 STEPS = 32

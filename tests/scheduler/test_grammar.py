@@ -10,9 +10,9 @@ import time
 import jsonschema
 import pytest
 
-from services.scheduler.engine.grammar import GrammarManager
-from services.scheduler.engine.grammar_backends import GrammarError, GrammarSpec
-from services.scheduler.engine.req import FinishType, Req, ReqInput, SamplingParams
+from services.scheduler.policy.grammar import GrammarManager
+from services.scheduler.policy.grammar_backends import GrammarError, GrammarSpec
+from services.scheduler.policy.req import FinishType, Req, ReqInput, SamplingParams
 
 SCHEMA_S06 = {
     "type": "object",
@@ -182,7 +182,7 @@ class _FixedMask:
 def test_masks_touch_only_constrained_rows_and_allow_exactly_the_set():
     import torch
 
-    from services.scheduler.engine.grammar import apply_grammar_masks
+    from services.scheduler.policy.grammar import apply_grammar_masks
 
     vocab = 100
     logits = torch.arange(3 * vocab, dtype=torch.float32).reshape(3, vocab)
@@ -219,7 +219,7 @@ def test_chunked_prefill_samples_the_constrained_row_only_at_the_prompt_end(make
 def test_eos_stays_masked_until_the_grammar_may_end(engine, tokenizer):
     import torch
 
-    from services.scheduler.engine.grammar import apply_grammar_masks
+    from services.scheduler.policy.grammar import apply_grammar_masks
 
     backend = engine.grammars.backend
     req = _req("eos")

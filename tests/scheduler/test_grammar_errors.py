@@ -12,10 +12,10 @@ import time
 import pytest
 import torch
 
-from services.scheduler.engine.grammar import GrammarManager, accept_grammar_tokens, apply_grammar_masks
-from services.scheduler.engine.grammar_backends import GrammarSpec, load_backend
-from services.scheduler.engine.req import FinishType, Req, ReqInput, SamplingParams
-from services.scheduler.engine.stops import load_eos_ids
+from services.scheduler.policy.grammar import GrammarManager, accept_grammar_tokens, apply_grammar_masks
+from services.scheduler.policy.grammar_backends import GrammarSpec, load_backend
+from services.scheduler.policy.req import FinishType, Req, ReqInput, SamplingParams
+from services.scheduler.policy.stops import load_eos_ids
 from services.tokenizer.constraints import choice_grammar
 
 ROW_LIMIT = ("Parser Error: Current row has 2501 items; max is 2000; consider making your grammar left-recursive "

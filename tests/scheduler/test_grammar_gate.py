@@ -13,11 +13,11 @@ import re
 import pytest
 import torch
 
-from services.scheduler.engine.grammar import accept_grammar_tokens, apply_grammar_masks
-from services.scheduler.engine.grammar_backends import GrammarSpec
-from services.scheduler.engine.grammar_gate import ACTIVE, DECIDING, REASONING, GrammarGate
-from services.scheduler.engine.req import FinishType, Req, ReqInput, SamplingParams
-from services.scheduler.engine.stops import StopChecker
+from services.scheduler.policy.grammar import accept_grammar_tokens, apply_grammar_masks
+from services.scheduler.policy.grammar_backends import GrammarSpec
+from services.scheduler.policy.grammar_gate import ACTIVE, DECIDING, REASONING, GrammarGate
+from services.scheduler.policy.req import FinishType, Req, ReqInput, SamplingParams
+from services.scheduler.policy.stops import StopChecker
 
 IPV4 = r"((25[0-5]|2[0-4]\d|[01]?\d\d?)\.){3}(25[0-5]|2[0-4]\d|[01]?\d\d?)"
 VOCAB = 100

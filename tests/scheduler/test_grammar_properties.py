@@ -10,8 +10,8 @@ import random
 
 import jsonschema
 
-from services.scheduler.engine.grammar_backends import GrammarSpec
-from services.scheduler.engine.req import FinishType, ReqInput, SamplingParams
+from services.scheduler.policy.grammar_backends import GrammarSpec
+from services.scheduler.policy.req import FinishType, ReqInput, SamplingParams
 
 NAMES = ["id", "name", "city", "tags", "score", "ok", "kind", "note"]
 

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.scheduler.engine import kv_pool
-from services.scheduler.engine.kv_pool import GIB, available_memory_bytes, kv_bytes_per_token, kv_pool_tokens
 from services.scheduler.main import parse_args
+from services.scheduler.policy import kv_pool
+from services.scheduler.policy.kv_pool import GIB, available_memory_bytes, kv_bytes_per_token, kv_pool_tokens
 
 import torch
 

@@ -7,7 +7,7 @@ import copy
 
 import torch
 
-from services.scheduler.layers.attention import _decode
+from services.scheduler.attention.paged import _decode
 from services.scheduler.layers.rotary import _rotate_half, apply_rotary_packed
 
 

@@ -105,8 +105,8 @@ def test_prefix_cache_hits_equal_cached_tokens_and_gauges_follow_occupancy(make_
 
 
 def test_grammar_compiles_are_counted_and_the_compiling_gauge_returns_to_zero(make_engine, chat_ids, run_all):
-    from services.scheduler.engine.grammar_backends import GrammarSpec
-    from services.scheduler.engine.req import ReqInput, SamplingParams
+    from services.scheduler.policy.grammar_backends import GrammarSpec
+    from services.scheduler.policy.req import ReqInput, SamplingParams
 
     engine, metrics = observed(make_engine)
     params = SamplingParams(temperature=0.0, max_new_tokens=8)

@@ -12,11 +12,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from services.scheduler.config import EngineConfig
-from services.scheduler.engine.build import activation_reserve_bytes
-from services.scheduler.engine.kv_pool import GIB
+from services.scheduler.executor.build import activation_reserve_bytes
 from services.scheduler.layers.parallel import TensorParallel
 from services.scheduler.models import ARCHITECTURES, build_model, load_model
 from services.scheduler.models.config import FAMILIES, ModelConfig
+from services.scheduler.policy.kv_pool import GIB
 
 from tests.helpers.tiny_models import TINY
 

@@ -29,13 +29,13 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
 from services.scheduler.config import EngineConfig
+from services.scheduler.engine.engine import Engine
 from services.scheduler.layers.moe import moe_align_block_size
 from services.scheduler.layers.rotary import RotaryEmbedding
-from services.scheduler.engine.engine import Engine
-from services.scheduler.engine.req import ReqInput, SamplingParams
-from services.scheduler.engine.stops import load_eos_ids
 from services.scheduler.models import load_model
 from services.scheduler.models.blocks import SparseMoeBlock
+from services.scheduler.policy.req import ReqInput, SamplingParams
+from services.scheduler.policy.stops import load_eos_ids
 
 from tests.helpers.tiny_models import ARCHS, TINY, tiny_checkpoint
 
@@ -145,10 +145,10 @@ def test_engine_matches_transformers(arch, backend, checkpoints, smollm2_dir):
 TRITON = r"""
 import json, sys, torch
 from pathlib import Path
-from services.scheduler.layers import triton_moe
+from services.scheduler.kernels import triton_moe
+from services.scheduler.layers.activation import silu_and_mul
 from services.scheduler.layers.moe import fused_experts_cpu, select_experts, stacked_expert
 from services.scheduler.models import load_model
-from services.scheduler.layers.activation import silu_and_mul
 from services.scheduler.models.blocks import SparseMoeBlock
 from tests.scheduler.test_model_families import serve
 
@@ -209,9 +209,9 @@ def test_moe_block_on_fake_cuda_tensors(monkeypatch):
     the two grouped GEMMs get device tensors only."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from services.scheduler.engine.device import CudaRuntime
-    from services.scheduler.layers import triton_moe
-    from services.scheduler.layers.attention_backend import TorchAttnBackend
+    from services.scheduler.attention.backends import TorchAttnBackend
+    from services.scheduler.executor.device import CudaRuntime
+    from services.scheduler.kernels import triton_moe
     from services.scheduler.layers.parallel import TensorParallel
     from services.scheduler.models.base import LayerEnv
     from services.scheduler.models.blocks import SparseMoeBlock
@@ -309,7 +309,7 @@ def test_bench_moe_preset_runs_the_engine(smollm2_dir, capsys, tmp_path):
 def _bf16_block(tokens: int):
     """A CPU Qwen3-MoE block (8 experts of 32, top 2, hidden 64) with seeded random bf16 weights,
     and an input [tokens, 64]."""
-    from services.scheduler.layers.attention_backend import TorchAttnBackend
+    from services.scheduler.attention.backends import TorchAttnBackend
     from services.scheduler.layers.parallel import TensorParallel
     from services.scheduler.models.base import LayerEnv
     from services.scheduler.models.config import ModelConfig

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.scheduler.engine.req import FinishType, ReqInput, SamplingParams
+from services.scheduler.policy.req import FinishType, ReqInput, SamplingParams
 
 
 def _run(make_engine, chat_ids, overlap: bool, pool: int):

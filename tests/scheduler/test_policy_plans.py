@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.scheduler.engine.schedule import _LPM_MAX_QUEUE
+from services.scheduler.policy.schedule import _LPM_MAX_QUEUE
 from tests.helpers.fake_runner import FakeRunner, create_policy, make_req
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from services.scheduler.engine.req import FinishType, ReqInput, SamplingParams
+from services.scheduler.policy.req import FinishType, ReqInput, SamplingParams
 from tests.helpers.engine_steps import collect
 
 PROMPTS = [

@@ -22,14 +22,14 @@ import torch
 
 from ringserve.bench.corpus import python_docs_text
 from services.scheduler.config import EngineConfig
-from services.scheduler.engine.build import apply_quantization
 from services.scheduler.engine.engine import Engine
-from services.scheduler.engine.req import ReqInput, SamplingParams
+from services.scheduler.executor.build import apply_quantization
 from services.scheduler.layers import quant
 from services.scheduler.layers.quant import (Int8Linear, QuantizationError, check_supported, dequantize, quantize_weight,
                                              unpack)
 from services.scheduler.main import parse_args
 from services.scheduler.models import load_model
+from services.scheduler.policy.req import ReqInput, SamplingParams
 
 CORPUS_TOKENS = 20_000
 WINDOW = 1_000  # tokens a request scores (its first has no prediction): 20 windows

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from services.scheduler.engine.kv_pool import TokenToKVPool
-from services.scheduler.engine.radix_cache import RadixCache
+from services.scheduler.policy.kv_pool import TokenToKVPool
+from services.scheduler.policy.radix_cache import RadixCache
 
 
 def tiny_tree(size: int = 64) -> tuple[RadixCache, TokenToKVPool]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from services.scheduler.engine.req import ReqInput, SamplingParams
+from services.scheduler.policy.req import ReqInput, SamplingParams
 
 
 def sampled(rid, ids, seed=None, n=12, **kw):
@@ -57,7 +57,7 @@ PROBS = [0.5, 0.25, 0.125, 0.125]
 def test_typical_keeps_the_tokens_nearest_the_entropy():
     import torch
 
-    from services.scheduler.engine.sampling import typical
+    from services.scheduler.executor.sampling import typical
 
     masses = [0.2, 0.25, 0.5, 0.75, 0.76, 1.0]
     out = typical(torch.tensor([PROBS] * len(masses)), torch.tensor(masses))
@@ -78,7 +78,7 @@ def test_typical_keeps_what_hf_transformers_keeps():
     import torch
     from transformers.generation.logits_process import TypicalLogitsWarper
 
-    from services.scheduler.engine.sampling import typical
+    from services.scheduler.executor.sampling import typical
 
     gen = torch.Generator().manual_seed(0)
     for mass in (0.1, 0.5, 0.9, 0.99):
@@ -88,7 +88,7 @@ def test_typical_keeps_what_hf_transformers_keeps():
 
 
 def _typical_reqs(masses: list[float], return_logprob: bool = False) -> list:
-    from services.scheduler.engine.req import Req
+    from services.scheduler.policy.req import Req
 
     return [Req(ReqInput(rid=f"r{i}", input_ids=[1], return_logprob=return_logprob,
                          sampling=SamplingParams(temperature=1.0, typical_p=m))) for i, m in enumerate(masses)]
@@ -97,8 +97,8 @@ def _typical_reqs(masses: list[float], return_logprob: bool = False) -> list:
 def test_sampler_draws_only_kept_tokens_batched():
     import torch
 
-    from services.scheduler.engine.device import DeviceRuntime
-    from services.scheduler.engine.sampling import Sampler
+    from services.scheduler.executor.device import DeviceRuntime
+    from services.scheduler.executor.sampling import Sampler
 
     sampler = Sampler(DeviceRuntime(torch.device("cpu")), seed=0)
     masses = [0.2] * 100 + [0.5] * 100 + [1.0] * 100
@@ -114,8 +114,8 @@ def test_typical_on_fake_cuda_tensors_reads_nothing_back():
     import torch
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-    from services.scheduler.engine.device import CudaRuntime
-    from services.scheduler.engine.sampling import Sampler
+    from services.scheduler.executor.device import CudaRuntime
+    from services.scheduler.executor.sampling import Sampler
 
     cuda = torch.device("cuda:0")
     mode = FakeTensorMode(allow_non_fake_inputs=False)
@@ -141,7 +141,7 @@ def test_filters_give_a_row_the_same_bits_whatever_its_batch():
     when another row of its batch is filtered."""
     import torch
 
-    from services.scheduler.engine.sampling import _filter, row_sum, typical
+    from services.scheduler.executor.sampling import _filter, row_sum, typical
 
     gen = torch.Generator().manual_seed(0)
     probs = torch.softmax(torch.randn(64, 49152, generator=gen) * 3, dim=-1)

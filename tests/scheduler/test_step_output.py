@@ -4,8 +4,8 @@ reader and checker (``ringserve.columns``), with no model."""
 from __future__ import annotations
 
 from ringserve import columns
-from services.scheduler.engine.output import StepOutput
-from services.scheduler.engine.req import FinishReason, FinishType, Req, ReqInput
+from services.scheduler.policy.output import StepOutput
+from services.scheduler.policy.req import FinishReason, FinishType, Req, ReqInput
 from services.scheduler.wire import step_output_to_proto
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.scheduler.engine.req import FinishReason, FinishType, Req, ReqInput, SamplingParams
-from services.scheduler.engine.stops import StopChecker
+from services.scheduler.policy.req import FinishReason, FinishType, Req, ReqInput, SamplingParams
+from services.scheduler.policy.stops import StopChecker
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """Issue 17, tensor parallelism on the CPU (gloo): N ranks give the logits and tokens of one.
 
 Rank 0 is this test process (an Engine, as the scheduler builds it); ranks 1..N-1 are the
-processes ``TPGroup.start`` spawns, running ``engine.tp.worker_main``. Every step's logits
+processes ``TPGroup.start`` spawns, running ``executor.tp.worker_main``. Every step's logits
 are compared with the same engine at ``--tp-size 1`` (fp32: within 1e-4), and the greedy
 tokens, output logprobs and prompt logprobs must match.
 """
@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from services.scheduler.config import EngineConfig, SchedulerConfig
 from services.scheduler.engine.engine import Engine
-from services.scheduler.engine.tp import TPGroup
+from services.scheduler.executor.tp import TPGroup
 from services.scheduler.models.config import ModelConfig
 from tests.helpers.engine_steps import collect, greedy
 from tests.helpers.tp_runs import assert_same, run_engine, specs

@@ -3,7 +3,7 @@
 Each family's tiny random checkpoint (``tiny_models``, SmolLM2's tokenizer beside it) runs
 three prompts (one prefilled in 16-token chunks beside running decodes, one asking for its
 prompt logprobs) for 8 greedy tokens, on one rank and on two (rank 1 a spawned process,
-``engine.tp``): every step's fp32 logits within 1e-4, the same tokens, output and prompt
+``executor.tp``): every step's fp32 logits within 1e-4, the same tokens, output and prompt
 logprobs. What each shards: Qwen2's biased q/k/v, Qwen3's q/k norms (per head, on the
 rank's heads), Phi-3's fused checkpoint projections with partial rotary, Gemma 3's one KV
 head replicated on both ranks beside its sliding-window layers, the experts of Qwen3-MoE,
@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from ringserve import models
 from services.scheduler.config import EngineConfig, SchedulerConfig
-from services.scheduler.engine.tp import TPGroup
+from services.scheduler.executor.tp import TPGroup
 from services.scheduler.models.config import ModelConfig
 
 from tests.helpers.tiny_models import TINY, tiny_checkpoint

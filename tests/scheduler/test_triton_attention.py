@@ -8,8 +8,8 @@ from tests.helpers.triton_interpreter import run_interpreted
 
 CHECK = r"""
 import json, torch
-from services.scheduler.layers.attention import _decode
-from services.scheduler.layers.triton_attention import decode_attention, extend_attention
+from services.scheduler.attention.paged import _decode
+from services.scheduler.kernels.triton_attention import decode_attention, extend_attention
 
 torch.manual_seed(0)
 errors = {}
@@ -60,8 +60,8 @@ for dtype in (torch.float32, torch.bfloat16):
 # Deterministic inference: the backend attends each extend token as a decode query, so a
 # token gets the same bits prefilled whole, prefilled after a cached prefix, or decoded.
 from types import SimpleNamespace
-from services.scheduler.layers.attention import AttnMetadata, DecodeLayout, ExtendLayout
-from services.scheduler.layers.attention_backend import TritonAttnBackend
+from services.scheduler.attention.backends import TritonAttnBackend
+from services.scheduler.attention.paged import AttnMetadata, DecodeLayout, ExtendLayout
 
 backend = TritonAttnBackend(torch.device("cpu"))
 for dtype in (torch.float32, torch.bfloat16):

@@ -19,10 +19,10 @@ def _row_exact_matmul(a, b, dtype=None):
     out = _matmul(np.asarray(a, np.float64), np.asarray(b, np.float64))
     return out.astype(dtype if dtype is not None else np.result_type(a, b))
 np.matmul = _row_exact_matmul
+from services.scheduler.kernels.triton_batch_invariant import (TritonLinear, TritonRMSNorm, batch_invariant_linear,
+                                                               batch_invariant_rms_norm)
 from services.scheduler.layers.batch_invariant import _use_triton
 from services.scheduler.layers.norm import RMSNorm
-from services.scheduler.layers.triton_batch_invariant import (TritonLinear, TritonRMSNorm, batch_invariant_linear,
-                                                               batch_invariant_rms_norm)
 
 torch.manual_seed(0)
 out = {}

@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 
 from ringserve import sampling_params as table
-from services.scheduler.engine.req import ReqInput, SamplingParams
-from services.scheduler.engine.validate import validate
+from services.scheduler.policy.req import ReqInput, SamplingParams
+from services.scheduler.policy.validate import validate
 from tests.sampling_cases import NUMERIC, inside, outside
 
 VOCAB, CONTEXT, POOL = 100, 64, 128

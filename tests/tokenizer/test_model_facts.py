@@ -13,7 +13,7 @@ from tokenizers import Tokenizer
 
 from ringserve.modelfacts import eos_token_ids, tokenizer_vocab_size
 from ringserve.token_bytes import BYTE_TO_CHAR, BYTE_TOKENS, CHAR_TO_BYTE, byte_level_bytes, byte_token_value
-from services.scheduler.engine.stops import load_eos_ids
+from services.scheduler.policy.stops import load_eos_ids
 from services.tokenizer.model import load_tokenizer, model_facts
 
 

@@ -16,22 +16,22 @@ import torch
 from tokenizers import Tokenizer
 
 from services.scheduler.config import EngineConfig
-from services.scheduler.engine.build import build_stack, load_engine_model, size_pools
-from services.scheduler.engine.device import DeviceRuntime, create_runtime
-from services.scheduler.engine.grammar import GrammarManager, accept_grammar_tokens, apply_grammar_masks
-from services.scheduler.engine.grammar_backends import GrammarBackend, load_backend
-from services.scheduler.engine.model_runner import FutureIds
 from services.scheduler.engine.observer import EngineObserver
-from services.scheduler.engine.output import StepOutput
-from services.scheduler.engine.prompt_logprobs import plan_logprob_rows, score_prompts
-from services.scheduler.engine.radix_cache import RadixCache
-from services.scheduler.engine.req import FinishReason, FinishType, Req, ReqInput
-from services.scheduler.engine.sampling import HostSample, Sampler
-from services.scheduler.engine.schedule import Plan, SchedulePolicy
-from services.scheduler.engine.stops import StopChecker, load_eos_ids
-from services.scheduler.engine.validate import validate
+from services.scheduler.executor.build import build_stack, load_engine_model, size_pools
+from services.scheduler.executor.device import DeviceRuntime, create_runtime
+from services.scheduler.executor.model_runner import FutureIds
+from services.scheduler.executor.prompt_logprobs import plan_logprob_rows, score_prompts
+from services.scheduler.executor.sampling import HostSample, Sampler
 from services.scheduler.layers.parallel import TensorParallel
 from services.scheduler.models.base import CausalLM
+from services.scheduler.policy.grammar import GrammarManager, accept_grammar_tokens, apply_grammar_masks
+from services.scheduler.policy.grammar_backends import GrammarBackend, load_backend
+from services.scheduler.policy.output import StepOutput
+from services.scheduler.policy.radix_cache import RadixCache
+from services.scheduler.policy.req import FinishReason, FinishType, Req, ReqInput
+from services.scheduler.policy.schedule import Plan, SchedulePolicy
+from services.scheduler.policy.stops import StopChecker, load_eos_ids
+from services.scheduler.policy.validate import validate
 
 log = logging.getLogger(__name__)
 
@@ -60,14 +60,14 @@ class Engine:
 
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, eos_ids: frozenset[int], cfg: EngineConfig,
                  runtime: DeviceRuntime | None = None):
-        """Build the pools, the runner and the rest around ``model`` (``engine.build``). The
+        """Build the pools, the runner and the rest around ``model`` (``executor.build``). The
         grammar backend (``cfg.grammar_backend``) reads ``cfg.model``/tokenizer.json when
         the first constrained request arrives, in the compile thread.
 
         A model sharded over a tensor-parallel group (its ``tp``) makes this the group's rank
         0: the KV pool holds this rank's KV heads, the req-to-token writes are recorded for
         the other ranks, and CUDA graphs and overlap scheduling are off (each step is
-        broadcast from the host before it runs; see ``engine.tp``)."""
+        broadcast from the host before it runs; see ``executor.tp``)."""
         self.cfg = cfg
         runtime = runtime or create_runtime(next(model.parameters()).device)
         shape, self.memory = size_pools(model, cfg, runtime)
@@ -100,7 +100,7 @@ class Engine:
     @classmethod
     def from_config(cls, cfg: EngineConfig, tp: TensorParallel = TensorParallel()) -> "Engine":
         """Load model, tokenizer.json and EOS ids from ``cfg.model`` onto ``cfg.device``
-        (rank 0 of ``tp``: its shard, on its device; see ``engine.build.load_engine_model``).
+        (rank 0 of ``tp``: its shard, on its device; see ``executor.build.load_engine_model``).
 
         Raises:
             ValueError: unsupported architecture, device, dtype or attention backend, no EOS

@@ -34,9 +34,9 @@ from collections.abc import Callable
 import torch
 
 from services.scheduler.engine.engine import Engine, LoadStats
-from services.scheduler.engine.output import StepOutput
-from services.scheduler.engine.req import ReqInput
 from services.scheduler.layers.parallel import RankFailure
+from services.scheduler.policy.output import StepOutput
+from services.scheduler.policy.req import ReqInput
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from services.scheduler.engine.req import Req
-    from services.scheduler.engine.schedule import Plan
+    from services.scheduler.policy.req import Req
+    from services.scheduler.policy.schedule import Plan
 
 
 class EngineObserver:

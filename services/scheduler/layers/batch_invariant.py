@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from services.scheduler.layers.cpu_kernels import cache_dir, cpu_flags, load_json, save_json
+from services.scheduler.kernels.cpu_kernels import cache_dir, cpu_flags, load_json, save_json
 from services.scheduler.layers.linear import PackedLinear
 
 log = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ def _call(linear: torch.nn.Module):
 
 def _probe_cache_path():
     """Where CPU probe results persist: one JSON file per torch build and CPU (the GEMM
-    library and its kernels), under the kernel cache (``layers.cpu_kernels.cache_dir``)."""
+    library and its kernels), under the kernel cache (``kernels.cpu_kernels.cache_dir``)."""
     key = hashlib.sha256("\0".join([torch.__version__, str(torch.backends.mkldnn.is_available()),
                                      cpu_flags()]).encode()).hexdigest()[:16]
     return cache_dir() / f"batch-invariance-{key}.json"
@@ -212,8 +212,8 @@ def measure(in_features: int, out_features: int, dtype: torch.dtype, device: str
 
 
 def _use_triton(model: torch.nn.Module) -> dict[str, int]:
-    """CUDA: every linear and RMSNorm through the fixed-tile Triton kernels (``layers.triton_batch_invariant``)."""
-    from services.scheduler.layers import triton_batch_invariant as tbi  # triton only where it runs
+    """CUDA: every linear and RMSNorm through the fixed-tile Triton kernels (``kernels.triton_batch_invariant``)."""
+    from services.scheduler.kernels import triton_batch_invariant as tbi  # triton only where it runs
     from services.scheduler.layers.norm import RMSNorm
 
     swapped: dict[str, int] = {}
@@ -238,7 +238,7 @@ def make_batch_invariant(model: torch.nn.Module, max_rows: int = 1024, kernels: 
     ``RowWindow`` (a wrapped linear is not probed again), and stacked MoE experts
     (``layers.moe.Experts``) get one window for both of their matmuls; every window is
     measured before anything is wrapped. "triton" (CUDA's): every linear and ``RMSNorm``
-    runs through the fixed-tile Triton kernels instead (``layers.triton_batch_invariant``:
+    runs through the fixed-tile Triton kernels instead (``kernels.triton_batch_invariant``:
     cuBLAS and torch's reductions choose their strategy by shape), with no probe.
 
     Args:

@@ -1,6 +1,6 @@
 """Mixture-of-experts pieces shared by every MoE model: the stacked experts (``Experts``), top-k
 routing, the CPU grouped-expert path and the token-to-expert block layout the Triton kernel
-(``layers.triton_moe``) reads.
+(``kernels.triton_moe``) reads.
 
 Expert weights are stacked at load: ``w13`` [E, 2 I, H] (each expert's gate rows, then its
 up rows) and ``w2`` [E, H, I]. Under tensor parallelism every rank holds every expert, cut

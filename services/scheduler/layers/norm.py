@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 
 class FusedOps(Protocol):
-    """Element-wise kernels an attention backend may offer the model (``layers.cpu_kernels``)."""
+    """Element-wise kernels an attention backend may offer the model (``kernels.cpu_kernels``)."""
 
     def add_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                      residual: torch.Tensor | None = None) -> torch.Tensor: ...

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from services.scheduler.engine.device import DeviceRuntime
+    from services.scheduler.executor.device import DeviceRuntime
 
 
 class RankFailure(RuntimeError):

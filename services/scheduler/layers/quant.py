@@ -48,7 +48,7 @@ import time
 import torch
 
 from ringserve.options import names
-from services.scheduler.layers.cpu_kernels import cache_dir, cpu_flags, library, library_path, load_json, save_json
+from services.scheduler.kernels.cpu_kernels import cache_dir, cpu_flags, library, library_path, load_json, save_json
 from services.scheduler.layers.linear import PackedLinear
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ def check_supported(method: str, device: torch.device) -> None:
     """
     if method not in QUANTIZATION_METHODS:
         raise QuantizationError(f"unknown --quantization {method!r}; supported: {', '.join(QUANTIZATION_METHODS)}")
-    from services.scheduler.engine.device import create_runtime  # the device's runtime says what runs there
+    from services.scheduler.executor.device import create_runtime  # the device's runtime says what runs there
 
     if not create_runtime(device).int8_linears:
         raise QuantizationError(f"--quantization {method} runs on the CPU only (its kernels are AVX-512-VNNI C), "
@@ -187,7 +187,7 @@ class Int8Linear(torch.nn.Module):
         Args:
             kernel: one of ``KERNELS`` (default: ``kernel_for(T)``; see ``can_run``).
             norm: (weight [in_features], eps, residual [T, in_features] or None): the input is
-                ``add_rms_norm(x, weight, eps, residual)`` (``layers.cpu_kernels``; the
+                ``add_rms_norm(x, weight, eps, residual)`` (``kernels.cpu_kernels``; the
                 residual updated in place), computed in the same C call.
             silu_and_mul: x is gate_up [T, 2 * in_features] and the input is SiLU(gate) * up,
                 in the same C call.

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 from ringserve.options.names import LOAD_FORMATS
-from services.scheduler.engine.device import DeviceRuntime, create_runtime
-from services.scheduler.layers.attention_backend import create_attention_backend
+from services.scheduler.attention.backends import create_attention_backend
+from services.scheduler.executor.device import DeviceRuntime, create_runtime
 from services.scheduler.layers.parallel import TensorParallel
 from services.scheduler.models.base import CausalLM, LayerEnv
 from services.scheduler.models.config import ModelConfig
@@ -79,8 +79,8 @@ def load_model(model_dir: Path, dtype: torch.dtype, load_format: str = "auto",
     Args:
         load_format: "auto" reads the directory's safetensors; "dummy" gives random
             weights of the config's shapes (benchmarks of sizes no package ships).
-        attention_backend: "auto", "torch", "cpu" or "triton" (``layers.attention_backend``).
-        runtime: the device the weights load onto (``engine.device.create_runtime``; default the CPU).
+        attention_backend: "auto", "torch", "cpu" or "triton" (``attention.backends``).
+        runtime: the device the weights load onto (``executor.device.create_runtime``; default the CPU).
         tp: this rank's tensor-parallel group; the model keeps its shard.
 
     Raises:

@@ -14,8 +14,8 @@ from typing import Protocol
 
 import torch
 
-from services.scheduler.layers.attention import AttnMetadata, KVBuffers
-from services.scheduler.layers.attention_backend import AttentionBackend
+from services.scheduler.attention.backends import AttentionBackend
+from services.scheduler.attention.paged import AttnMetadata, KVBuffers
 from services.scheduler.layers.norm import FusedOps
 from services.scheduler.layers.parallel import TensorParallel
 from services.scheduler.models.config import ModelConfig
@@ -44,7 +44,7 @@ class CausalLM(Protocol):
     Attributes:
         config: the architecture-neutral config it was built from.
         tp: this rank's tensor-parallel group (size 1: the whole model).
-        attn_backend: the attention every layer calls (``layers.attention_backend``).
+        attn_backend: the attention every layer calls (``attention.backends``).
     """
 
     config: ModelConfig
@@ -84,7 +84,7 @@ class LayerEnv:
         device: where the weights and the rotary tables live.
         fused: element-wise C kernels the backend offers (RMSNorm with the residual add,
             SiLU-and-mul), or None for torch ops.
-        fused_experts: the grouped-GEMM expert kernel (``layers.triton_moe``), or None for the
+        fused_experts: the grouped-GEMM expert kernel (``kernels.triton_moe``), or None for the
             CPU expert path (``layers.moe.fused_experts_cpu``).
     """
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from services.scheduler.attention.paged import AttnMetadata, KVBuffers
 from services.scheduler.layers.activation import ACTIVATIONS, Activation
-from services.scheduler.layers.attention import AttnMetadata, KVBuffers
 from services.scheduler.layers.moe import Experts, fused_experts_cpu, select_experts
 from services.scheduler.layers.norm import NORMS, RMSNorm
 from services.scheduler.layers.parallel_linear import (MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear,

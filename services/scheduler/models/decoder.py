@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import torch
 
-from services.scheduler.layers.attention import AttnMetadata, KVBuffers
+from services.scheduler.attention.paged import AttnMetadata, KVBuffers
 from services.scheduler.layers.parallel import local_kv_heads
 from services.scheduler.layers.parallel_linear import ParallelLMHead, VocabParallelEmbedding
 from services.scheduler.layers.quant import Int8Linear

@@ -17,7 +17,7 @@ transformers' ``modeling_gemma3.py``, and ``ModelConfig.from_hf`` reads it:
   the last ``sliding_window`` positions and use the local rotary base
   (``rope_local_base_freq``, 10,000), global ones ``rope_theta`` (1,000,000) with the
   config's rope scaling (``layers.rotary``: "linear" for 4B and larger). The window is
-  passed to every attention call of the layer (``layers.attention``); KV rows outside the
+  passed to every attention call of the layer (``attention.paged``); KV rows outside the
   window are kept (the global layers read them).
 - Final-logit soft-capping (``final_logit_softcapping``) on the logits (in float32) where
   the config sets it. Attention logit soft-capping: Gemma 3 replaced it by the q/k norms,

@@ -32,12 +32,12 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from triton.runtime.jit import JITFunction
 
-from services.scheduler.engine.device import CudaRuntime
-from services.scheduler.engine.kv_pool import TokenToKVPool
-from services.scheduler.layers.attention import AttnMetadata, DecodeLayout, ExtendLayout
+from services.scheduler.attention.paged import AttnMetadata, DecodeLayout, ExtendLayout
+from services.scheduler.executor.device import CudaRuntime
 from services.scheduler.layers.batch_invariant import make_batch_invariant
 from services.scheduler.models import dummy_model
 from services.scheduler.models.blocks import Attention
+from services.scheduler.policy.kv_pool import TokenToKVPool
 from services.scheduler.triton_aot.compiler import Call, capturing
 
 CUDA = torch.device("cuda:0")
@@ -146,13 +146,13 @@ def record(shapes: dict[str, dict]) -> list[Call]:
 
 
 def shipped_kernels() -> dict[str, JITFunction]:
-    """Every ``@triton.jit`` kernel the scheduler's layers define, by name, helpers excluded (a
+    """Every ``@triton.jit`` kernel the scheduler's kernels define, by name, helpers excluded (a
     helper is a jit function another one calls; it is compiled into its callers)."""
-    import services.scheduler.layers as layers
+    import services.scheduler.kernels as kernels
 
     found: dict[str, JITFunction] = {}
-    for info in pkgutil.iter_modules(layers.__path__):
-        module = importlib.import_module(f"{layers.__name__}.{info.name}")
+    for info in pkgutil.iter_modules(kernels.__path__):
+        module = importlib.import_module(f"{kernels.__name__}.{info.name}")
         for value in vars(module).values():
             if isinstance(value, JITFunction) and value.__module__ == module.__name__:
                 found[value.__name__] = value

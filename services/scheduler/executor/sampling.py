@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from services.scheduler.engine.device import DeviceRuntime
-from services.scheduler.engine.req import Req
+from services.scheduler.executor.device import DeviceRuntime
+from services.scheduler.policy.req import Req
 
 
 @dataclass

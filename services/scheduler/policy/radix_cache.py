@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from services.scheduler.engine.kv_pool import TokenToKVPool
+from services.scheduler.policy.kv_pool import TokenToKVPool
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 

@@ -1,6 +1,6 @@
 """One builder of the model, its pools and its runner, for every tensor-parallel rank.
 
-Rank 0 (``Engine``) and ranks > 0 (``engine.tp.worker_main``) build the same things in the
+Rank 0 (``Engine``) and ranks > 0 (``executor.tp.worker_main``) build the same things in the
 same order; only two decisions are rank 0's, and the other ranks take them from it
 (``PoolShape``): how many tokens the KV pool holds (sized from the device's memory) and
 whether deterministic inference is on.
@@ -21,10 +21,9 @@ from pathlib import Path
 import torch
 
 from services.scheduler.config import EngineConfig
-from services.scheduler.engine.cuda_graph import DecodeGraphRunner
-from services.scheduler.engine.device import DeviceRuntime, MemorySplit, create_runtime, rank_device, resolve_device
-from services.scheduler.engine.kv_pool import GIB, ReqToTokenPool, TokenToKVPool
-from services.scheduler.engine.model_runner import ModelRunner
+from services.scheduler.executor.cuda_graph import DecodeGraphRunner
+from services.scheduler.executor.device import DeviceRuntime, MemorySplit, create_runtime, rank_device, resolve_device
+from services.scheduler.executor.model_runner import ModelRunner
 from services.scheduler.layers.batch_invariant import NotBatchInvariantError, make_batch_invariant
 from services.scheduler.layers.linear import pack_linears
 from services.scheduler.layers.parallel import TensorParallel
@@ -33,6 +32,7 @@ from services.scheduler.layers.quant import (KERNELS, WEIGHT_ONLY, check_support
 from services.scheduler.models import load_model
 from services.scheduler.models.base import CausalLM
 from services.scheduler.models.config import ModelConfig
+from services.scheduler.policy.kv_pool import GIB, ReqToTokenPool, TokenToKVPool
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class ModelStack:
 
 
 def load_engine_model(cfg: EngineConfig, tp: TensorParallel = TensorParallel()) -> tuple[CausalLM, DeviceRuntime]:
-    """Load ``cfg.model``'s shard of rank ``tp.rank`` onto its device (``engine.device.rank_device``)
+    """Load ``cfg.model``'s shard of rank ``tp.rank`` onto its device (``executor.device.rank_device``)
     in ``cfg.dtype``, quantized as ``cfg.quantization`` says; returns it and the device's runtime.
 
     Raises:

@@ -1,5 +1,5 @@
 """Attention over a token-granular paged KV cache, in torch on CPU: the ``torch`` attention
-backend (``layers.attention_backend``) and the reference the Triton kernels are checked against.
+backend (``attention.backends``) and the reference the Triton kernels are checked against.
 
 Each request's keys and values live at scattered rows of per-layer pools
 [num_tokens, kv_heads, head_dim]; a request slot's row of the req-to-token table lists

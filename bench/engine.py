@@ -1,11 +1,11 @@
-"""Decode step time of the engine: ``python -m services.scheduler.bench --model DIR``.
+"""Decode step time of the engine: ``.venv/bin/python bench/engine.py --model DIR``.
 
 Runs ``batch`` greedy requests (ignore_eos) through prefill, then times decode steps:
 wall time and the process's CPU time (on a machine shared with other work the CPU time is
 the steadier figure; with one torch thread it is the step's single-core cost).
 
 ``--tp-size 1 2`` runs each size in turn: rank 0 is this process, the other ranks are the
-processes ``engine.tp.TPGroup`` spawns (``--threads`` torch threads each); the CPU time is
+processes ``executor.tp.TPGroup`` spawns (``--threads`` torch threads each); the CPU time is
 rank 0's alone.
 
 ``--preset NAME`` benchmarks a model shape no package ships, with random weights: the
@@ -26,9 +26,9 @@ import torch
 from ringserve.options.names import ATTENTION_BACKENDS, DTYPES
 from services.scheduler.config import EngineConfig, SchedulerConfig
 from services.scheduler.engine.engine import Engine
-from services.scheduler.engine.tp import TPGroup
+from services.scheduler.executor.tp import TPGroup
 from services.scheduler.layers.parallel import TensorParallel
-from services.scheduler.engine.req import FinishType, ReqInput, SamplingParams
+from services.scheduler.policy.req import FinishType, ReqInput, SamplingParams
 
 
 # Qwen3-30B-A3B's shape (48 layers, hidden 2048, 32 q / 4 KV heads of 128, 128 experts of

@@ -54,7 +54,7 @@ class GrammarSpec:
     field; ``starts_after`` the token ids after which the grammar applies (a reasoning end
     tag; empty = from the first token) and ``opens_with`` the reasoning's opening tag (the
     output is reasoning only when it opens with it; empty = reasoning from the first token);
-    see ``engine.grammar_gate``. Neither is part of what is compiled."""
+    see ``policy.grammar_gate``. Neither is part of what is compiled."""
 
     kind: str
     text: str
@@ -219,7 +219,7 @@ class XGrammarBackend:
         self.vocab_size, self.eos_ids = vocab_size, eos_ids
         info = xgrammar.TokenizerInfo.from_huggingface(_hf_tokenizer(model_dir), vocab_size=vocab_size,
                                                        stop_token_ids=sorted(eos_ids))
-        # Our own LRU caches compiled grammars (services/scheduler/engine/grammar.py).
+        # Our own LRU caches compiled grammars (services/scheduler/policy/grammar.py).
         self.compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
 
     def compile(self, spec: GrammarSpec) -> Any:

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 import torch
 
 from services.scheduler.config import SCHEDULE_POLICIES
-from services.scheduler.engine.kv_pool import ReqToTokenPool, TokenToKVPool
-from services.scheduler.engine.radix_cache import RadixCache, TreeNode
-from services.scheduler.engine.req import Req
+from services.scheduler.policy.kv_pool import ReqToTokenPool, TokenToKVPool
+from services.scheduler.policy.radix_cache import RadixCache, TreeNode
+from services.scheduler.policy.req import Req
 
 # Beyond this many waiting requests lpm orders first-come-first-served: matching every
 # waiting prompt each step would cost more than it saves (SGLang uses the same cut-off).
@@ -52,7 +52,7 @@ class Plan:
         num_extend: how many of ``reqs`` extend; the rest decode.
         logprob_rows: int64 [R], packed extend token indices whose hidden states the model
             runner keeps in ``logprob_hidden`` ([R, hidden]) for prompt logprobs
-            (engine/prompt_logprobs.py); None when no request asks.
+            (executor/prompt_logprobs.py); None when no request asks.
     """
 
     reqs: list[Req]
@@ -210,7 +210,7 @@ class SchedulePolicy:
         """Cached prefix of prompt + output except the last token -> (KV rows, tree node).
 
         A request that still needs prompt logprobs takes from the cache only the positions
-        before the first one it scores (engine/prompt_logprobs.py): those are recomputed.
+        before the first one it scores (executor/prompt_logprobs.py): those are recomputed.
         """
         if self.tree is None:
             return torch.empty(0, dtype=torch.int64), None

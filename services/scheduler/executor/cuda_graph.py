@@ -22,12 +22,12 @@ import time
 
 import torch
 
-from services.scheduler.engine.device import DeviceRuntime
-from services.scheduler.engine.kv_pool import GIB, ReqToTokenPool, TokenToKVPool
-from services.scheduler.engine.model_runner import FutureIds, StepInputs
-from services.scheduler.engine.schedule import Plan
-from services.scheduler.layers.attention import AttnMetadata, DecodeLayout
+from services.scheduler.attention.paged import AttnMetadata, DecodeLayout
+from services.scheduler.executor.device import DeviceRuntime
+from services.scheduler.executor.model_runner import FutureIds, StepInputs
 from services.scheduler.models.base import CausalLM
+from services.scheduler.policy.kv_pool import GIB, ReqToTokenPool, TokenToKVPool
+from services.scheduler.policy.schedule import Plan
 
 log = logging.getLogger(__name__)
 

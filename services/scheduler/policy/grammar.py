@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from services.scheduler.engine.grammar_backends import GrammarBackend, GrammarError, GrammarSpec
-from services.scheduler.engine.req import FinishReason, FinishType, Req
+from services.scheduler.policy.grammar_backends import GrammarBackend, GrammarError, GrammarSpec
+from services.scheduler.policy.req import FinishReason, FinishType, Req
 
 log = logging.getLogger(__name__)
 

@@ -33,12 +33,12 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from ringserve.options import names
-from services.scheduler.layers.attention import (AttnMetadata, KVBuffers, extend_attention, gather_kv,
-                                                 gather_layouts, paged_attention, store_kv)
+from services.scheduler.attention.paged import (AttnMetadata, KVBuffers, extend_attention, gather_kv,
+                                                gather_layouts, paged_attention, store_kv)
 from services.scheduler.layers.norm import FusedOps
 
 if TYPE_CHECKING:
-    from services.scheduler.engine.device import DeviceRuntime
+    from services.scheduler.executor.device import DeviceRuntime
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class AttentionBackend(ABC):
     # kernel, instead of the model's rotation in torch before ``forward``.
     fuses_rotary: ClassVar[bool] = False
     # Kernel launches depend only on the batch size (no host ints that vary per step):
-    # the decode forward can be captured once per bucket (``engine.cuda_graph``).
+    # the decode forward can be captured once per bucket (``executor.cuda_graph``).
     supports_cuda_graph: ClassVar[bool] = False
     batch_invariant: ClassVar[bool] = False
 
@@ -86,7 +86,7 @@ class AttentionBackend(ABC):
                 then one token per decoding request.
             scale: softmax scale, usually D ** -0.5.
             window: the calling layer's sliding window in tokens, 0 for none: the query at
-                position p attends keys at positions p - window < j <= p (``layers.attention``).
+                position p attends keys at positions p - window < j <= p (``attention.paged``).
             softcap: the layer's attention logit soft-capping ``cap * tanh(s / cap)``, 0 for none.
 
         Returns:
@@ -116,7 +116,7 @@ class AttentionBackend(ABC):
 
 
 class TorchAttnBackend(AttentionBackend):
-    """Gathered K/V, batched matmuls (decode) and SDPA (extend) in the cache dtype, softmax in fp32: ``layers.attention.paged_attention``."""
+    """Gathered K/V, batched matmuls (decode) and SDPA (extend) in the cache dtype, softmax in fp32: ``attention.paged.paged_attention``."""
 
     name = "torch"
 
@@ -131,7 +131,7 @@ class TorchAttnBackend(AttentionBackend):
 
 
 class TritonAttnBackend(AttentionBackend):
-    """The Triton kernels of ``layers.triton_attention``, reading K/V in place through the req-to-token rows
+    """The Triton kernels of ``kernels.triton_attention``, reading K/V in place through the req-to-token rows
     (on CUDA, or on the CPU under Triton's interpreter: ``create_attention_backend`` checks)."""
 
     name = "triton"
@@ -142,7 +142,7 @@ class TritonAttnBackend(AttentionBackend):
         super().__init__(device)
         # Imported here, not at module load: the torch backend must not need triton, and
         # the interpreter choice is made when triton defines the kernels.
-        from services.scheduler.layers import triton_attention
+        from services.scheduler.kernels import triton_attention
 
         self.kernels = triton_attention
 
@@ -173,7 +173,7 @@ class TritonAttnBackend(AttentionBackend):
 
 
 class CpuAttnBackend(AttentionBackend):
-    """The C kernels of ``layers.cpu_kernels``: decode attention reading K/V in place, rotary
+    """The C kernels of ``kernels.cpu_kernels``: decode attention reading K/V in place, rotary
     fused with the K/V store (``fuses_rotary``); extend attention as the torch backend (SDPA
     over gathered rows).
 
@@ -190,7 +190,7 @@ class CpuAttnBackend(AttentionBackend):
 
     def __init__(self, device: torch.device):
         super().__init__(device)
-        from services.scheduler.layers import cpu_kernels
+        from services.scheduler.kernels import cpu_kernels
 
         # Build (or find) and load it now: errors at start-up, not at the first step.
         self.library = cpu_kernels.library()

@@ -177,7 +177,7 @@ def kv_pool_tokens(bytes_per_token: int, max_total_tokens: int | None, kv_cache_
         max_total_tokens: an explicit size in tokens (``--max-total-tokens``).
         kv_cache_gib: a size in GiB (``--kv-cache-gib``).
         default_bytes: otherwise this many bytes (the device runtime's budget, see
-            ``engine.device``); ``default_source`` says where the figure came from, for the error.
+            ``executor.device``); ``default_source`` says where the figure came from, for the error.
 
     Raises:
         ValueError: the size comes to less than one token.

@@ -10,7 +10,7 @@ from the plan, so the forward never reads the device.
 
 That packed tensor and those host ints (a ``StepBatch``) are the whole step: under tensor
 parallelism rank 0 hands them to ``broadcast`` before running them, and every other rank
-runs the same ``execute`` on its shard (``engine.tp``).
+runs the same ``execute`` on its shard (``executor.tp``).
 """
 
 from __future__ import annotations
@@ -20,21 +20,21 @@ from dataclasses import dataclass
 
 import torch
 
-from services.scheduler.engine.device import DeviceRuntime
-from services.scheduler.engine.kv_pool import ReqToTokenPool, TokenToKVPool
-from services.scheduler.engine.req import Req
-from services.scheduler.engine.schedule import Plan
-from services.scheduler.layers.attention import AttnMetadata, DecodeLayout, ExtendLayout
+from services.scheduler.attention.paged import AttnMetadata, DecodeLayout, ExtendLayout
+from services.scheduler.executor.device import DeviceRuntime
 from services.scheduler.models.base import CausalLM
+from services.scheduler.policy.kv_pool import ReqToTokenPool, TokenToKVPool
+from services.scheduler.policy.req import Req
+from services.scheduler.policy.schedule import Plan
 
 
 class ModelRunner:
-    """Executes plans against one model and its KV cache (``engine.build.build_stack`` makes it,
+    """Executes plans against one model and its KV cache (``executor.build.build_stack`` makes it,
     the model's linears already packed and made batch-invariant as the runtime decided).
 
     Args:
         runtime: the device runtime (default: the plain one for the model's device).
-        graph_runner: runs decode-only steps from static buffers (``engine.cuda_graph``),
+        graph_runner: runs decode-only steps from static buffers (``executor.cuda_graph``),
             or None to run every step as it comes.
         batch_invariant: deterministic inference: every extend token attends as a decode
             query (``ExtendLayout.token_seq_lens``); the model's backend must be

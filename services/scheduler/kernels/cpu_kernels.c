@@ -1,4 +1,4 @@
-/* CPU kernels of the scheduler's "cpu" attention backend (layers/cpu_kernels.py builds and
+/* CPU kernels of the scheduler's "cpu" attention backend (kernels/cpu_kernels.py builds and
  * loads this file; see its docstring for shapes, dtypes and numerics).
  *
  * - rs_decode_attention: one query per request over its keys, read in place from the

@@ -1,4 +1,4 @@
-"""Detokenizer benchmark: ``python -m services.detokenizer.bench --cache-dir DIR`` (make bench-detok).
+"""Detokenizer benchmark: ``.venv/bin/python bench/detokenizer.py --cache-dir DIR`` (make bench-detok).
 
 Per vocabulary (SmolLM2, Qwen2.5, Gemma 3, and Gemma 3 with a Llama-2-style ``Strip``
 decoder, which only the offset path serves): 256 concurrent streams x 512 output tokens of

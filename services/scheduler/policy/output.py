@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.scheduler.engine.req import FinishReason, Req
+from services.scheduler.policy.req import FinishReason, Req
 
 # Prompt ids sent with a rid's first row: enough decode context for the detokenizer to
 # render the first output token's leading space / partial character correctly.

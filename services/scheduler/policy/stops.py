@@ -23,7 +23,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from ringserve.modelfacts import eos_token_ids
-from services.scheduler.engine.req import FinishReason, FinishType, Req
+from services.scheduler.policy.req import FinishReason, FinishType, Req
 
 # Every token decodes to at least one byte, so a stop string of B UTF-8 bytes lies within
 # the last B tokens (a CJK character or an emoji takes 2-4 byte-level tokens: counting

@@ -3,7 +3,7 @@
 Rank 0 runs the whole scheduler: gRPC, planning, the KV pool's accounting, the prefix cache,
 sampling. Ranks > 0 run ``worker_main``: they load their shard, size their KV pool as rank 0
 says (``PoolShape``: every rank holds the same rows, each for its own heads) and then run
-every step rank 0 broadcasts -- the packed ``StepBatch`` of ``engine.model_runner``, whose
+every step rank 0 broadcasts -- the packed ``StepBatch`` of ``executor.model_runner``, whose
 req-to-token writes keep their table equal to rank 0's -- taking part in the forward's
 collectives. They hold no request state: their pools' free lists never move.
 
@@ -36,10 +36,10 @@ import torch.distributed as dist
 
 from ringserve.ports import free_port
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.engine.build import PoolShape, build_stack, load_engine_model
-from services.scheduler.engine.device import create_runtime, rank_device, resolve_device
-from services.scheduler.engine.model_runner import ModelRunner, StepBatch
-from services.scheduler.engine.prompt_logprobs import LOGITS_SLICE
+from services.scheduler.executor.build import PoolShape, build_stack, load_engine_model
+from services.scheduler.executor.device import create_runtime, rank_device, resolve_device
+from services.scheduler.executor.model_runner import ModelRunner, StepBatch
+from services.scheduler.executor.prompt_logprobs import LOGITS_SLICE
 from services.scheduler.layers.parallel import RankFailure, TensorParallel, init_tensor_parallel
 from services.scheduler.models import check_tensor_parallel
 

@@ -31,7 +31,7 @@ def interpreted() -> bool:
 
 
 # num_pairs (T * K) changes every step and only bounds the row mask: not specialized on (see
-# ``layers.triton_batch_invariant``'s GEMM).
+# ``kernels.triton_batch_invariant``'s GEMM).
 @triton.jit(do_not_specialize=["num_pairs"])
 def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, w_ptr, sorted_ptr, expert_ptr, num_rows_ptr, N, K, num_pairs,
                          stride_am, stride_be, stride_bn, stride_cm,
@@ -99,7 +99,7 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, layout: tuple[torch.Tensor, t
         a, b, out, sorted_ids if weights is None else weights, sorted_ids, block_experts, num_rows, n, kdim, num_pairs,
         a.stride(0), b.stride(0), b.stride(1), out.stride(0),
         TOP_K=top_k, MUL_WEIGHT=weights is not None,
-        # The interpreter's tl.dot multiplies 16-bit floats as raw bits (see layers.triton_attention).
+        # The interpreter's tl.dot multiplies 16-bit floats as raw bits (see kernels.triton_attention).
         UPCAST=interpreted() and a.dtype != torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
     return out
 

@@ -10,7 +10,7 @@ the tokenizer and the gateway refuse with.
 from __future__ import annotations
 
 from ringserve import sampling_params as table
-from services.scheduler.engine.req import ReqInput
+from services.scheduler.policy.req import ReqInput
 
 # Checked below against what the engine can do (0 new tokens only to score the prompt).
 _OWN_CHECKS = frozenset({"max_new_tokens", "min_new_tokens"})

@@ -14,8 +14,8 @@ import torch
 
 from ringserve import sampling_params as table
 
-from services.scheduler.engine.grammar_backends import GrammarSpec, Matcher
-from services.scheduler.engine.grammar_gate import GrammarGate
+from services.scheduler.policy.grammar_backends import GrammarSpec, Matcher
+from services.scheduler.policy.grammar_gate import GrammarGate
 
 
 class FinishType(enum.IntEnum):
@@ -121,7 +121,7 @@ class Req:
             position ``max(1, logprob_start_len)`` on, sent with the first sampled token.
         grammar: the constraint's matcher once compiled (None when unconstrained); it
             advances with every output token and survives retraction with them.
-        gate: where the grammar applies (``engine.grammar_gate``); grammar_param the
+        gate: where the grammar applies (``policy.grammar_gate``); grammar_param the
             request field of the constraint, named in its errors.
     """
 

@@ -44,11 +44,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from services.scheduler.engine.kv_pool import GIB, available_memory_bytes, kv_pool_tokens
+from services.scheduler.policy.kv_pool import GIB, available_memory_bytes, kv_pool_tokens
 
 if TYPE_CHECKING:
+    from services.scheduler.attention.backends import AttentionBackend
     from services.scheduler.config import EngineConfig
-    from services.scheduler.layers.attention_backend import AttentionBackend
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ class DeviceRuntime:
         in its interpreter (``TRITON_INTERPRET=1`` set before triton defines the kernels)."""
         if name != "triton":
             return None
-        from services.scheduler.layers import triton_attention  # the interpreter choice is made at import
+        from services.scheduler.kernels import triton_attention  # the interpreter choice is made at import
 
         if triton_attention.interpreted():
             return None
@@ -256,8 +256,8 @@ class CudaRuntime(DeviceRuntime):
         return False
 
     def fused_experts(self):
-        """The Triton grouped GEMM (``layers.triton_moe``)."""
-        from services.scheduler.layers import triton_moe  # triton only where it runs
+        """The Triton grouped GEMM (``kernels.triton_moe``)."""
+        from services.scheduler.kernels import triton_moe  # triton only where it runs
 
         return triton_moe.fused_experts
 

@@ -27,10 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
-from services.scheduler.engine.device import DeviceRuntime
-from services.scheduler.engine.req import Req
-from services.scheduler.engine.schedule import Plan
+from services.scheduler.executor.device import DeviceRuntime
 from services.scheduler.models.base import CausalLM
+from services.scheduler.policy.req import Req
+from services.scheduler.policy.schedule import Plan
 
 LOGITS_SLICE = 256
 
