@@ -8,8 +8,10 @@ one without (32, the portable loop), plain and with a sliding window and soft-ca
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -137,6 +139,27 @@ def test_library_is_built_once_into_the_cache(tmp_path, monkeypatch):
     mtime = path.stat().st_mtime_ns
     assert cpu_kernels.build() == path and path.stat().st_mtime_ns == mtime
     assert sorted(p.name for p in path.parent.iterdir()) == [path.name]  # no temporary left behind
+
+
+def test_every_source_file_keys_the_library_and_every_c_file_is_in_it(tmp_path, monkeypatch):
+    """One library per content of every file of ``cpu/`` (a header's too), built from all of its ``.c`` files."""
+    monkeypatch.setenv("RINGSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    src = tmp_path / "cpu"
+    shutil.copytree(cpu_kernels.SOURCE_DIR, src)
+    monkeypatch.setattr(cpu_kernels, "SOURCE_DIR", src)
+    names = [p.name for p in cpu_kernels.sources()]
+    assert names == ["attention.c", "common.h", "elementwise.c", "int8.c"]
+    paths = [cpu_kernels.library_path()]
+    for name in names:
+        with open(src / name, "a") as f:
+            f.write("/* edited */\n")
+        paths.append(cpu_kernels.library_path())
+    assert len(set(paths)) == len(names) + 1
+    lib = ctypes.CDLL(str(cpu_kernels.build()))
+    assert cpu_kernels.build() == paths[-1]
+    for symbol in ("rs_decode_attention", "rs_rotary_store", "rs_add_rms_norm", "rs_silu_and_mul", "rs_int8_linear",
+                   "rs_int8_available", "rs_w8_bf16_available"):
+        assert hasattr(lib, symbol), symbol
 
 
 def test_a_missing_compiler_is_named(monkeypatch, tmp_path):

@@ -1,6 +1,7 @@
 """Kernels: how an op is computed on a device, with the Python that builds, loads or launches it.
 
-- ``cpu_kernels.c`` and ``cpu_kernels``, which compiles it into the kernel cache and wraps its
+- ``cpu/`` (C: ``common.h``, ``attention.c``, ``elementwise.c``, ``int8.c``) and
+  ``cpu_kernels``, which compiles them into one library in the kernel cache and wraps its
   entry points (the ``cpu`` attention backend's kernels, the int8 linears' GEMMs).
 - ``triton_attention``, ``triton_moe``, ``triton_batch_invariant``: the Triton kernels of the
   CUDA path (paged attention, the fused-MoE grouped GEMM, the batch-invariant GEMM and

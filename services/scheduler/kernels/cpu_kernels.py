@@ -1,9 +1,11 @@
-"""The scheduler's C kernels for CPU (``cpu_kernels.c``), built on first use and called through ctypes.
+"""The scheduler's C kernels for CPU (``kernels/cpu/``), built on first use and called through ctypes.
 
 Why: a decode step on CPU is ~30 small ops per layer around four matmuls. At batch 1 their
 per-op overhead was ~9 ms of a 32 ms step (one core); at batch 64 the torch decode
 attention gathered every request's K/V rows into a copy before two matmuls read it, ~30 %
-of the step. Four kernels replace them (``cpu_kernels.c`` has the algorithms):
+of the step. Four kernels replace them (``cpu/attention.c`` and ``cpu/elementwise.c`` have the
+algorithms; ``cpu/int8.c`` holds the int8 linears of ``layers.quant``, ``cpu/common.h`` what
+they share):
 
 - ``decode_attention``: reads each request's K/V rows in place in the paged pool.
 - ``rotary_store``: rotary on q and k of the fused qkv output, k and v into the pool.
@@ -15,11 +17,11 @@ replace round (bit-identical, up to the order of RMSNorm's fp32 sum); decode att
 keeps scores, probabilities and the value sum in fp32 and rounds once, at its output
 (the torch path rounds scores and probabilities to bf16 between its matmuls).
 
-Build: ``$CC`` (default ``cc``) with ``-O3 -march=native -fopenmp``, once per source,
-compiler and CPU, into ``$RINGSERVE_CACHE_DIR/kernels`` (default
-``~/.cache/ringserve/kernels``); about a second. The library shares torch's OpenMP
-runtime (torch loads ``libgomp.so.1`` first), so its parallel loops use the calling
-thread's torch thread count. ctypes releases the GIL during each call.
+Build: ``$CC`` (default ``cc``) with ``-O3 -march=native -fopenmp``, the ``.c`` files of
+``cpu/`` into one library, once per source (every file of ``cpu/``), compiler and CPU, into
+``$RINGSERVE_CACHE_DIR/kernels`` (default ``~/.cache/ringserve/kernels``); about a second.
+The library shares torch's OpenMP runtime (torch loads ``libgomp.so.1`` first), so its
+parallel loops use the calling thread's torch thread count. ctypes releases the GIL during each call.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+SOURCE_DIR = Path(__file__).with_name("cpu")  # the .c files compile into one library; .h files they include
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared"]
 
 
@@ -65,20 +67,27 @@ def _compiler() -> str:
     return os.environ.get("CC", "cc")
 
 
+def sources() -> list[Path]:
+    """The C sources and headers of ``SOURCE_DIR``, by name: all of them key the library."""
+    return sorted(p for p in SOURCE_DIR.iterdir() if p.suffix in (".c", ".h"))
+
+
 def library_path() -> Path:
-    """The built library for this source, compiler, flags and CPU (``-march=native`` code
-    runs only on CPUs with the builder's instruction sets)."""
+    """The built library for this source (every file of ``sources``, names and contents),
+    compiler, flags and CPU (``-march=native`` code runs only on CPUs with the builder's
+    instruction sets)."""
     try:
         version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise KernelBuildError(f"C compiler {_compiler()!r} not usable ({exc}); install gcc or set CC, "
                                "or run with --attention-backend torch") from exc
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(CFLAGS), cpu_flags()]).encode())
+    source = "\0".join(f"{p.name}\0{p.read_text()}" for p in sources())
+    key = hashlib.sha256("\0".join([source, version, " ".join(CFLAGS), cpu_flags()]).encode())
     return cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
 
 
 def build() -> Path:
-    """Compile ``cpu_kernels.c`` unless the library for it is already built; returns its path.
+    """Compile ``cpu/*.c`` into one library unless it is already built; returns its path.
 
     Raises:
         KernelBuildError: no usable compiler, or compilation failed (compiler output included).
@@ -88,7 +97,7 @@ def build() -> Path:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    cmd = [_compiler(), *CFLAGS, "-o", str(tmp), str(SOURCE), "-lm"]
+    cmd = [_compiler(), *CFLAGS, "-o", str(tmp), *(str(p) for p in sources() if p.suffix == ".c"), "-lm"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
         tmp.unlink(missing_ok=True)

@@ -1,0 +1,250 @@
+/* Attention kernels of the scheduler's "cpu" attention backend (common.h: the helpers and
+ * the conventions every kernel follows).
+ *
+ * - rs_decode_attention: one query per request over its keys, read in place from the
+ *   token-granular paged KV pool through the request's row of KV indices (no gathered
+ *   copy), grouped-query heads sharing each K/V row, scores and softmax in fp32 (the
+ *   two-pass form: scores, then max-subtracted exp and the value sum); optionally a
+ *   sliding window (only the last `window` keys of each request are read) and attention
+ *   logit soft-capping (cap * tanh(s / cap), Gemma 2).
+ * - rs_rotary_store: rotary embedding of the q and k heads of a fused qkv row (the
+ *   rotate_half form of Llama checkpoints), q to its output, k and v into the pool rows.
+ *
+ * Attention keeps its intermediates in fp32 (explicit fmaf) and rounds only its output;
+ * rs_rotary_store rounds to bf16 where the torch reference rounds, as the element-wise
+ * kernels do (elementwise.c).
+ */
+#include "common.h"
+
+/* Soft-capping of n scores in place: cap * tanh(s / cap) (cap > 0). */
+static void soft_cap(float *s, int64_t n, float cap) {
+    for (int64_t i = 0; i < n; i++) s[i] = cap * tanhf(s[i] / cap);
+}
+
+/* Attention of one (request, KV head): G query heads against L keys at rows idx[0..L-1].
+ * qf: [G, D] fp32, pre-scaled; scores: [G, L] scratch; acc: [G, D] scratch; out rows of
+ * the G heads at out_row (stride D elements). */
+#define DEFINE_DECODE_ONE(NAME, T, LD)                                                             \
+    static void NAME(const float *qf, const T *k, const T *v, const int64_t *idx, int64_t L,       \
+                     int64_t row_stride, int64_t G, int64_t D, float *scores, float *acc,          \
+                     void *out_row, float softcap, int is_bf16) {                                  \
+        for (int64_t j = 0; j < L; j++) {                                                          \
+            const T *kr = k + idx[j] * row_stride;                                                 \
+            if (j + 4 < L) __builtin_prefetch(k + idx[j + 4] * row_stride);                        \
+            for (int64_t g = 0; g < G; g++) {                                                      \
+                const float *qg = qf + g * D;                                                      \
+                float part[LANES] = {0};                                                           \
+                int64_t d = 0;                                                                     \
+                for (; d + LANES <= D; d += LANES)                                                 \
+                    for (int l = 0; l < LANES; l++) part[l] = fmaf(qg[d + l], LD(kr[d + l]), part[l]); \
+                for (int l = 0; d < D; d++, l++) part[l] = fmaf(qg[d], LD(kr[d]), part[l]);        \
+                scores[g * L + j] = sum_lanes(part);                                               \
+            }                                                                                      \
+        }                                                                                          \
+        if (softcap > 0.0f) soft_cap(scores, G * L, softcap);                                      \
+        float sums[G];                                                                             \
+        for (int64_t g = 0; g < G; g++) {                                                          \
+            float *sg = scores + g * L;                                                            \
+            float m = -INFINITY;                                                                   \
+            for (int64_t j = 0; j < L; j++) m = sg[j] > m ? sg[j] : m;                             \
+            float part[LANES] = {0};                                                               \
+            for (int64_t j = 0; j < L; j++) {                                                      \
+                sg[j] = exp_f32(sg[j] - m);                                                        \
+                part[j % LANES] += sg[j];                                                          \
+            }                                                                                      \
+            sums[g] = sum_lanes(part);                                                             \
+        }                                                                                          \
+        memset(acc, 0, sizeof(float) * G * D);                                                     \
+        for (int64_t j = 0; j < L; j++) {                                                          \
+            const T *vr = v + idx[j] * row_stride;                                                 \
+            if (j + 4 < L) __builtin_prefetch(v + idx[j + 4] * row_stride);                        \
+            for (int64_t g = 0; g < G; g++) {                                                      \
+                float p = scores[g * L + j];                                                       \
+                float *ag = acc + g * D;                                                           \
+                _Pragma("omp simd") for (int64_t d = 0; d < D; d++) ag[d] = fmaf(p, LD(vr[d]), ag[d]); \
+            }                                                                                      \
+        }                                                                                          \
+        for (int64_t g = 0; g < G; g++) {                                                          \
+            float inv = 1.0f / sums[g];                                                            \
+            for (int64_t d = 0; d < D; d++) store(out_row, g * D + d, acc[g * D + d] * inv, is_bf16); \
+        }                                                                                          \
+    }
+
+#define LOAD_F32(x) (x)
+DEFINE_DECODE_ONE(decode_one_bf16, bf16_t, bf16_to_f32)
+DEFINE_DECODE_ONE(decode_one_f32, float, LOAD_F32)
+
+#if HAVE_AVX512
+/* softmax numerator in place over s[0..L-1]: exp(s - max); returns the sum. */
+static inline float exp_minus_max(float *s, int64_t L) {
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    int64_t j = 0;
+    for (; j + 16 <= L; j += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + j));
+    float m = _mm512_reduce_max_ps(mv);
+    for (; j < L; j++) m = s[j] > m ? s[j] : m;
+    const __m512 mm = _mm512_set1_ps(m);
+    __m512 sv = _mm512_setzero_ps();
+    for (j = 0; j < L; j += 16) {
+        const __mmask16 k = L - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (L - j)) - 1);
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), mm));
+        _mm512_mask_storeu_ps(s + j, k, e);
+        sv = _mm512_add_ps(sv, _mm512_maskz_mov_ps(k, e));
+    }
+    return _mm512_reduce_add_ps(sv);
+}
+
+/* decode_one_* with AVX-512 registers; D is a constant at each call (64, 128 or 256), so
+ * the loops over D unroll and the value sums stay in registers. */
+static inline __attribute__((always_inline)) void decode_one_avx512(
+    const float *qf, const char *k, const char *v, const int64_t *idx, int64_t L, int64_t row_bytes,
+    int64_t G, const int64_t D, float *scores, void *out_row, float softcap, int is_bf16) {
+    const int64_t nv = D / 16, es = is_bf16 ? 2 : 4;
+    for (int64_t j = 0; j < L; j++) {
+        const char *kr = k + idx[j] * row_bytes;
+        if (j + 6 < L) {
+            const char *next = k + idx[j + 6] * row_bytes;
+            for (int64_t c = 0; c < D * es; c += 64) __builtin_prefetch(next + c);
+        }
+        __m512 kv[16];
+#pragma GCC unroll 16
+        for (int64_t c = 0; c < nv; c++) kv[c] = load16(kr + c * 16 * es, is_bf16);
+        for (int64_t g = 0; g < G; g++) {
+            const float *qg = qf + g * D;
+            __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qg), kv[0]);
+#pragma GCC unroll 16
+            for (int64_t c = 1; c < nv; c++) a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + c * 16), kv[c], a);
+            scores[g * L + j] = _mm512_reduce_add_ps(a);
+        }
+    }
+    if (softcap > 0.0f) soft_cap(scores, G * L, softcap);
+    for (int64_t g = 0; g < G; g++) {
+        float *sg = scores + g * L;
+        const float inv = 1.0f / exp_minus_max(sg, L);
+        __m512 acc[16];
+#pragma GCC unroll 16
+        for (int64_t c = 0; c < nv; c++) acc[c] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < L; j++) {
+            const char *vr = v + idx[j] * row_bytes;
+            if (g == 0 && j + 6 < L) {
+                const char *next = v + idx[j + 6] * row_bytes;
+                for (int64_t c = 0; c < D * es; c += 64) __builtin_prefetch(next + c);
+            }
+            const __m512 p = _mm512_set1_ps(sg[j]);
+#pragma GCC unroll 16
+            for (int64_t c = 0; c < nv; c++) acc[c] = _mm512_fmadd_ps(p, load16(vr + c * 16 * es, is_bf16), acc[c]);
+        }
+        float res[256];
+#pragma GCC unroll 16
+        for (int64_t c = 0; c < nv; c++) _mm512_storeu_ps(res + c * 16, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv)));
+        for (int64_t d = 0; d < D; d++) store(out_row, g * D + d, res[d], is_bf16);
+    }
+}
+#endif
+
+/* q: [B, Hq, D]; k_buf, v_buf: [N, Hkv, D]; kv_indices: int64 [R, idx_stride]; rows: int64
+ * [B], the row of kv_indices that query b reads, or NULL for row b (R = B); the first
+ * seq_lens[b] entries of that row are used, clamped to idx_stride; seq_lens: int64 [B]; a
+ * query with no keys gets zeros; out: [B, Hq, D]. Query head h*G+g uses KV head h
+ * (G = Hq / Hkv). window > 0: only the last `window` of those keys (the query sits at
+ * position seq_len - 1 and sees positions > seq_len - 1 - window); softcap > 0: scores
+ * become softcap * tanh(score / softcap) before the softmax. Each query's result depends
+ * only on its own q, keys and values (one thread computes it, in a fixed order): with
+ * ``rows`` the extend part of a step runs through this kernel too, so a token's attention
+ * is the same whether it is decoded, prefilled, prefilled in another chunk or batched with
+ * other requests. */
+void rs_decode_attention(const void *q, const void *k_buf, const void *v_buf, const int64_t *kv_indices,
+                         int64_t idx_stride, const int64_t *rows, const int64_t *seq_lens, void *out, int64_t B,
+                         int64_t Hq, int64_t Hkv, int64_t D, float scale, int64_t window, float softcap,
+                         int is_bf16) {
+    const int64_t max_len = idx_stride;
+    const int64_t G = Hq / Hkv;
+    const int64_t es = is_bf16 ? 2 : 4;
+#pragma omp parallel if (B * Hkv > 1)
+    {
+        float *qf = malloc(sizeof(float) * G * D);
+        float *acc = malloc(sizeof(float) * G * D);
+        float *scores = malloc(sizeof(float) * G * (max_len > 0 ? max_len : 1));
+#pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int64_t b = 0; b < B; b++) {
+            for (int64_t h = 0; h < Hkv; h++) {
+                int64_t L = seq_lens[b] < max_len ? seq_lens[b] : max_len;
+                const int64_t first = window > 0 && L > window ? L - window : 0;
+                L -= first;
+                const int64_t head0 = b * Hq + h * G;
+                if (L <= 0) {
+                    memset((char *)out + head0 * D * es, 0, G * D * es);
+                    continue;
+                }
+                for (int64_t e = 0; e < G * D; e++) qf[e] = load(q, head0 * D + e, is_bf16) * scale;
+                const int64_t *idx = kv_indices + (rows ? rows[b] : b) * idx_stride + first;
+                char *out_row = (char *)out + head0 * D * es;
+#if HAVE_AVX512
+                const char *kh = (const char *)k_buf + h * D * es, *vh = (const char *)v_buf + h * D * es;
+                if (D == 64 && is_bf16) {
+                    decode_one_avx512(qf, kh, vh, idx, L, Hkv * D * es, G, 64, scores, out_row, softcap, 1);
+                    continue;
+                } else if (D == 64) {
+                    decode_one_avx512(qf, kh, vh, idx, L, Hkv * D * es, G, 64, scores, out_row, softcap, 0);
+                    continue;
+                } else if (D == 128 && is_bf16) {
+                    decode_one_avx512(qf, kh, vh, idx, L, Hkv * D * es, G, 128, scores, out_row, softcap, 1);
+                    continue;
+                } else if (D == 128) {
+                    decode_one_avx512(qf, kh, vh, idx, L, Hkv * D * es, G, 128, scores, out_row, softcap, 0);
+                    continue;
+                } else if (D == 256 && is_bf16) {
+                    decode_one_avx512(qf, kh, vh, idx, L, Hkv * D * es, G, 256, scores, out_row, softcap, 1);
+                    continue;
+                } else if (D == 256) {
+                    decode_one_avx512(qf, kh, vh, idx, L, Hkv * D * es, G, 256, scores, out_row, softcap, 0);
+                    continue;
+                }
+#endif
+                if (is_bf16)
+                    decode_one_bf16(qf, (const bf16_t *)k_buf + h * D, (const bf16_t *)v_buf + h * D, idx, L,
+                                    Hkv * D, G, D, scores, acc, out_row, softcap, 1);
+                else
+                    decode_one_f32(qf, (const float *)k_buf + h * D, (const float *)v_buf + h * D, idx, L,
+                                   Hkv * D, G, D, scores, acc, out_row, softcap, 0);
+            }
+        }
+        free(qf);
+        free(acc);
+        free(scores);
+    }
+}
+
+/* qkv: [T, qkv_stride] rows holding Hq q heads, Hkv k heads, Hkv v heads of D elements;
+ * cos, sin: [T, D]; loc: int64 [T] pool rows; q_out: [T, Hq, D]; k_buf, v_buf: [N, Hkv, D].
+ * Per element, as the torch reference: round(round(x * cos) + round(rotate_half(x) * sin)). */
+void rs_rotary_store(const void *qkv, int64_t qkv_stride, const void *cos, const void *sin, const int64_t *loc,
+                     void *q_out, void *k_buf, void *v_buf, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
+                     int is_bf16) {
+    const int64_t half = D / 2;
+    const int64_t es = is_bf16 ? 2 : 4;
+#pragma omp parallel for if (T > 16)
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t row = t * qkv_stride;
+        for (int64_t head = 0; head < Hq + Hkv; head++) {
+            const int64_t x0 = row + head * D;
+            void *dst;
+            int64_t o;
+            if (head < Hq) {
+                dst = q_out;
+                o = (t * Hq + head) * D;
+            } else {
+                dst = k_buf;
+                o = (loc[t] * Hkv + head - Hq) * D;
+            }
+            for (int64_t d = 0; d < D; d++) {
+                float x = load(qkv, x0 + d, is_bf16);
+                float rh = d < half ? -load(qkv, x0 + d + half, is_bf16) : load(qkv, x0 + d - half, is_bf16);
+                float a = round_to(x * load(cos, t * D + d, is_bf16), is_bf16);
+                float b = round_to(rh * load(sin, t * D + d, is_bf16), is_bf16);
+                store(dst, o + d, a + b, is_bf16);
+            }
+        }
+        memcpy((char *)v_buf + loc[t] * Hkv * D * es, (const char *)qkv + (row + (Hq + Hkv) * D) * es,
+               Hkv * D * es);
+    }
+}

@@ -1,0 +1,80 @@
+/* Element-wise kernels of the scheduler's "cpu" attention backend, which the model runs in
+ * place of its norms and activation (common.h: the helpers and conventions).
+ *
+ * - rs_add_rms_norm: optional residual add, then RMSNorm (Zhang & Sennrich 2019).
+ * - rs_silu_and_mul: SiLU(gate) * up over a fused gate/up row.
+ *
+ * They round to bf16 exactly where the torch reference rounds (each torch op rounds its
+ * result), so they give the torch path's bits.
+ */
+#include "common.h"
+
+/* x, out: [T, H]; residual: [T, H] or NULL; weight: [H]. With a residual: residual =
+ * round(residual + x) in place, then normalize it; without: normalize x. out =
+ * round(weight * round(v * rsqrt(mean(v^2) + eps))), v in fp32: transformers' LlamaRMSNorm. */
+void rs_add_rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t T, int64_t H,
+                     float eps, int is_bf16) {
+#pragma omp parallel if (T > 16)
+    {
+        float *v = malloc(sizeof(float) * H);
+#pragma omp for
+        for (int64_t t = 0; t < T; t++) {
+            const int64_t o = t * H;
+            if (residual) {
+                for (int64_t i = 0; i < H; i++) {
+                    v[i] = round_to(load(residual, o + i, is_bf16) + load(x, o + i, is_bf16), is_bf16);
+                    store(residual, o + i, v[i], is_bf16);
+                }
+            } else {
+                for (int64_t i = 0; i < H; i++) v[i] = load(x, o + i, is_bf16);
+            }
+            float part[LANES] = {0};
+            int64_t i = 0;
+            for (; i + LANES <= H; i += LANES)
+                for (int l = 0; l < LANES; l++) part[l] += v[i + l] * v[i + l];
+            for (int l = 0; i < H; i++, l++) part[l] += v[i] * v[i];
+            const float ss = sum_lanes(part);
+            const float inv = 1.0f / sqrtf(ss / (float)H + eps);
+            for (int64_t i = 0; i < H; i++)
+                store(out, o + i, load(weight, i, is_bf16) * round_to(v[i] * inv, is_bf16), is_bf16);
+        }
+        free(v);
+    }
+}
+
+/* gate_up: [T, 2I] (gate then up); out: [T, I] = round(round(silu(gate)) * up). */
+void rs_silu_and_mul(const void *gate_up, void *out, int64_t T, int64_t I, int is_bf16) {
+#pragma omp parallel for if (T > 16)
+    for (int64_t t = 0; t < T; t++) {
+        if (is_bf16) {
+            const bf16_t *g = (const bf16_t *)gate_up + t * 2 * I, *u = g + I;
+            bf16_t *o = (bf16_t *)out + t * I;
+            int64_t i = 0;
+#if HAVE_AVX512
+            for (; i + 16 <= I; i += 16) {
+                const __m512 x = load16((const char *)(g + i), 1);
+                const __m512 sl = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+                const __m512 sr = _mm512_castsi512_ps(round_bf16_512(sl));
+                store16_bf16(o + i, round_bf16_512(_mm512_mul_ps(sr, load16((const char *)(u + i), 1))));
+            }
+#endif
+            for (; i < I; i++) {
+                float x = bf16_to_f32(g[i]);
+                float s = bf16_to_f32(f32_to_bf16(x / (1.0f + exp_f32(-x))));
+                o[i] = f32_to_bf16(s * bf16_to_f32(u[i]));
+            }
+        } else {
+            const float *g = (const float *)gate_up + t * 2 * I, *u = g + I;
+            float *o = (float *)out + t * I;
+            int64_t i = 0;
+#if HAVE_AVX512
+            for (; i + 16 <= I; i += 16) {
+                const __m512 x = _mm512_loadu_ps(g + i);
+                const __m512 sl = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+                _mm512_storeu_ps(o + i, _mm512_mul_ps(sl, _mm512_loadu_ps(u + i)));
+            }
+#endif
+            for (; i < I; i++) o[i] = g[i] / (1.0f + exp_f32(-g[i])) * u[i];
+        }
+    }
+}

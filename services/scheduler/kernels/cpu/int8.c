@@ -1,0 +1,323 @@
+/* int8 linears (layers/quant.py): per-output-channel symmetric int8 weights, run either as
+ * W8A8 (activations quantized per token on the fly, VNNI u8 x s8 dot products summed
+ * exactly in int32) or weight-only (int8 weights widened to fp32, fp32 FMAs against the
+ * activations as they are). Both read one packed layout, VNNI's blocks interleaved by four:
+ * for each group of 64 output channels (4 blocks of 16), for each group of 4 input channels,
+ * the 4 blocks' 16 x 4 bytes (channel-major), i.e. w_packed[Np/64][Kp/4][4][16][4], N and K
+ * zero-padded to multiples of 64 and 4: a thread's weights are one sequential stream.
+ *
+ * W8A8 (the dynamic per-token scheme of LLM.int8()'s vector-wise quantization without the
+ * outlier split, Dettmers et al. 2022; SmoothQuant's W8A8 kernels, Xiao et al. 2023): a row
+ * x is quantized to q = round(x * 127 / amax(|x|)) and stored as u8 q + 128 (vpdpbusd
+ * multiplies unsigned by signed bytes), so the int32 dot product carries 128 * sum_k w[n,k],
+ * which comp[n] holds and the epilogue subtracts: y[m,n] = (acc - comp[n]) * w_scale[n] *
+ * x_scale[m] + bias[n]. The int32 sum is exact, so a row's output does not depend on the
+ * batch, the tile or the thread: W8A8 is batch-invariant by construction.
+ */
+#include "common.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define HAVE_INT8 1
+#else
+#define HAVE_INT8 0
+#endif
+
+int rs_int8_available(void) { return HAVE_INT8; }
+
+#if HAVE_INT8
+#define MR_MAX 8
+#define NR_MAX 4
+/* Weights below this many bytes run on one thread (a parallel region costs more than reading them). */
+#ifndef INT8_PARALLEL_BYTES
+#define INT8_PARALLEL_BYTES 65536
+#endif
+
+/* Block b's 64 bytes of input channels 0..3 (the next 4 are 256 bytes on). */
+static inline const int8_t *int8_block(const int8_t *wp, int64_t Kp, int64_t b) {
+    return wp + (b >> 2) * Kp * 64 + (b & 3) * 64;
+}
+
+/* acc[i][j] = sum over k of xq[i][k] * w block j, for MR rows and NR 16-channel blocks of
+ * one group (w: the first block's, ``int8_block``). */
+static inline __attribute__((always_inline)) void int8_tile(const uint8_t *xq, int64_t ldx, const int8_t *w,
+                                                           int64_t K4, const int MR, const int NR,
+                                                           __m512i acc[MR_MAX][NR_MAX]) {
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_si512();
+    for (int64_t k = 0; k < K4; k++) {
+        __m512i wv[NR_MAX];
+        _mm_prefetch((const char *)(w + (k + 8) * 256), _MM_HINT_T0);
+        for (int j = 0; j < NR; j++) wv[j] = _mm512_loadu_si512((const void *)(w + j * 64 + k * 256));
+        for (int i = 0; i < MR; i++) {
+            int32_t a4;
+            memcpy(&a4, xq + i * ldx + k * 4, 4);
+            const __m512i a = _mm512_set1_epi32(a4);
+            for (int j = 0; j < NR; j++) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], a, wv[j]);
+        }
+    }
+}
+
+/* 16 outputs of row m from channel n0 on: y = float(acc - comp) * ws * xs + bias, masked to N. */
+static inline __attribute__((always_inline)) void int8_store(__m512 y, void *out, int64_t m, int64_t ldo, int64_t n0,
+                                                            int64_t N, int is_bf16) {
+    const __mmask16 mask = N - n0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n0)) - 1u);
+    if (is_bf16) {
+        const __m512i r = _mm512_srli_epi32(round_bf16_512(y), 16);
+        _mm256_mask_storeu_epi16((bf16_t *)out + m * ldo + n0, mask, _mm512_cvtepi32_epi16(r));
+    } else {
+        _mm512_mask_storeu_ps((float *)out + m * ldo + n0, mask, y);
+    }
+}
+
+static inline __attribute__((always_inline)) __m512 load_bias(const float *bias, int64_t n0, int64_t N) {
+    if (!bias) return _mm512_setzero_ps();
+    const __mmask16 mask = N - n0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n0)) - 1u);
+    return _mm512_maskz_loadu_ps(mask, bias + n0);
+}
+
+static inline __attribute__((always_inline)) void w8a8_tile(const uint8_t *xq, const float *xs, int64_t ldx, int64_t m0,
+                                                           const int8_t *wp, const float *ws, const int32_t *comp,
+                                                           const float *bias, void *out, int64_t ldo, int64_t nb0,
+                                                           int64_t Kp, int64_t N, const int MR, const int NR, int is_bf16) {
+    __m512i acc[MR_MAX][NR_MAX];
+    int8_tile(xq + m0 * ldx, ldx, int8_block(wp, Kp, nb0), Kp / 4, MR, NR, acc);
+    for (int j = 0; j < NR; j++) {
+        const int64_t n0 = (nb0 + j) * 16;
+        if (n0 >= N) break;
+        const __m512i c = _mm512_loadu_si512((const void *)(comp + n0));
+        const __m512 s = _mm512_loadu_ps(ws + n0), b = load_bias(bias, n0, N);
+        for (int i = 0; i < MR; i++) {
+            const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][j], c)), s);
+            int8_store(_mm512_add_ps(_mm512_mul_ps(v, _mm512_set1_ps(xs[m0 + i])), b), out, m0 + i, ldo, n0, N, is_bf16);
+        }
+    }
+}
+
+/* Each thread takes a contiguous range of groups of NR_MAX channel blocks (so a thread's
+ * weights are one contiguous stream); within it every row tile of MR_MAX rows. */
+#define INT8_THREAD_RANGE(NBP, first, last)                                                   \
+    const int64_t groups = ((NBP) + NR_MAX - 1) / NR_MAX;                                     \
+    const int nth = omp_get_num_threads(), tid = omp_get_thread_num();                        \
+    const int64_t first = groups * tid / nth * NR_MAX, last = groups * (tid + 1) / nth * NR_MAX;
+
+#include <omp.h>
+
+/* x [M, K] (bf16 or fp32) -> xq u8 [M, Kp] (q + 128, padding 128), xs fp32 [M] = amax / 127
+ * (0 for an all-zero row). */
+static void rs_quantize_rows(const void *x, int64_t M, int64_t K, int64_t Kp, uint8_t *xq, float *xs, int is_bf16) {
+#pragma omp parallel for if (M > 16)
+    for (int64_t m = 0; m < M; m++) {
+        const char *row = (const char *)x + m * K * (is_bf16 ? 2 : 4);
+        __m512 mx = _mm512_setzero_ps();
+        int64_t k = 0;
+        for (; k + 16 <= K; k += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(load16(row + k * (is_bf16 ? 2 : 4), is_bf16)));
+        float amax = _mm512_reduce_max_ps(mx);
+        for (int64_t t = k; t < K; t++) amax = fmaxf(amax, fabsf(load(x, m * K + t, is_bf16)));
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        xs[m] = amax / 127.0f;
+        uint8_t *q = xq + m * Kp;
+        const __m512 vinv = _mm512_set1_ps(inv);
+        for (k = 0; k + 16 <= K; k += 16) {
+            const __m512 v = _mm512_mul_ps(load16(row + k * (is_bf16 ? 2 : 4), is_bf16), vinv);
+            const __m512i qi = _mm512_add_epi32(_mm512_cvtps_epi32(v), _mm512_set1_epi32(128));  /* nearest even */
+            _mm_storeu_si128((__m128i *)(q + k), _mm512_cvtepi32_epi8(qi));
+        }
+        for (; k < K; k++) q[k] = (uint8_t)(128 + (int)nearbyintf(load(x, m * K + k, is_bf16) * inv));
+        for (; k < Kp; k++) q[k] = 128;
+    }
+}
+
+/* out [M, N] (row stride ldo; bf16 when is_bf16, else fp32) = dequantized (xq . w^T) (+ bias fp32 [N]). */
+static void rs_w8a8_gemm(const uint8_t *xq, const float *xs, int64_t M, int64_t Kp, const int8_t *wp, const float *ws,
+                  const int32_t *comp, const float *bias, void *out, int64_t N, int64_t ldo, int is_bf16) {
+    const int64_t nbp = (N + 15) / 16;
+#pragma omp parallel if (N * Kp > INT8_PARALLEL_BYTES)
+    {
+        INT8_THREAD_RANGE(nbp, first, last)
+        for (int64_t nb = first; nb < last && nb < nbp; nb += NR_MAX) {
+            const int nr = nbp - nb >= NR_MAX ? NR_MAX : (int)(nbp - nb);
+            int64_t m = 0;
+            /* 8 rows x 2 blocks: 16 accumulators, and 2 x 16 x Kp weight bytes stay in L1 across row tiles */
+            for (; m + 8 <= M; m += 8)
+                for (int j = 0; j < nr; j += 2) {
+                    if (nr - j >= 2) w8a8_tile(xq, xs, Kp, m, wp, ws, comp, bias, out, ldo, nb + j, Kp, N, 8, 2, is_bf16);
+                    else w8a8_tile(xq, xs, Kp, m, wp, ws, comp, bias, out, ldo, nb + j, Kp, N, 8, 1, is_bf16);
+                }
+            for (; m < M; m++) {
+                if (nr == 4) w8a8_tile(xq, xs, Kp, m, wp, ws, comp, bias, out, ldo, nb, Kp, N, 1, 4, is_bf16);
+                else for (int j = 0; j < nr; j++) w8a8_tile(xq, xs, Kp, m, wp, ws, comp, bias, out, ldo, nb + j, Kp, N, 1, 1, is_bf16);
+            }
+        }
+    }
+}
+
+/* rs_quantize_rows then rs_w8a8_gemm in one call (one crossing from Python at batch 1). */
+static void rs_w8a8_linear(const void *x, int64_t M, int64_t K, int64_t Kp, const int8_t *wp, const float *ws,
+                    const int32_t *comp, const float *bias, void *out, int64_t N, int in_bf16, int out_bf16) {
+    uint8_t *xq = malloc((size_t)(M * Kp));
+    float *xs = malloc(sizeof(float) * M);
+    rs_quantize_rows(x, M, K, Kp, xq, xs, in_bf16);
+    rs_w8a8_gemm(xq, xs, M, Kp, wp, ws, comp, bias, out, N, N, out_bf16);
+    free(xq);
+    free(xs);
+}
+
+/* Weight-only: out [M, N] = x [M, K] (bf16/fp32) . dequantized w^T (+ bias): one fp32 FMA
+ * chain per output, over k in vdpbf16ps's order (k+1 before k in each pair: its pseudo-code
+ * in the Intel SDM), so for bf16 activations this gives the bits of rs_w8_bf16_gemm (whose
+ * products are exact in fp32 as these are; only denormals, which vdpbf16ps flushes, could
+ * differ) and int8wo stays batch-invariant when the kernel changes with the batch size. A
+ * tile is MR rows x NR blocks of one group: the NR chains hide the FMA latency. For a few
+ * rows, where the step reads weights and does not compute. */
+static inline __attribute__((always_inline)) void w8_tile(const float *xf, int64_t Kp, int64_t m0, const int MR,
+                                                         const int NR, const int8_t *wblk, const float *ws,
+                                                         const float *bias, void *out, int64_t ldo, int64_t n0,
+                                                         int64_t N, int is_bf16) {
+    __m512 acc[2][NR_MAX];
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < Kp; k += 4) {
+        __m512 wf[NR_MAX][4];
+        _mm_prefetch((const char *)(wblk + (k + 32) * 64), _MM_HINT_T0);
+        for (int j = 0; j < NR; j++) {
+            const __m512i w4 = _mm512_loadu_si512((const void *)(wblk + j * 64 + k * 64));
+            for (int r = 0; r < 4; r++)  /* byte r of each channel's 4, sign-extended */
+                wf[j][r] = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(w4, 24 - 8 * r), 24));
+        }
+        for (int i = 0; i < MR; i++) {
+            const float *xr = xf + (m0 + i) * Kp + k;
+            const __m512 x0 = _mm512_set1_ps(xr[0]), x1 = _mm512_set1_ps(xr[1]);
+            const __m512 x2 = _mm512_set1_ps(xr[2]), x3 = _mm512_set1_ps(xr[3]);
+            for (int j = 0; j < NR; j++) {
+                acc[i][j] = _mm512_fmadd_ps(x1, wf[j][1], acc[i][j]);
+                acc[i][j] = _mm512_fmadd_ps(x0, wf[j][0], acc[i][j]);
+                acc[i][j] = _mm512_fmadd_ps(x3, wf[j][3], acc[i][j]);
+                acc[i][j] = _mm512_fmadd_ps(x2, wf[j][2], acc[i][j]);
+            }
+        }
+    }
+    for (int j = 0; j < NR; j++) {
+        const int64_t n = n0 + 16 * j;
+        if (n >= N) break;
+        const __m512 s = _mm512_loadu_ps(ws + n), b = load_bias(bias, n, N);
+        for (int i = 0; i < MR; i++) int8_store(_mm512_add_ps(_mm512_mul_ps(acc[i][j], s), b), out, m0 + i, ldo, n, N, is_bf16);
+    }
+}
+
+static void rs_w8_gemm(const void *x, int64_t M, int64_t K, int64_t Kp, const int8_t *wp, const float *ws, const float *bias,
+                void *out, int64_t N, int64_t ldo, int in_bf16, int is_bf16) {
+    const int64_t nbp = (N + 15) / 16;
+    float *xf = malloc(sizeof(float) * M * Kp);  /* the rows in fp32, zero-padded to Kp */
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t k = 0; k < Kp; k++) xf[m * Kp + k] = k < K ? load(x, m * K + k, in_bf16) : 0.0f;
+#pragma omp parallel if (N * Kp > INT8_PARALLEL_BYTES)
+    {
+        INT8_THREAD_RANGE(nbp, first, last)
+        for (int64_t nb = first; nb < last && nb < nbp; nb += NR_MAX) {
+            const int8_t *blk = int8_block(wp, Kp, nb);
+            const int full = nbp - nb >= NR_MAX;
+            int64_t m = 0;
+            for (; m + 2 <= M; m += 2) {
+                if (full) w8_tile(xf, Kp, m, 2, NR_MAX, blk, ws, bias, out, ldo, nb * 16, N, is_bf16);
+                else for (int64_t j = 0; j < nbp - nb; j++)
+                    w8_tile(xf, Kp, m, 2, 1, blk + j * 64, ws, bias, out, ldo, (nb + j) * 16, N, is_bf16);
+            }
+            for (; m < M; m++) {
+                if (full) w8_tile(xf, Kp, m, 1, NR_MAX, blk, ws, bias, out, ldo, nb * 16, N, is_bf16);
+                else for (int64_t j = 0; j < nbp - nb; j++)
+                    w8_tile(xf, Kp, m, 1, 1, blk + j * 64, ws, bias, out, ldo, (nb + j) * 16, N, is_bf16);
+            }
+        }
+    }
+    free(xf);
+}
+
+/* Weight-only on AVX-512-BF16, for bf16 activations and many rows: each thread widens one
+ * 16-channel block of int8 weights to bf16 once (exact: |q| <= 127 has 7 significant bits)
+ * into k-pair order, then every row runs vdpbf16ps against it (bf16 x bf16 products are
+ * exact in fp32; the sum is fp32 in k-pair order, the same for every row count and tile).
+ * K must be a multiple of 4 (K == Kp). */
+#if defined(__AVX512BF16__)
+#define HAVE_W8_BF16 1
+#define W8_BF16_MR 8
+static inline __attribute__((always_inline)) void w8_bf16_rows(const bf16_t *x, int64_t K, int64_t m0, const int MR,
+                                                              const __m512i *wb, const float *ws, const float *bias,
+                                                              void *out, int64_t ldo, int64_t n0, int64_t N,
+                                                              int out_bf16) {
+    __m512 acc[W8_BF16_MR];
+    for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t kp = 0; kp < K / 2; kp++) {
+        const __m512bh w = (__m512bh)wb[kp];
+        for (int i = 0; i < MR; i++) {
+            int32_t pair;
+            memcpy(&pair, x + (m0 + i) * K + 2 * kp, 4);
+            acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(pair), w);
+        }
+    }
+    const __m512 s = _mm512_loadu_ps(ws + n0), b = load_bias(bias, n0, N);
+    for (int i = 0; i < MR; i++) int8_store(_mm512_add_ps(_mm512_mul_ps(acc[i], s), b), out, m0 + i, ldo, n0, N, out_bf16);
+}
+
+/* bf16 bits of byte r of each 32-bit lane (an int8), in the low half of the lane. */
+static inline __attribute__((always_inline)) __m512i int8_lane_to_bf16(__m512i w4, int r) {
+    const __m512 f = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(w4, 24 - 8 * r), 24));
+    return _mm512_srli_epi32(_mm512_castps_si512(f), 16);
+}
+
+static void rs_w8_bf16_gemm(const bf16_t *x, int64_t M, int64_t K, const int8_t *wp, const float *ws, const float *bias,
+                     void *out, int64_t N, int64_t ldo, int out_bf16) {
+    const int64_t nbp = (N + 15) / 16;
+#pragma omp parallel
+    {
+        INT8_THREAD_RANGE(nbp, first, last)
+        __m512i *wb = aligned_alloc(64, sizeof(__m512i) * (K / 2));  /* one block, k-pair order */
+        for (int64_t nb = first; nb < last && nb < nbp; nb++) {
+            const int8_t *blk = int8_block(wp, K, nb);
+            for (int64_t k = 0; k < K; k += 4) {
+                const __m512i w4 = _mm512_loadu_si512((const void *)(blk + k * 64));
+                wb[k / 2] = _mm512_or_si512(int8_lane_to_bf16(w4, 0), _mm512_slli_epi32(int8_lane_to_bf16(w4, 1), 16));
+                wb[k / 2 + 1] = _mm512_or_si512(int8_lane_to_bf16(w4, 2), _mm512_slli_epi32(int8_lane_to_bf16(w4, 3), 16));
+            }
+            int64_t m = 0;
+            for (; m + W8_BF16_MR <= M; m += W8_BF16_MR)
+                w8_bf16_rows(x, K, m, W8_BF16_MR, wb, ws, bias, out, ldo, nb * 16, N, out_bf16);
+            for (; m < M; m++) w8_bf16_rows(x, K, m, 1, wb, ws, bias, out, ldo, nb * 16, N, out_bf16);
+        }
+        free(wb);
+    }
+}
+#else
+#define HAVE_W8_BF16 0
+static void rs_w8_bf16_gemm(const bf16_t *x, int64_t M, int64_t K, const int8_t *wp, const float *ws, const float *bias,
+                     void *out, int64_t N, int64_t ldo, int out_bf16) { abort(); }
+#endif
+int rs_w8_bf16_available(void) { return HAVE_W8_BF16; }
+
+/* One int8 linear with its input's producer fused in front (one call from Python instead of
+ * two at batch 1; the same bits as the two calls):
+ *   pre 0: x [M, K] as it is;
+ *   pre 1: RMSNorm of x, or with residual of residual + x (written back), weight norm_w
+ *          (rs_add_rms_norm);
+ *   pre 2: x is gate_up [M, 2K]: SiLU(gate) * up (rs_silu_and_mul).
+ * kernel 0: W8A8, 1: weight-only fp32, 2: weight-only bf16 (see above). */
+void rs_int8_linear(int kernel, int pre, const void *x, void *residual, const void *norm_w, float eps, int64_t M,
+                    int64_t K, int64_t Kp, const int8_t *wp, const float *ws, const int32_t *comp, const float *bias,
+                    void *out, int64_t N, int in_bf16, int out_bf16) {
+    void *tmp = NULL;
+    if (pre) {
+        tmp = malloc((size_t)(M * K * (in_bf16 ? 2 : 4)));
+        if (pre == 1) rs_add_rms_norm(x, residual, norm_w, tmp, M, K, eps, in_bf16);
+        else rs_silu_and_mul(x, tmp, M, K, in_bf16);
+        x = tmp;
+    }
+    if (kernel == 0) rs_w8a8_linear(x, M, K, Kp, wp, ws, comp, bias, out, N, in_bf16, out_bf16);
+    else if (kernel == 1) rs_w8_gemm(x, M, K, Kp, wp, ws, bias, out, N, N, in_bf16, out_bf16);
+    else rs_w8_bf16_gemm((const bf16_t *)x, M, K, wp, ws, bias, out, N, N, out_bf16);
+    free(tmp);
+}
+#else
+void rs_int8_linear(int kernel, int pre, const void *x, void *residual, const void *norm_w, float eps, int64_t M,
+                    int64_t K, int64_t Kp, const int8_t *wp, const float *ws, const int32_t *comp, const float *bias,
+                    void *out, int64_t N, int in_bf16, int out_bf16) { abort(); }
+int rs_w8_bf16_available(void) { return 0; }
+#endif
