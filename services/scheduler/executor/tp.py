@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from ringserve.ports import free_port
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.cpus import usable_cpus
 from services.scheduler.executor.build import PoolShape, build_stack, load_engine_model
 from services.scheduler.executor.device import create_runtime, rank_device, resolve_device
 from services.scheduler.executor.model_runner import ModelRunner, StepBatch
@@ -171,8 +172,6 @@ def worker_main(rank: int, cfg: SchedulerConfig) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp-rank-{rank} %(name)s: %(message)s")
-    from services.scheduler.main import usable_cpus
-
     torch.set_num_threads(rank_threads(cfg, usable_cpus()))
     ec = cfg.engine
     device = rank_device(resolve_device(ec.device), rank)
