@@ -290,15 +290,15 @@ def test_unsupported_rope_type_is_named(tmp_path, kind):
 
 
 def test_bench_moe_preset_runs_the_engine(smollm2_dir, capsys, tmp_path):
-    """``bench --preset qwen3-moe-small``: a Qwen3-MoE of the preset's shape with random weights
-    and SmolLM2's tokenizer, timed at batch 1 and 2."""
-    from services.scheduler import bench
-    model = load_model(bench.preset_dir(smollm2_dir, "qwen3-moe-small", tmp_path), torch.bfloat16, "dummy")
+    """``bench/engine.py --preset qwen3-moe-small``: a Qwen3-MoE of the preset's shape with random
+    weights and SmolLM2's tokenizer, timed at batch 1 and 2."""
+    from bench import engine
+    model = load_model(engine.preset_dir(smollm2_dir, "qwen3-moe-small", tmp_path), torch.bfloat16, "dummy")
     assert model.config.architecture == "Qwen3MoeForCausalLM" and model.config.vocab_size == 49152
     blocks = [layer.mlp for layer in model.layers]
     assert all(isinstance(b, SparseMoeBlock) for b in blocks) and len(blocks) == 4
     assert tuple(blocks[0].experts.gate_up.shape) == (16, 384, 512) and blocks[0].top_k == 4
-    rows = bench.main(["--model", str(smollm2_dir), "--preset", "qwen3-moe-small", "--dtype", "bfloat16",
+    rows = engine.main(["--model", str(smollm2_dir), "--preset", "qwen3-moe-small", "--dtype", "bfloat16",
                        "--batch", "1", "2", "--steps", "2", "--prompt-len", "8"])
     assert [(r["model"], r["batch"], r["dtype"]) for r in rows] == [("qwen3-moe-small", 1, "bfloat16"),
                                                                   ("qwen3-moe-small", 2, "bfloat16")]
