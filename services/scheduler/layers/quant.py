@@ -2,7 +2,7 @@
 
 Every linear of the decoder and the LM head is quantized at load, from the checkpoint's
 bf16/fp32 weights, to symmetric int8 with one fp32 scale per output channel
-(``scale[n] = max_k |w[n, k]| / 127``). Three C kernels (``cpu_kernels.c``) run them from one
+(``scale[n] = max_k |w[n, k]| / 127``). Three C kernels (``kernels/cpu/int8.c``) run them from one
 packed layout (VNNI's 16 output channels x 4 input channels per 64-byte block, four blocks
 interleaved so that a thread reads its weights as one sequential stream):
 
