@@ -9,10 +9,12 @@ Layout, by role (each package's docstring has its rule):
   runner, CUDA graphs, the sampler, prompt logprobs, tensor-parallel ranks. It runs
   policy's plan for policy's requests; which requests run is never its choice.
 - ``engine``: orchestration -- ``Engine.step`` runs policy then executor then policy, and
-  ``EngineLoop`` drives it in its own thread. The only package that imports both.
-- the model side, below the executor: ``models`` (one contract, the architectures and
-  their weights), ``layers`` (the blocks models are made of), ``attention`` (per-step
-  metadata and the attention backends), ``kernels`` (C and Triton kernels).
+  ``EngineLoop`` drives it in its own thread. Policy and executor meet here.
+- the model side, which the executor builds and runs: ``models`` (one contract, the
+  architectures and their weights), ``layers`` (the blocks models are made of),
+  ``attention`` (per-step metadata and the attention backends), ``kernels`` (C and Triton
+  kernels). Of the executor it reads only ``executor.device``, the runtime of the device
+  it is built for.
 - the service around the engine: ``main`` (flags, start-up, shutdown), ``servicer`` (gRPC),
   ``wire`` (protobuf <-> engine types), ``detok_link`` (the stream to the detokenizer),
   ``metrics``, ``config``, ``cpus``; ``triton_aot`` compiles the Triton kernels ahead of

@@ -12,6 +12,7 @@
 
 What goes here: code that launches work on the device or prepares it for the device. It
 imports policy's data (``Plan``, ``Req``, the pools) and the model side (``models``,
-``layers``, ``attention``, ``kernels``), never ``engine``. The line is SGLang's
+``layers``, ``attention``, ``kernels``), never ``engine``; the model side in turn reads
+``device`` alone, to build itself for the runtime's device. The line is SGLang's
 ``model_executor/``, vLLM's ``v1/worker/`` and ``v1/executor/``, mini-sglang's ``engine/``.
 """
