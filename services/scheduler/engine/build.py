@@ -68,7 +68,7 @@ class ModelStack:
         return self.model.tp
 
 
-def load_engine_model(cfg: EngineConfig, tp: TensorParallel = TensorParallel()) -> tuple[CausalLM, DeviceRuntime]:
+def load_engine_model(cfg: EngineConfig, tp: TensorParallel | None = None) -> tuple[CausalLM, DeviceRuntime]:
     """Load ``cfg.model``'s shard of rank ``tp.rank`` onto its device (``engine.device.rank_device``)
     in ``cfg.dtype``, quantized as ``cfg.quantization`` says; returns it and the device's runtime.
 
@@ -80,6 +80,7 @@ def load_engine_model(cfg: EngineConfig, tp: TensorParallel = TensorParallel()) 
             run on the device.
         FileNotFoundError: missing config.json or weights.
     """
+    tp = tp or TensorParallel()
     runtime = create_runtime(rank_device(resolve_device(cfg.device), tp.rank))
     if cfg.quantization:
         check_supported(cfg.quantization, runtime.device)  # before minutes of loading

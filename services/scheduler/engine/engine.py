@@ -98,7 +98,7 @@ class Engine:
         self._inflight: _InFlight | None = None
 
     @classmethod
-    def from_config(cls, cfg: EngineConfig, tp: TensorParallel = TensorParallel()) -> "Engine":
+    def from_config(cls, cfg: EngineConfig, tp: TensorParallel | None = None) -> "Engine":
         """Load model, tokenizer.json and EOS ids from ``cfg.model`` onto ``cfg.device``
         (rank 0 of ``tp``: its shard, on its device; see ``engine.build.load_engine_model``).
 
