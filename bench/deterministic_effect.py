@@ -27,7 +27,8 @@ from services.scheduler.engine.stops import load_eos_ids
 from services.scheduler.layers.batch_invariant import NotBatchInvariantError
 from services.scheduler.models import load_model
 
-TOPICS = ["the sea", "a robot", "bread", "winter", "a lighthouse", "chess", "rain", "a violin", "mountains", "a library"]
+TOPICS = ["the sea", "a robot", "bread", "winter", "a lighthouse", "chess", "rain", "a violin", "mountains",
+          "a library"]
 CONCURRENT = 64
 CHUNK = 16
 

@@ -28,8 +28,15 @@ from services.scheduler.engine.model_runner import ModelRunner
 from services.scheduler.layers.batch_invariant import NotBatchInvariantError, make_batch_invariant
 from services.scheduler.layers.linear import pack_linears
 from services.scheduler.layers.parallel import TensorParallel
-from services.scheduler.layers.quant import (KERNELS, WEIGHT_ONLY, check_supported, choose_kernels, describe, fix_kernels,
-                                             quantize_model)
+from services.scheduler.layers.quant import (
+    KERNELS,
+    WEIGHT_ONLY,
+    check_supported,
+    choose_kernels,
+    describe,
+    fix_kernels,
+    quantize_model,
+)
 from services.scheduler.models import load_model
 from services.scheduler.models.base import CausalLM
 from services.scheduler.models.config import ModelConfig
@@ -153,13 +160,14 @@ def build_stack(model: CausalLM, cfg: EngineConfig, runtime: DeviceRuntime, shap
         make_deterministic(model, replace(cfg, deterministic_inference=True), runtime)
     tp = model.tp
     kv = model.kv_shape()
-    kv_pool = TokenToKVPool(shape.max_total_tokens, kv.num_layers, kv.num_kv_heads, kv.head_dim, kv.dtype, runtime.device)
+    kv_pool = TokenToKVPool(shape.max_total_tokens, kv.num_layers, kv.num_kv_heads, kv.head_dim, kv.dtype,
+                            runtime.device)
     req_pool = ReqToTokenPool(shape.max_running_requests, shape.context_length, runtime.device, kv_pool.pad_row,
                               record_writes=tp.size > 1 and tp.rank == 0, mirrored=runtime.mirrors_tables)
     graphs = None
     if runtime.supports_cuda_graph and not cfg.disable_cuda_graph and tp.size == 1:
-        graphs = DecodeGraphRunner(model, runtime, req_pool, kv_pool, min(cfg.cuda_graph_max_bs, shape.max_running_requests),
-                                   capture=True)
+        graphs = DecodeGraphRunner(model, runtime, req_pool, kv_pool,
+                                   min(cfg.cuda_graph_max_bs, shape.max_running_requests), capture=True)
     runner = ModelRunner(model, req_pool, kv_pool, runtime, graphs, batch_invariant=shape.deterministic)
     return ModelStack(model, runtime, shape, kv_pool, req_pool, runner)
 
@@ -196,7 +204,8 @@ def make_deterministic(model: CausalLM, cfg: EngineConfig, runtime: DeviceRuntim
         return False
     elif not backend.batch_invariant:
         raise ValueError(f"--enable-deterministic-inference needs a batch-invariant attention backend (cpu or "
-                         f"triton), not {backend.name!r}: its SDPA and batched matmuls reduce in a batch-dependent order")
+                         f"triton), not {backend.name!r}: its SDPA and batched matmuls reduce in a "
+                         "batch-dependent order")
     if runtime.packs_linears:  # as build_stack packs them, so the probe measures the call the forward makes
         pack_linears(model)
     try:
