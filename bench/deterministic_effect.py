@@ -27,7 +27,8 @@ from services.scheduler.models import load_model
 from services.scheduler.policy.req import ReqInput, SamplingParams
 from services.scheduler.policy.stops import load_eos_ids
 
-TOPICS = ["the sea", "a robot", "bread", "winter", "a lighthouse", "chess", "rain", "a violin", "mountains", "a library"]
+TOPICS = ["the sea", "a robot", "bread", "winter", "a lighthouse", "chess", "rain", "a violin", "mountains",
+          "a library"]
 CONCURRENT = 64
 CHUNK = 16
 

@@ -3,8 +3,9 @@
 Per vocabulary (SmolLM2, Qwen2.5, Gemma 3, and Gemma 3 with a Llama-2-style ``Strip``
 decoder, which only the offset path serves): 256 concurrent streams x 512 output tokens of
 multilingual text, one token per stream per step as a batched scheduler sends them, on one
-pinned core. Compares ringserve's detokenizer — its decode core on the same inputs as the others (lists
-of ids per step), and end to end on the BatchTokenIDOutput / BatchStrOutput messages — with: the same offset algorithm decoding row by row, tokenizers' DecodeStream
+pinned core. Compares ringserve's detokenizer — its decode core on the same inputs as the
+others (lists of ids per step), and end to end on the BatchTokenIDOutput / BatchStrOutput
+messages — with: the same offset algorithm decoding row by row, tokenizers' DecodeStream
 (one per stream), and a naive full re-decode each step (batched). Prints tokens/s, ms per
 step, the ratios, a correctness column (concatenated text == decode(ids)), and ringserve's
 throughput at 128 and 2048 tokens per stream. Then, per ByteFallback vocabulary, one stream
@@ -84,7 +85,7 @@ def run_ringserve(manager: DetokenizerManager, streams: list[list[int]]) -> tupl
     elapsed = time.perf_counter() - t0
     for res in results:
         for o in res.values():
-            for rid, text in zip(o.rids, o.texts):
+            for rid, text in zip(o.rids, o.texts, strict=True):
                 out[rid].append(text)
     return elapsed, ["".join(out[s.rid]) for s in specs]
 
@@ -96,12 +97,12 @@ def run_ringserve_core(manager: DetokenizerManager, streams: list[list[int]]) ->
     other methods create their per-stream state before the clock starts.
     """
     rids = [f"r{k}" for k in range(len(streams))]
-    first = next(build_steps([StreamSpec(r, [[ids[0]], []]) for r, ids in zip(rids, streams)]))
+    first = next(build_steps([StreamSpec(r, [[ids[0]], []]) for r, ids in zip(rids, streams, strict=True)]))
     out = [[t] for t in manager.handle_batch(first)["tok-0"].texts]
     length = len(streams[0])
     steps = [[ids[j] for ids in streams] for j in range(1, length)]
-    running = [common_pb2.FINISH_NONE] * len(rids)
-    done = [common_pb2.FINISH_LENGTH] * len(rids)
+    running: list[int] = [common_pb2.FINISH_NONE] * len(rids)
+    done: list[int] = [common_pb2.FINISH_LENGTH] * len(rids)
     fins = [common_pb2.FinishReason(type=common_pb2.FINISH_LENGTH)] * len(rids)
     gc.collect()
     t0 = time.perf_counter()
@@ -179,7 +180,8 @@ def bench_vocab(name: str, path: Path, n_streams: int, length: int) -> bool:
     methods: list[tuple[str, Callable[[], tuple[float, list[str]]], int]] = [
         ("ringserve decode (core)", lambda: run_ringserve_core(DetokenizerManager(tok, table=table), streams), 3),
         ("ringserve with protobuf in/out", lambda: run_ringserve(DetokenizerManager(tok, table=table), streams), 3),
-        ("ringserve offset path, batched", lambda: run_ringserve(DetokenizerManager(tok, use_fast_path=False), streams), 1),
+        ("ringserve offset path, batched",
+         lambda: run_ringserve(DetokenizerManager(tok, use_fast_path=False), streams), 1),
         ("offset algorithm, row by row", lambda: run_offsets_row_by_row(tok, streams), 1),
         ("tokenizers DecodeStream", lambda: run_decode_stream(tok, streams), 3),
         ("naive full re-decode", lambda: run_naive(tok, streams), 1),
@@ -193,7 +195,7 @@ def bench_vocab(name: str, path: Path, n_streams: int, length: int) -> bool:
         # Best of a few runs for the fast methods: the machine is shared.
         runs = [fn() for _ in range(repeats)]
         elapsed = min(e for e, _ in runs)
-        ok = min(sum(t == r for t, r in zip(texts, refs)) for _, texts in runs)
+        ok = min(sum(t == r for t, r in zip(texts, refs, strict=True)) for _, texts in runs)
         rows.append((label, elapsed, ok))
     ours, e2e = rows[0][1], rows[1 if table else 0][1]
     for label, elapsed, ok in rows:
@@ -211,8 +213,8 @@ def bench_vocab(name: str, path: Path, n_streams: int, length: int) -> bool:
     for other_len in (128, 2048):
         s = make_streams(tok, n_streams, other_len, seed=1)
         ref = tok.decode_batch(s, skip_special_tokens=True)
-        runs = (("core", run_ringserve_core), ("protobuf", run_ringserve)) if table else (("offset", run_ringserve),)
-        for label, run in runs:
+        paths = (("core", run_ringserve_core), ("protobuf", run_ringserve)) if table else (("offset", run_ringserve),)
+        for label, run in paths:
             elapsed, texts = min((run(DetokenizerManager(tok, table=table), s) for _ in range(2)),
                                  key=lambda r: r[0])
             ok = texts == ref

@@ -30,7 +30,6 @@ from services.scheduler.executor.tp import TPGroup
 from services.scheduler.layers.parallel import TensorParallel
 from services.scheduler.policy.req import FinishType, ReqInput, SamplingParams
 
-
 # Qwen3-30B-A3B's shape (48 layers, hidden 2048, 32 q / 4 KV heads of 128, 128 experts of
 # 768, top-8 renormalized, q/k norm) scaled to two CPU cores: 4 layers, hidden 512, 8 q / 2 KV
 # heads of 64, 16 experts of 192 (the same 0.375 x hidden), top-4 renormalized.
@@ -97,7 +96,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--cuda-graph", choices=["on", "off", "both"], default="on",
                    help="CUDA: decode from CUDA graphs, eagerly, or both side by side (ratios printed)")
     p.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "int8", "int8wo"],
-                   help="weights: the checkpoint's (none) and/or int8 (layers.quant); with two, step-time ratios are printed")
+                   help="weights: the checkpoint's (none) and/or int8 (layers.quant); with two, step-time ratios "
+                        "are printed")
     p.add_argument("--tp-size", type=int, nargs="+", default=[1],
                    help="tensor-parallel sizes to run in turn (ranks > 0 are spawned processes)")
     a = p.parse_args(argv)

@@ -48,7 +48,8 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICK
 
 
-def run_bench(base_url: str, model: Path, concurrency: int, n: int, input_len: int, output_len: int) -> tuple[float, dict]:
+def run_bench(base_url: str, model: Path, concurrency: int, n: int, input_len: int,
+              output_len: int) -> tuple[float, dict]:
     """(load generator CPU seconds, ``bench serve``'s JSON summary) of one run."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         cmd = [sys.executable, "-m", "ringserve.cli", "bench", "serve", "--base-url", base_url,

@@ -4,13 +4,14 @@ Runs in this order, each part's figures written into one JSON (``--json``) and a
 table appended to ``bench/RESULTS.md``:
 
 1. correctness on the device -- the Triton decode and extend kernels against the torch
-   reference on CUDA tensors; the Triton fused-MoE grouped GEMM against the CPU expert path; SmolLM2 through the engine on the GPU against transformers
-   on the GPU: fp32 logits within 1e-3 and identical greedy tokens for 32 steps on 5
-   prompts, and in bf16 the top-1 agreement under teacher forcing over 5 x 64 positions
-   (target >= 99 %); the placement test's step sequence (batched prefill, chunked prefill
-   beside decodes, a prefix-cache hit, retraction, an abort) on real CUDA tensors;
-   deterministic inference (the Triton GEMM, RMSNorm and decode-kernel extend): 16 prompts
-   alone, cached and together give identical ids and logprobs, and its cost in wall time;
+   reference on CUDA tensors; the Triton fused-MoE grouped GEMM against the CPU expert path;
+   SmolLM2 through the engine on the GPU against transformers on the GPU: fp32 logits within
+   1e-3 and identical greedy tokens for 32 steps on 5 prompts, and in bf16 the top-1
+   agreement under teacher forcing over 5 x 64 positions (target >= 99 %); the placement
+   test's step sequence (batched prefill, chunked prefill beside decodes, a prefix-cache
+   hit, retraction, an abort) on real CUDA tensors; deterministic inference (the Triton
+   GEMM, RMSNorm and decode-kernel extend): 16 prompts alone, cached and together give
+   identical ids and logprobs, and its cost in wall time;
 2. the engine alone: decode step time at batch 1, 8, 64, 256 with and without CUDA graphs,
    for SmolLM2, for a dummy-weights model shaped like Llama-3-8B (``--load-format dummy``) and
    for the scaled-down Qwen3-MoE of the engine bench (``--preset qwen3-moe-small``);
@@ -94,7 +95,8 @@ def check_kernels(device: str) -> dict:
             v = v_buf[r].float().repeat_interleave(hq // hkv, 1)
             s = torch.einsum("thd,khd->htk", q[start : start + n].float(), k) * d**-0.5
             causal = torch.arange(p + n, device=device)[None, :] <= (p + torch.arange(n, device=device))[:, None]
-            ref.append(torch.einsum("htk,khd->thd", s.masked_fill(~causal, float("-inf")).softmax(-1), v).reshape(n, -1))
+            probs = s.masked_fill(~causal, float("-inf")).softmax(-1)
+            ref.append(torch.einsum("htk,khd->thd", probs, v).reshape(n, -1))
             start += n
         out[f"extend {dtype}"] = (got.float() - torch.cat(ref)).abs().max().item()
     return out
@@ -156,7 +158,7 @@ def check_against_transformers(model_dir: Path, device: str, steps: int, positio
     tokens: dict[str, list[int]] = {}
     while engine.has_work:
         out = engine.step()
-        for rid, t in zip(out.rids, out.output_ids):
+        for rid, t in zip(out.rids, out.output_ids, strict=True):
             tokens.setdefault(rid, []).append(t)
     same, max_err = 0, 0.0
     with torch.inference_mode():
@@ -267,7 +269,8 @@ def check_determinism(model_dir: Path, device: str, prompts: int) -> dict:
         key = "deterministic" if det else "default"
         result[key] = {"cached_differ": sum(cached[r] != cold[r] for r in cold),
                        "concurrent_differ": sum(together[r] != cold[r] for r in cold), "concurrent_wall_s": wall}
-    result["concurrent_wall_ratio"] = result["deterministic"]["concurrent_wall_s"] / result["default"]["concurrent_wall_s"]
+    result["concurrent_wall_ratio"] = (result["deterministic"]["concurrent_wall_s"]
+                                       / result["default"]["concurrent_wall_s"])
     return result
 
 
@@ -358,7 +361,8 @@ def _markdown(r: dict) -> str:
              "| model | batch | CUDA graph | decode step (ms) | tok/s |", "|---|---|---|---|---|"]
     for key in ("engine_smollm2", "engine_llama3_8b_shape", "engine_qwen3_moe_small"):
         for row in r[key]:
-            lines.append(f"| {row['model']} | {row['batch']} | {row['cuda_graph']} | {row['step_ms']} | {row['tok_s']} |")
+            cells = (row["model"], row["batch"], row["cuda_graph"], row["step_ms"], row["tok_s"])
+            lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -43,13 +43,16 @@ PERSON = {
     },
     "required": ["name", "age", "tags", "address"],
     "additionalProperties": False,
-    "$defs": {"address": {"type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+    "$defs": {"address": {"type": "object",
+                          "properties": {"city": {"type": "string"},
+                                         "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
                           "required": ["city", "zip"], "additionalProperties": False}},
 }
 CASES = [
     ("json_object", "json", {"type": "object"},
      '{"answer": 19, "words": ["nine", "teen"], "ok": true}'),
-    ("schema S06", "json", {"type": "object", "properties": {"guard": {"const": "SCHEMA_ENFORCED"}, "answer": {"type": "integer"}},
+    ("schema S06", "json", {"type": "object",
+                            "properties": {"guard": {"const": "SCHEMA_ENFORCED"}, "answer": {"type": "integer"}},
                             "required": ["guard", "answer"], "additionalProperties": False},
      '{"guard": "SCHEMA_ENFORCED", "answer": 23}'),
     ("schema person ($ref, enum, pattern)", "json", PERSON,
@@ -80,7 +83,8 @@ def run_xgr(compiled, ids, vocab):
 def ll_grammar(kind, spec):
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(spec)
-    return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(spec), {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
+    options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(spec), options)
 
 
 def run_ll(ll_tok, grammar, ids, vocab):
@@ -124,7 +128,8 @@ def main() -> None:
         lt_first = run_ll(ll_tok, grammar, ids[:1], vocab)
         lc = time.perf_counter() - t0 - sum(lt_first)
         lt = run_ll(ll_tok, grammar, ids, vocab)
-        print(f"{name:38} {xc * 1e3:9.1f}ms {statistics.median(xt) * 1e6:9.0f}us {lc * 1e3:9.1f}ms {statistics.median(lt) * 1e6:9.0f}us"
+        print(f"{name:38} {xc * 1e3:9.1f}ms {statistics.median(xt) * 1e6:9.0f}us "
+              f"{lc * 1e3:9.1f}ms {statistics.median(lt) * 1e6:9.0f}us"
               f"   (p99 xgr {max(xt) * 1e6:.0f}us, llg {max(lt) * 1e6:.0f}us over {len(ids)} tokens)")
 
 

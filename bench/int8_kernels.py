@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -51,6 +52,15 @@ def torch_w8a8(x: torch.Tensor, wq_t: torch.Tensor, w_scale: torch.Tensor) -> to
     return (torch._int_mm(xq, wq_t).float() * xs * w_scale).to(x.dtype)
 
 
+def kernel_calls(x: torch.Tensor, packed_bf16: torch.Tensor, ours: Int8Linear, wq: torch.Tensor,
+                 wq_t: torch.Tensor, w_scale: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
+    """Each kernel's call on ``x`` [rows, k] bf16, by name (the weights prepared beforehand)."""
+    return {"bf16": lambda: packed_linear(x, packed_bf16),
+            "torch-w8a8": lambda: torch_w8a8(x, wq_t, w_scale),
+            "torch-w8": lambda: torch.ops.aten._weight_int8pack_mm(x, wq, w_scale.bfloat16()),
+            "w8a8": lambda: ours(x, "w8a8"), "w8": lambda: ours(x, "w8"), "w8bf16": lambda: ours(x, "w8bf16")}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=2)
@@ -73,10 +83,7 @@ def main() -> None:
         repeats = max(5, a.repeats // 10) if n > 10_000 else a.repeats
         for rows in a.rows:
             x = torch.randn(rows, k, generator=g).bfloat16()
-            fns = {"bf16": lambda: packed_linear(x, packed_bf16),
-                   "torch-w8a8": lambda: torch_w8a8(x, wq_t, w_scale),
-                   "torch-w8": lambda: torch.ops.aten._weight_int8pack_mm(x, wq, w_scale.bfloat16()),
-                   "w8a8": lambda: ours(x, "w8a8"), "w8": lambda: ours(x, "w8"), "w8bf16": lambda: ours(x, "w8bf16")}
+            fns = kernel_calls(x, packed_bf16, ours, wq, wq_t, w_scale)
             ms = {kname: median_ms(fn, repeats) for kname, fn in fns.items()}
             cells = [f"{ms[kn]:.3f} ({ms['bf16'] / ms[kn]:.2f}x)" for kn in kernels]
             print(f"| {name} {n}x{k} | {rows} | " + " | ".join(cells) + " |", flush=True)

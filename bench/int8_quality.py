@@ -28,7 +28,6 @@ from services.scheduler.models import load_model
 from services.scheduler.policy.req import ReqInput, SamplingParams
 from services.scheduler.policy.stops import load_eos_ids
 
-
 WINDOW = 1_000  # tokens per request, as the quality gate scores them
 
 
@@ -73,7 +72,7 @@ def main() -> None:
         logprobs, top = score(Engine(model, tok, load_eos_ids(a.model, tok), cfg), windows)
         ppl = math.exp(-sum(logprobs) / len(logprobs))
         ref = ref or (ppl, top)
-        agree = sum(x == y for x, y in zip(ref[1], top)) / len(top)
+        agree = sum(x == y for x, y in zip(ref[1], top, strict=True)) / len(top)
         print(f"| {name} | {ppl:.4f} | {ppl / ref[0] - 1:+.2%} | {agree:.2%} |", flush=True)
 
 

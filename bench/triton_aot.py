@@ -48,7 +48,8 @@ def _models(sources: list[str]) -> list[str]:
 
 def markdown(report: dict) -> str:
     """The report as a Markdown table, one row per kernel x target x specialization."""
-    lines = ["| kernel | target | dtype | constexprs | models | warps | shared (B) | regs | spills (B st/ld) | compile (CPU s) |",
+    lines = ["| kernel | target | dtype | constexprs | models | warps | shared (B) | regs | spills (B st/ld) "
+             "| compile (CPU s) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["compiled"]:
         consts = " ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in r["constexprs"].items())

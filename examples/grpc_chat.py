@@ -19,6 +19,7 @@ import os
 
 from ringserve.client import AsyncRingserveClient, RingserveClient
 
+
 def messages(question: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": question}]
 

@@ -24,6 +24,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -178,7 +179,7 @@ class ServingServer:
 
 async def start_server(
     address: str,
-    registrations: Sequence[tuple[Callable[[object, grpc.aio.Server], None], object, str]],
+    registrations: Sequence[tuple[Callable[[Any, grpc.aio.Server], None], object, str]],
     transport: Transport | None = None,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> ServingServer:

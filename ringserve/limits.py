@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from itertools import accumulate
 
 from ringserve.v1 import common_pb2
@@ -91,6 +92,7 @@ def value_depth(value: object, stop_after: int = MAX_JSON_DEPTH) -> int:
     stack: list[tuple[object, int]] = [(value, 0)]
     while stack:
         item, depth = stack.pop()
+        children: Iterable[object]
         if isinstance(item, dict):
             children = item.values()
         elif isinstance(item, (list, tuple)):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -91,7 +92,7 @@ class ServiceMetrics:
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)
         self.port: int | None = None
-        self._server = None
+        self._server: WSGIServer | None = None
 
     def histogram(self, name: str, doc: str, buckets: Sequence[float] = REQUEST_TIME_BUCKETS):
         """A histogram ``ringserve:<name>`` with its ``model_name`` label bound (observe it directly)."""

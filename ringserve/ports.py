@@ -104,7 +104,7 @@ def check_ports(host: str, ports: Mapping[str, int]) -> None:
 def main(argv: list[str] | None = None) -> None:
     """``python -m ringserve.ports [--host H] [--port P] [--tokenizer-port G]``: exit 1 with
     the launcher's message when either port is taken (make run's first step)."""
-    parser = argparse.ArgumentParser(prog="python -m ringserve.ports", description=main.__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m ringserve.ports", description=(main.__doc__ or "").split("\n")[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
     parser.add_argument("--tokenizer-port", type=int, default=DEFAULT_GRPC_PORT)

@@ -24,6 +24,7 @@ def docs_block(text: str) -> str:
 
 
 def test_api_docs_table_is_the_generated_one() -> None:
-    """Regenerate with: .venv/bin/python -c 'from ringserve import sampling_params; print(sampling_params.markdown())'."""
+    """Regenerate with:
+    .venv/bin/python -c 'from ringserve import sampling_params; print(sampling_params.markdown())'."""
     assert docs_block(API.read_text()) == sampling_params.markdown()
 

@@ -81,7 +81,8 @@ def test_a_cycle_is_found(tmp_path):
     (tmp_path / "services").mkdir()
     (tmp_path / "services" / "a.py").write_text("import services.b\n")
     (tmp_path / "services" / "b.py").write_text("def f():\n    from services import a\n")
-    (tmp_path / "services" / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import services.d\n")
+    (tmp_path / "services" / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import services.d\n")
     (tmp_path / "services" / "d.py").write_text("import services.c\n")
     graph = import_graph(tmp_path)
     assert graph == {"services.a": {"services.b"}, "services.b": {"services.a"}, "services.c": set(),

@@ -136,7 +136,8 @@ def create_app(model_dir: Path, dtype: str, served_name: str | None = None, devi
                 thread.start()
                 loop = asyncio.get_running_loop()
                 try:
-                    while (item := await loop.run_in_executor(None, streamer.text_queue.get)) is not streamer.stop_signal:
+                    stop = streamer.stop_signal
+                    while (item := await loop.run_in_executor(None, streamer.text_queue.get)) is not stop:
                         yield item
                 finally:
                     cancel.set()

@@ -34,7 +34,8 @@ def requantize(src: Path, dst: Path) -> None:
     tmp = dst.with_suffix(f".{os.getpid()}.tmp")
     writer = gguf.GGUFWriter(tmp, arch=arch.contents())
     for field in reader.fields.values():
-        if field.name in (gguf.Keys.General.ARCHITECTURE, gguf.Keys.General.FILE_TYPE) or field.name.startswith("GGUF."):
+        written = (gguf.Keys.General.ARCHITECTURE, gguf.Keys.General.FILE_TYPE)
+        if field.name in written or field.name.startswith("GGUF."):
             continue  # written by GGUFWriter itself / below
         sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub_type)

@@ -6,7 +6,8 @@ import argparse
 import importlib
 
 COMMANDS = {
-    "serve": ("ringserve.bench.serve", "load an OpenAI-compatible server (SGLang bench_serving / vLLM bench serve style)"),
+    "serve": ("ringserve.bench.serve",
+              "load an OpenAI-compatible server (SGLang bench_serving / vLLM bench serve style)"),
     "compare": ("ringserve.bench.compare", "ringserve against the baselines, one table (make bench)"),
     "soak": ("ringserve.bench.soak", "a bounded soak run with disconnects and a scheduler kill (make soak)"),
 }

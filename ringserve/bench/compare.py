@@ -80,6 +80,8 @@ class Server:
         """VmHWM (MiB) of the server process, or of each ringserve service under the launcher."""
         import psutil
 
+        if self.proc is None:
+            raise RuntimeError(f"{self.name} was not started")
         procs = {self.name: psutil.Process(self.proc.pid)}
         if self.name.startswith("ringserve"):
             procs = {}
@@ -217,7 +219,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--baseline-max-prompts", type=int, default=8, help="cap for the serializing transformers server")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-hf", action="store_true")
-    p.add_argument("--llama-server-bin", default=None, help="llama.cpp llama-server binary (bench/baselines/build_llama_server.sh builds it)")
+    p.add_argument("--llama-server-bin", default=None,
+                   help="llama.cpp llama-server binary (bench/baselines/build_llama_server.sh builds it)")
     p.add_argument("--llama-gguf", action="append", default=[],
                    help="a GGUF of the same model for llama-server (repeat: one server each, named by format)")
     p.add_argument("--llama-parallel", type=int, default=32, help="llama-server -np slots")

@@ -4,9 +4,8 @@ corpus of int8 weights (``tests/scheduler/test_quantization.py``, ``bench/int8_q
 from __future__ import annotations
 
 import os
-import sysconfig
-
 import pydoc_data.topics
+import sysconfig
 
 
 def python_docs_text() -> str:

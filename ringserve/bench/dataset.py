@@ -69,7 +69,7 @@ def random_requests(
     allowed = [i for i in range(vocab_size) if i not in exclude_ids]
     return [
         BenchRequest(prompt_ids=tuple(rng.choices(allowed, k=n_in)), output_len=n_out)
-        for n_in, n_out in zip(in_lens, out_lens)
+        for n_in, n_out in zip(in_lens, out_lens, strict=True)
     ]
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2e_latency")
 SUMMARY_STATS = ("mean", "median", "p99")
@@ -61,7 +62,7 @@ class RequestResult:
 
 def inter_token_latencies(chunk_times: list[float]) -> list[float]:
     """Gaps (s) between successive chunk arrival times (s); ``n - 1`` values for ``n`` chunks."""
-    return [b - a for a, b in zip(chunk_times, chunk_times[1:])]
+    return [b - a for a, b in pairwise(chunk_times)]
 
 
 def time_per_output_token(e2e_s: float, ttft_s: float, output_tokens: int) -> float:

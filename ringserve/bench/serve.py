@@ -15,7 +15,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import httpx
 
@@ -89,7 +89,7 @@ async def build_requests(client: httpx.AsyncClient, cfg: ServeConfig, model: str
     )
     if cfg.effective_prompt_format == "text":
         texts = [await _decode(client, cfg, model, r.prompt_ids) for r in reqs]
-        reqs = [BenchRequest(r.prompt_ids, r.output_len, t) for r, t in zip(reqs, texts)]
+        reqs = [BenchRequest(r.prompt_ids, r.output_len, t) for r, t in zip(reqs, texts, strict=True)]
     return reqs
 
 
@@ -108,7 +108,8 @@ async def run_benchmark(
         fmt = cfg.effective_prompt_format
         for req in requests[: cfg.warmup_requests]:
             warm = BenchRequest(req.prompt_ids, min(req.output_len, 4), req.prompt_text)
-            res = await send_request(client, cfg.base_url, cfg.endpoint, request_body(cfg.endpoint, model, warm, fmt), req.prompt_len)
+            body = request_body(cfg.endpoint, model, warm, fmt)
+            res = await send_request(client, cfg.base_url, cfg.endpoint, body, req.prompt_len)
             if not res.success:
                 raise SystemExit(f"bench serve: warm-up request failed: {res.error}")
 
@@ -129,7 +130,7 @@ async def run_benchmark(
                 bar.update(1)
             return res
 
-        results = await asyncio.gather(*(one(r, t) for r, t in zip(requests, offsets)))
+        results = await asyncio.gather(*(one(r, t) for r, t in zip(requests, offsets, strict=True)))
         duration = time.perf_counter() - start
         if bar is not None:
             bar.close()
@@ -168,9 +169,11 @@ def format_report(summary: dict) -> str:
     ]
     for name in LATENCY_METRICS:
         for stat in ("mean", "median", "p99"):
-            rows.append((f"{stat.capitalize()} {name.upper().replace('_LATENCY', '')} (ms)", f"{summary[f'{stat}_{name}_ms']:.2f}"))
+            label = f"{stat.capitalize()} {name.upper().replace('_LATENCY', '')} (ms)"
+            rows.append((label, f"{summary[f'{stat}_{name}_ms']:.2f}"))
     width = 50
-    lines = ["=" * width, " Serving Benchmark Result ".center(width, "="), *(f"{k:<38}{v:>12}" for k, v in rows), "=" * width]
+    lines = ["=" * width, " Serving Benchmark Result ".center(width, "="), *(f"{k:<38}{v:>12}" for k, v in rows),
+             "=" * width]
     return "\n".join(lines)
 
 
@@ -196,16 +199,19 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--endpoint", choices=["completions", "chat"], default=d.endpoint)
     p.add_argument("--prompt-format", choices=["ids", "text"], default=d.prompt_format,
                    help="ids: prompt as a list of token ids (completions only; chat always sends text)")
-    p.add_argument("--tokenizer", default=d.tokenizer, help="dir with tokenizer.json (vocab, and text decoding when the server has no /v1/detokenize)")
+    p.add_argument("--tokenizer", default=d.tokenizer,
+                   help="dir with tokenizer.json (vocab, and text decoding when the server has no /v1/detokenize)")
     p.add_argument("--vocab-size", type=int, default=d.vocab_size,
                    help="ids are drawn from [0, N) (default: --tokenizer's, else the server's /get_model_info)")
-    p.add_argument("--input-len", type=int, default=d.input_len, help="prompt tokens (the maximum when --range-ratio < 1)")
+    p.add_argument("--input-len", type=int, default=d.input_len,
+                   help="prompt tokens (the maximum when --range-ratio < 1)")
     p.add_argument("--output-len", type=int, default=d.output_len, help="max_tokens, with ignore_eos")
     p.add_argument("--num-prompts", type=int, default=d.num_prompts)
     p.add_argument("--range-ratio", type=float, default=d.range_ratio,
                    help="lengths uniform in [len * ratio, len] (SGLang's rule); 1 = fixed")
     p.add_argument("--seed", type=int, default=d.seed, help="seeds the prompts and the arrival times")
-    p.add_argument("--max-concurrency", type=int, default=d.max_concurrency, help="requests in flight at most (default: no cap)")
+    p.add_argument("--max-concurrency", type=int, default=d.max_concurrency,
+                   help="requests in flight at most (default: no cap)")
     p.add_argument("--request-rate", type=float, default=d.request_rate, help="req/s, Poisson; inf = all at once")
     p.add_argument("--warmup-requests", type=int, default=d.warmup_requests)
     p.add_argument("--disable-progress", action="store_true")

@@ -207,6 +207,7 @@ def read_gauges(addresses: dict[str, str], auth: InternalAuth) -> dict[tuple[str
 def settle(addresses: dict[str, str], auth: InternalAuth, timeout_s: float) -> dict[tuple[str, str], int]:
     """Gauges once all read zero, or the last reading after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
+    err: Exception | None
     while True:
         try:
             gauges = read_gauges(addresses, auth)

@@ -8,9 +8,10 @@ each service's address and PID, and stops them all on Ctrl-C or SIGTERM.
 
 ``--replicas M`` starts M model replicas (each a scheduler with its own
 detokenizer; with ``--tp-size N`` each scheduler is rank 0 of N and starts the other ranks
-itself, so replica i takes cuda:i*N..cuda:i*N+N-1 when ``--device cuda``) and ``--tokenizers N`` N tokenizer instances, each talking to every
-replica; the gateway balances over the tokenizers with gRPC's round_robin. The
-port flags set the first instance's port; the others get free ports.
+itself, so replica i takes cuda:i*N..cuda:i*N+N-1 when ``--device cuda``) and
+``--tokenizers N`` N tokenizer instances, each talking to every replica; the gateway
+balances over the tokenizers with gRPC's round_robin. The port flags set the first
+instance's port; the others get free ports.
 
 Ports: the gateway's HTTP port (``--port``, 8000) and the public gRPC API, the first
 tokenizer's port (``--tokenizer-port``, 30010, as in the Helm chart), are fixed by default;
@@ -44,8 +45,9 @@ health checks use them too.
 
 from ringserve.launch.flags import LaunchConfig, parse_args
 from ringserve.launch.launcher import Launcher
-from ringserve.launch.run import main
 from ringserve.launch.processes import grpc_serving, service_pid, service_processes, stop_launched, wait_launched
+from ringserve.launch.run import main
+
 # free_port and free_ports are imported from here by tests and benchmarks.
 from ringserve.ports import free_port, free_ports
 

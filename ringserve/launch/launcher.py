@@ -125,7 +125,7 @@ class Launcher:
                 + self._metrics_flags(name)
         upstream: list[str] = []
         if service == "tokenizer":
-            pairs = list(zip(_names("scheduler", c.replicas), _names("detokenizer", c.replicas)))
+            pairs = list(zip(_names("scheduler", c.replicas), _names("detokenizer", c.replicas), strict=True))
             if c.replicas == 1:
                 upstream = ["--scheduler", self.addresses[pairs[0][0]], "--detokenizer", self.addresses[pairs[0][1]]]
             else:
@@ -154,7 +154,8 @@ class Launcher:
         toks = [self.addresses[t] for t in _names("tokenizer", c.tokenizers)]
         lines = [f"gateway :{c.port} -> {len(toks)} tokenizer(s) {', '.join(toks)}"
                  + (" (gRPC round_robin)" if len(toks) > 1 else "")]
-        for i, (s, d) in enumerate(zip(_names("scheduler", c.replicas), _names("detokenizer", c.replicas))):
+        pairs = zip(_names("scheduler", c.replicas), _names("detokenizer", c.replicas), strict=True)
+        for i, (s, d) in enumerate(pairs):
             lines.append(f"replica {i}: scheduler {self.addresses[s]} -> detokenizer {self.addresses[d]}"
                          " -> every tokenizer")
         return lines

@@ -49,12 +49,13 @@ def gguf_read_once() -> Iterator[None]:
     import gguf
 
     saved = gguf.GGUFReader, gguf.get_tensor_name_map
-    gguf.GGUFReader = functools.lru_cache(maxsize=None)(saved[0])
+    # A cached function in the class's place, for the length of the conversion (see above).
+    gguf.GGUFReader = functools.lru_cache(maxsize=None)(saved[0])  # type: ignore[misc,assignment]
     gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(saved[1])
     try:
         yield
     finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = saved
+        gguf.GGUFReader, gguf.get_tensor_name_map = saved  # type: ignore[misc]
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = False) -> None:
@@ -89,9 +90,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = False) -> None
             str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
         )
         bar.update()
-        model.hf_quantizer = None
+        # Plain attributes of transformers' model, which torch's Module.__setattr__ types as tensors or modules.
+        model.hf_quantizer = None  # type: ignore[assignment]
         if hasattr(model, "is_quantized"):
-            model.is_quantized = False
+            model.is_quantized = False  # type: ignore[assignment]
         model.config.quantization_config = None
         if hasattr(model.config, "_pre_quantization_dtype"):
             del model.config._pre_quantization_dtype

@@ -8,8 +8,16 @@ from pathlib import Path
 
 from ringserve.grpcutil import Transport
 from ringserve.internal_auth import InternalAuth
-from ringserve.options.common import (BY_CHART, GRACE_PERIOD, HOST, INTERNAL_AUTH, METRICS_PORT, MODEL,
-                                      SERVED_MODEL_NAME, TRANSPORT)
+from ringserve.options.common import (
+    BY_CHART,
+    GRACE_PERIOD,
+    HOST,
+    INTERNAL_AUTH,
+    METRICS_PORT,
+    MODEL,
+    SERVED_MODEL_NAME,
+    TRANSPORT,
+)
 from ringserve.options.spec import option
 
 

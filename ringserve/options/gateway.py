@@ -56,9 +56,10 @@ class GatewayOptions:
     max_request_body_bytes: int = option(
         "--max-request-body-bytes", 16 * 1024 * 1024, check=Above(0), launch=True,
         chart="config.gateway.maxRequestBodyBytes", help="larger request bodies get HTTP 413 before parsing")
-    log_requests: bool = option("--log-requests", False, launch=True,
-                                not_in_chart="prompts and outputs in the pods' logs: opt in with config.gateway.extraArgs",
-                                help="log prompts and outputs; by default they are never written to the log")
+    log_requests: bool = option(
+        "--log-requests", False, launch=True,
+        not_in_chart="prompts and outputs in the pods' logs: opt in with config.gateway.extraArgs",
+        help="log prompts and outputs; by default they are never written to the log")
     tool_call_parser: str = option(
         "--tool-call-parser", "hermes", choices=(*names.TOOL_CALL_PARSERS, "none"), launch=True,
         chart="config.gateway.toolCallParser",
@@ -66,7 +67,8 @@ class GatewayOptions:
              "Qwen2.5/3, chatml_tools.jinja), llama3_json (Llama 3.x), mistral ([TOOL_CALLS]), pythonic "
              "([f(a=1)]); none = leave them in content")
     reasoning_parser: str | None = option(
-        "--reasoning-parser", None, choices=names.REASONING_PARSERS, launch=True, chart="config.gateway.reasoningParser",
+        "--reasoning-parser", None, choices=names.REASONING_PARSERS, launch=True,
+        chart="config.gateway.reasoningParser",
         help="split <think>...</think> into reasoning_content: deepseek_r1 (the opening tag may be in the prompt) "
              "or qwen3 (default: off)")
     transport: Transport = TRANSPORT.field()

@@ -35,7 +35,8 @@ def _metadata(cls: type, name: str) -> Mapping[str, Any]:
     """The option metadata of field ``name``: a subclass that redeclares the field (to give
     it a default factory, or a subclass type) keeps the option its base declared."""
     for klass in cls.__mro__:
-        found = getattr(klass, "__dataclass_fields__", {}).get(name)
+        declared: dict[str, dataclasses.Field[Any]] = getattr(klass, "__dataclass_fields__", {})
+        found = declared.get(name)
         if found is not None and (OPTION in found.metadata or GROUP in found.metadata):
             return found.metadata
     return {}
@@ -45,7 +46,8 @@ def _kind(hint: Any) -> type:
     """int for ``int | None``, tuple for ``tuple[str, ...]``."""
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         (hint,) = [a for a in typing.get_args(hint) if a is not type(None)]
-    return typing.get_origin(hint) or hint
+    kind: type = typing.get_origin(hint) or hint
+    return kind
 
 
 def _nested(hint: Any) -> bool:

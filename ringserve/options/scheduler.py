@@ -9,8 +9,18 @@ from pathlib import Path
 from ringserve.grpcutil import Transport
 from ringserve.internal_auth import InternalAuth
 from ringserve.options import names
-from ringserve.options.common import (BY_CHART, CONTEXT_LENGTH, GRACE_PERIOD, HOST, INSTANCE_ID_BY_CHART, INTERNAL_AUTH,
-                                      METRICS_PORT, MODEL, SERVED_MODEL_NAME, TRANSPORT)
+from ringserve.options.common import (
+    BY_CHART,
+    CONTEXT_LENGTH,
+    GRACE_PERIOD,
+    HOST,
+    INSTANCE_ID_BY_CHART,
+    INTERNAL_AUTH,
+    METRICS_PORT,
+    MODEL,
+    SERVED_MODEL_NAME,
+    TRANSPORT,
+)
 from ringserve.options.spec import Above, AtLeast, Fraction, Matches, option
 
 EXTRA_ARGS = "a tuning knob: config.scheduler.extraArgs passes it"
@@ -32,7 +42,8 @@ class EngineOptions:
                                        chart="config.scheduler.maxRunningRequests",
                                        help="request slots: requests decoded together at most")
     max_total_tokens: int | None = option(
-        "--max-total-tokens", None, check=Above(0), mutex="kv-size", launch=True, chart="config.scheduler.maxTotalTokens",
+        "--max-total-tokens", None, check=Above(0), mutex="kv-size", launch=True,
+        chart="config.scheduler.maxTotalTokens",
         help="KV pool size in tokens (default: from --kv-cache-gib, else a share of the memory available)")
     # For SmolLM2-135M a token's K and V over 30 layers take 23 KiB in bf16 (46 KiB in fp32).
     kv_cache_gib: float | None = option(
@@ -57,9 +68,10 @@ class EngineOptions:
     schedule_policy: str = option(
         "--schedule-policy", "fcfs", choices=names.SCHEDULE_POLICIES, chart="config.scheduler.schedulePolicy",
         help="admission order: first come first served, or longest cached prefix first")
-    load_format: str = option("--load-format", "auto", choices=names.LOAD_FORMATS,
-                              not_in_chart="random weights are for benchmarks, not for serving",
-                              help="auto = the safetensors; dummy = random weights of config.json's shapes (benchmarks)")
+    load_format: str = option(
+        "--load-format", "auto", choices=names.LOAD_FORMATS,
+        not_in_chart="random weights are for benchmarks, not for serving",
+        help="auto = the safetensors; dummy = random weights of config.json's shapes (benchmarks)")
     attention_backend: str = option(
         "--attention-backend", "auto", choices=("auto", *names.ATTENTION_BACKENDS), launch=True,
         chart="config.scheduler.attentionBackend",

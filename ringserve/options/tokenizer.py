@@ -10,8 +10,19 @@ from pathlib import Path
 from ringserve.apikeys import ApiKeys
 from ringserve.grpcutil import Transport
 from ringserve.internal_auth import InternalAuth
-from ringserve.options.common import (BY_CHART, CONTEXT_LENGTH, GRACE_PERIOD, HOST, INSTANCE_ID_BY_CHART, INTERNAL_AUTH,
-                                      METRICS_PORT, MODEL, SERVED_MODEL_NAME, TRANSPORT, api_keys)
+from ringserve.options.common import (
+    BY_CHART,
+    CONTEXT_LENGTH,
+    GRACE_PERIOD,
+    HOST,
+    INSTANCE_ID_BY_CHART,
+    INTERNAL_AUTH,
+    METRICS_PORT,
+    MODEL,
+    SERVED_MODEL_NAME,
+    TRANSPORT,
+    api_keys,
+)
 from ringserve.options.spec import Above, AtLeast, ExistingFile, option
 
 EXTRA_ARGS = "a tuning knob: config.tokenizer.extraArgs passes it"

@@ -15,11 +15,12 @@ strings, special tokens kept, a finish, a new or unknown rid) go through ``Decod
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from codecs import utf_8_decode as _utf8_decode
+from collections.abc import Sequence
 from itertools import compress, count, repeat
 from operator import attrgetter, is_, or_
 from pathlib import Path
+from typing import cast
 
 from tokenizers import Tokenizer
 
@@ -30,8 +31,7 @@ from ringserve.v1 import common_pb2, detokenizer_pb2
 from services.detokenizer.offsets import offset_step
 from services.detokenizer.output import group_outputs
 from services.detokenizer.status import REPLACEMENT, DecodeStatus, fast_status, offset_status
-from services.detokenizer.vocab import (
-    BYTE_LEVEL, ByteTable, build_byte_table, byte_fallback_ids, load_tokenizer)
+from services.detokenizer.vocab import BYTE_LEVEL, ByteTable, build_byte_table, byte_fallback_ids, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -184,20 +184,23 @@ class DetokenizerManager:
             full.update((i, "") for i, r in enumerate(rids) if r in self._watched)
         for i in full:
             full[i] = self._fast_row(i, rids[i], ids[i:i + 1], ftypes[i], fins, errors)
+        assert self.table is not None  # decode_step runs only on the fast path
         if self.table.kind == BYTE_LEVEL:
             texts = self._byte_level_step(rids, ids, full)
         else:
             texts = self._byte_fallback_step(rids, ids, full)
         for i, text in full.items():
             texts[i] = text
-        return texts
+        return cast("list[str]", texts)  # the rows left None by the table are the ones in full
 
-    def _byte_level_step(self, rids, ids, full) -> list[str]:
+    def _byte_level_step(self, rids, ids, full) -> list[str | None]:
         """Whole-character tokens by lookup; rows mid-character through the C UTF-8 decoder.
 
         ``_pend`` holds, per rid, the bytes of an incomplete character (at most 3).
         """
-        texts = list(map(self._plain.__getitem__, ids))
+        plain, table = self._plain, self.table
+        assert plain is not None and table is not None  # the fast path's tables
+        texts = list(map(plain.__getitem__, ids))
         pend = self._pend
         # Rows mid-character: a partial token, or bytes pending; found with C-level maps.
         if pend and not pend.keys().isdisjoint(rids):
@@ -206,7 +209,7 @@ class DetokenizerManager:
             partial = compress(count(), map(is_, texts, repeat(None)))
         else:
             return texts
-        pieces = self.table.pieces_skip
+        pieces = table.pieces_skip
         pop = pend.pop
         for i in partial:
             if i in full:
@@ -219,8 +222,9 @@ class DetokenizerManager:
                 pend[rid] = data[used:]
         return texts
 
-    def _byte_fallback_step(self, rids, ids, full) -> list[str]:
+    def _byte_fallback_step(self, rids, ids, full) -> list[str | None]:
         """Text tokens by lookup; rows with a byte token or an open byte run via DecodeStatus."""
+        assert self._plain is not None  # the fast path's table
         texts = list(map(self._plain.__getitem__, ids))
         partial: list[int] = []
         if None in texts:
@@ -260,7 +264,7 @@ class DetokenizerManager:
         if slow:
             got = offset_step(self.tokenizer, [(st, r, f) for _, st, r, f in slow], self.special_ids,
                               self.byte_ids)
-            for (i, st, _r, final), text in zip(slow, got):
+            for (i, st, _r, final), text in zip(slow, got, strict=True):
                 texts[i] = self._finish(st, text, fins[i]) if final else st.release(text)
         return texts
 

@@ -140,9 +140,9 @@ def _advance(tok: Tokenizer, st: DecodeStatus, surr_text: str, read_text: str, f
     pending = st.decode_ids[st.read_offset:]
     visible = [k for k, i in enumerate(pending) if not (st.skip_special_tokens and i in special_ids)]
     if new and len(visible) > MAX_INCOMPLETE_TOKENS:
-        delta = _commit_confirmed(tok, st, surr_text, read_text, visible)
-        if delta is not None:
-            return delta
+        confirmed = _commit_confirmed(tok, st, surr_text, read_text, visible)
+        if confirmed is not None:
+            return confirmed
     safe = new.rstrip(REPLACEMENT)
     if len(safe) <= st.sent_offset:
         return ""

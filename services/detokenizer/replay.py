@@ -42,7 +42,11 @@ def build_steps(streams: Sequence[StreamSpec]) -> Iterator[detokenizer_pb2.Batch
     steps = max((len(s.chunks) for s in streams), default=0)
     for k in range(steps):
         batch = detokenizer_pb2.BatchTokenIDOutput()
-        rids, tids, counts, ids, fins = [], [], [], [], []
+        rids: list[str] = []
+        tids: list[str] = []
+        counts: list[int] = []
+        ids: list[int] = []
+        fins: list[common_pb2.FinishReason] = []
         for s in streams:
             if k >= len(s.chunks):
                 continue
@@ -71,5 +75,5 @@ def build_steps(streams: Sequence[StreamSpec]) -> Iterator[detokenizer_pb2.Batch
 def collect(outputs: dict[str, detokenizer_pb2.BatchStrOutput], deltas: dict[str, list[str]]) -> None:
     """Append each row's text of one step's outputs to ``deltas[rid]``."""
     for out in outputs.values():
-        for rid, text in zip(out.rids, out.texts):
+        for rid, text in zip(out.rids, out.texts, strict=True):
             deltas.setdefault(rid, []).append(text)

@@ -104,6 +104,7 @@ class DecodeStatus:
         decode). Raises IndexError for an id outside the vocabulary.
         """
         pieces = self.pieces
+        assert pieces is not None  # made by fast_status
         if self.byte_level:
             data = self.pending + b"".join([pieces[i] for i in ids])
             # The C decoder behind codecs' incremental decoder: an incomplete trailing

@@ -216,7 +216,7 @@ def _verify(tok: Tokenizer, table: ByteTable, special: set[int], seed: int) -> b
             seq.append(rng.choice(short) if r < 0.5 else rng.choice(specials) if r < 0.6 else rng.randrange(size))
         seqs.append(seq)
     for skip in (False, True):
-        for seq, text in zip(seqs, tok.decode_batch(seqs, skip_special_tokens=skip)):
+        for seq, text in zip(seqs, tok.decode_batch(seqs, skip_special_tokens=skip), strict=True):
             if text != table.reference_decode(seq, skip):
                 log.warning("ids %s decode to %r, table gives %r; using the offset algorithm",
                             seq, text, table.reference_decode(seq, skip))

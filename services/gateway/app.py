@@ -275,7 +275,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await serving_completions.create_completion(client_of(request), request, body)
 
-    @app.post("/generate", responses={200: {"description": "SGLang native result(s) or an SSE stream", "content": {"text/event-stream": {}}}, **schemas.ERRORS})
+    @app.post("/generate", responses={
+        200: {"description": "SGLang native result(s) or an SSE stream", "content": {"text/event-stream": {}}},
+        **schemas.ERRORS,
+    })
     async def generate(body: GenerateRequest, request: Request) -> Response:
         return await serving_native.generate(client_of(request), request, body)
 

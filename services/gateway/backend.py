@@ -328,7 +328,7 @@ class TokenizerClient:
             resp = await self.unary("TokenPieces", tokenizer_pb2.TokenIds(ids=missing))
             if len(self._pieces) + len(missing) > _MAX_CACHED_PIECES:
                 self._pieces.clear()
-            for token_id, text, raw in zip(missing, resp.texts, resp.token_bytes):  # type: ignore[attr-defined]
+            for token_id, text, raw in zip(missing, resp.texts, resp.token_bytes, strict=True):  # type: ignore[attr-defined]
                 self._pieces[token_id] = TokenPiece(text, raw)
         return {i: self._pieces[i] for i in ids}
 
@@ -360,8 +360,10 @@ async def resolve_target(target: str) -> list[str]:
                            "service_unavailable_error") from None
     out: list[str] = []
     for family, _, _, _, sockaddr in infos:
-        ip = sockaddr[0]
-        address = f"[{ip}]:{sockaddr[1]}" if family == socket.AF_INET6 else f"{ip}:{sockaddr[1]}"
+        ip, port_number = sockaddr[0], sockaddr[1]
+        if not (isinstance(ip, str) and isinstance(port_number, int)):  # AF_INET(6): (host, port, ...)
+            continue
+        address = f"[{ip}]:{port_number}" if family == socket.AF_INET6 else f"{ip}:{port_number}"
         if address not in out:
             out.append(address)
     return out

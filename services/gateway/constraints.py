@@ -21,12 +21,15 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
+from typing import TypeVar
 
 from ringserve import limits
 from ringserve.v1 import common_pb2
 
 from .errors import invalid
-from .protocol import ChatCompletionRequest, GenerateRequest, SamplingFields, Tool
+from .protocol import ChatCompletionRequest, GenerateRequest, NamedToolChoice, SamplingFields, Tool
+
+_Json = TypeVar("_Json")
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -34,7 +37,7 @@ _DATA_KEYWORDS = ("const", "enum", "default", "examples")  # JSON data, not sche
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
 
 
-def closed_objects(schema: object) -> object:
+def closed_objects(schema: _Json) -> _Json:
     """``schema`` (a JSON value, changed in place) with ``"additionalProperties": false`` on
     every object schema (``type`` object, or ``properties`` given) that omits it: strict mode.
     The branches of an ``allOf`` stay as written (closing each would forbid the keys of the
@@ -190,6 +193,7 @@ def forced_tools(req: ChatCompletionRequest) -> list[Tool] | None:
             raise invalid('tool_choice "required" needs at least one tool in tools', "tool_choice")
         chosen = list(tools)
     else:
+        assert isinstance(choice, NamedToolChoice)  # the three literals are handled above
         chosen = [t for t in tools if t.function.name == choice.function.name]
         if not chosen:
             raise invalid(f"tool_choice names the function {choice.function.name!r}, which is not in tools",

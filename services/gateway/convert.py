@@ -269,11 +269,11 @@ def completion_prompts(prompt: str | list[int] | list[list[int]] | list[str]) ->
     if not prompt:
         raise invalid("prompt must not be empty", "prompt")
     if isinstance(prompt[0], int):
-        return [list(prompt)]  # type: ignore[arg-type]
+        return [list(prompt)]
     if len(prompt) > MAX_BATCH_PROMPTS:
         raise invalid(f"prompt: a batch holds at most {MAX_BATCH_PROMPTS} prompts, got {len(prompt)}; "
                       "split it into several requests", "prompt")
-    prompts: list[str | list[int]] = list(prompt)  # type: ignore[arg-type]
+    prompts: list[str | list[int]] = list(prompt)
     if any(isinstance(p, list) and not p for p in prompts):
         raise invalid("prompt token lists must not be empty", "prompt")
     return prompts

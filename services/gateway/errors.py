@@ -175,8 +175,9 @@ def from_validation_errors(errors: Sequence[Mapping[str, Any]]) -> GatewayError:
     if kind in _BOUND_WORDS:
         words, key = _BOUND_WORDS[kind]
         bound = (err.get("ctx") or {}).get(key)
-        # Worded as the tokenizer and the scheduler word it (the sampling parameters' table).
-        return invalid(bound_message(path, words, bound, err.get("input")), param, "invalid_value")
+        if bound is not None:
+            # Worded as the tokenizer and the scheduler word it (the sampling parameters' table).
+            return invalid(bound_message(path, words, bound, err.get("input")), param, "invalid_value")
     what = f"Invalid '{path}'" if path else "Invalid request body"
     code = "invalid_type" if kind.endswith("_type") or kind.endswith("_parsing") else "invalid_value"
     return invalid(f"{what}: {err.get('msg', 'invalid value')}", param, code)

@@ -42,8 +42,8 @@ async def chat_logprobs(client: TokenizerClient, out: tokenizer_pb2.GenerateOutp
         return {"token": p.text, "logprob": logprob, "bytes": list(p.raw)}
 
     content = [
-        {**entry(t, lp), "top_logprobs": [entry(tt, tlp) for tt, tlp in zip(top.token_ids, top.logprobs)]}
-        for t, lp, top in zip(out.output_ids, out.output_token_logprobs, _tops(out))
+        {**entry(t, lp), "top_logprobs": [entry(tt, tlp) for tt, tlp in zip(top.token_ids, top.logprobs, strict=True)]}
+        for t, lp, top in zip(out.output_ids, out.output_token_logprobs, _tops(out), strict=True)
     ]
     return {"content": content}
 
@@ -63,7 +63,7 @@ async def completion_logprobs(
         text_offset += len(token)
     tops = None
     if want_top:
-        tops = [{pieces[t].text: lp for t, lp in zip(top.token_ids, top.logprobs)} for top in _tops(out)]
+        tops = [{pieces[t].text: lp for t, lp in zip(top.token_ids, top.logprobs, strict=True)} for top in _tops(out)]
     return {
         "tokens": tokens,
         "token_logprobs": list(out.output_token_logprobs),
@@ -82,8 +82,8 @@ def _prompt_rows(p: common_pb2.PromptLogprobs) -> list[tuple[int, float | None, 
     unscored = len(p.token_ids) - len(p.logprobs)
     rows: list[tuple[int, float | None, list[tuple[int, float]]]] = [(t, None, []) for t in p.token_ids[:unscored]]
     k = p.top_n
-    for j, (t, lp) in enumerate(zip(p.token_ids[unscored:], p.logprobs)):
-        rows.append((t, lp, list(zip(p.top_ids[j * k : (j + 1) * k], p.top_vals[j * k : (j + 1) * k]))))
+    for j, (t, lp) in enumerate(zip(p.token_ids[unscored:], p.logprobs, strict=True)):
+        rows.append((t, lp, list(zip(p.top_ids[j * k : (j + 1) * k], p.top_vals[j * k : (j + 1) * k], strict=True))))
     return rows
 
 

@@ -12,7 +12,7 @@ which fills in the real defaults.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model, model_validator
 from pydantic_core import PydanticCustomError
@@ -255,13 +255,17 @@ class _RequestFields(Body):
     structured_outputs: StructuredOutputs | None = None
 
 
-SamplingFields = create_model(
-    "SamplingFields", __base__=_RequestFields, __module__=__name__, **table_fields(http_names=True),
-    __doc__="Fields shared by chat and completions requests (OpenAI plus the SGLang/vLLM extensions).",
-)
+if TYPE_CHECKING:
+    class SamplingFields(_RequestFields):
+        def __getattr__(self, name: str) -> Any: ...  # the table's fields, made at import
+else:
+    SamplingFields = create_model(
+        "SamplingFields", __base__=_RequestFields, __module__=__name__, **table_fields(http_names=True),
+        __doc__="Fields shared by chat and completions requests (OpenAI plus the SGLang/vLLM extensions).",
+    )
 
 
-class ChatCompletionRequest(SamplingFields):  # type: ignore[misc,valid-type]
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_CHAT_MESSAGES)
     max_completion_tokens: JsonInt | None = bounded(table.PARAMS["max_new_tokens"])
     logprobs: bool = False
@@ -276,7 +280,7 @@ class ChatCompletionRequest(SamplingFields):  # type: ignore[misc,valid-type]
     prompt_logprobs: JsonInt | None = bounded(table.TOP_LOGPROBS)  # vLLM: logprobs of the prompt's tokens
 
 
-class CompletionRequest(SamplingFields):  # type: ignore[misc,valid-type]
+class CompletionRequest(SamplingFields):
     prompt: NonEmptyStr | list[NonNegInt] | list[list[NonNegInt]] | list[NonEmptyStr]
     # 0 only with echo or prompt_logprobs: score the prompt, generate nothing.
     max_tokens: JsonInt | None = Field(None, ge=0, le=INT32_MAX)
@@ -297,10 +301,14 @@ class _NativeFields(Strict):
     ebnf: str | None = None
 
 
-NativeSamplingParams = create_model(
-    "NativeSamplingParams", __base__=_NativeFields, __module__=__name__, **table_fields(http_names=False),
-    __doc__="``sampling_params`` of ``POST /generate``: the fields of the proto's SamplingParams.",
-)
+if TYPE_CHECKING:
+    class NativeSamplingParams(_NativeFields):
+        def __getattr__(self, name: str) -> Any: ...  # the table's fields, made at import
+else:
+    NativeSamplingParams = create_model(
+        "NativeSamplingParams", __base__=_NativeFields, __module__=__name__, **table_fields(http_names=False),
+        __doc__="``sampling_params`` of ``POST /generate``: the fields of the proto's SamplingParams.",
+    )
 
 
 class GenerateRequest(Body):

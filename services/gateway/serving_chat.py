@@ -10,6 +10,7 @@ whole request follows the finish chunks; then ``data: [DONE]``.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -33,6 +34,7 @@ def _delta_choice(
 
     async def choice_of(u: ChoiceUpdate) -> dict | None:
         parser = None
+        extra: dict[str, Any]
         if make_parser is None:
             text, extra = u.text, {}
         else:

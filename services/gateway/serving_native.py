@@ -47,9 +47,12 @@ def _meta(rid: str, index: int, finish: dict | None, out: tokenizer_pb2.Generate
     }
     meta.update(sglang_input_logprobs(out))
     if out.output_token_logprobs:
-        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(out.output_token_logprobs, out.output_ids)]
+        meta["output_token_logprobs"] = [
+            [lp, t, None] for lp, t in zip(out.output_token_logprobs, out.output_ids, strict=True)
+        ]
         meta["output_top_logprobs"] = [
-            [[lp, t, None] for t, lp in zip(top.token_ids, top.logprobs)] for top in out.output_top_logprobs
+            [[lp, t, None] for t, lp in zip(top.token_ids, top.logprobs, strict=True)]
+            for top in out.output_top_logprobs
         ]
     return meta
 

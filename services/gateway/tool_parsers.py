@@ -28,10 +28,11 @@ Formats (``--tool-call-parser``):
 from __future__ import annotations
 
 import json
+from typing import cast
 
 from ringserve.options import names
 
-from .tool_call_scanner import ToolCallDelta, CallScanner, new_call_id
+from .tool_call_scanner import CallScanner, ToolCallDelta, new_call_id
 
 
 class ToolParser:
@@ -247,8 +248,8 @@ class PythonicToolParser(ToolParser):
                 continue
             if not isinstance(tree, ast.List) or not all(isinstance(c, ast.Call) for c in tree.elts):
                 return []
-            deltas = []
-            for call in tree.elts[self._sent :]:
+            deltas: list[ToolCallDelta] = []
+            for call in cast("list[ast.Call]", tree.elts)[self._sent :]:  # all calls: checked above
                 try:
                     args = {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}
                 except ValueError:

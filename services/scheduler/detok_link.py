@@ -58,7 +58,8 @@ class DetokenizerLink:
         self.bind_loop()
         retrying = AsyncRetrying(
             wait=wait_exponential(multiplier=0.05, max=2.0),
-            retry=retry_if_exception_type((grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError, ConnectionError)),
+            retry=retry_if_exception_type(
+                (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError, ConnectionError)),
             before_sleep=self._retry_log,
             reraise=True,
         )

@@ -50,16 +50,21 @@ class SchedulerMetrics(EngineObserver):
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         m = metrics
-        self.queue_time = m.histogram("request_queue_time_seconds",
-                                      "Seconds from joining the scheduler's waiting queue to the first step that schedules the request.")
-        self.prefill_time = m.histogram("request_prefill_time_seconds",
-                                        "Seconds from the first step that schedules a request to the forward pass that completes its prompt.")
+        self.queue_time = m.histogram(
+            "request_queue_time_seconds",
+            "Seconds from joining the scheduler's waiting queue to the first step that schedules the request.")
+        self.prefill_time = m.histogram(
+            "request_prefill_time_seconds",
+            "Seconds from the first step that schedules a request to the forward pass that completes its prompt.")
         self.decode_time = m.histogram("request_decode_time_seconds",
                                        "Seconds from a request's first token to its end.")
-        compile_time = m.histogram("grammar_compile_time_seconds",
-                                   "Seconds one output constraint took to compile and take its first step (worker thread; cache hits not counted).")
+        compile_time = m.histogram(
+            "grammar_compile_time_seconds",
+            "Seconds one output constraint took to compile and take its first step (worker thread; cache hits not "
+            "counted).")
         engine.grammars.observe_compile = compile_time.observe
-        finished = Counter(PREFIX + "scheduler_requests_finished", "Requests that left the scheduler, by finish reason.",
+        finished = Counter(PREFIX + "scheduler_requests_finished",
+                           "Requests that left the scheduler, by finish reason.",
                            ["model_name", "finished_reason"], registry=m.registry)
         self._finished = {t: finished.labels(m.model_name, name) for t, name in _REASONS.items()}
         load = engine.load
@@ -118,7 +123,7 @@ class SchedulerMetrics(EngineObserver):
         now = time.monotonic()
         n = plan.num_extend
         sampled = len(plan.reqs) - n  # one token per decode row
-        for req, prefix_len, extend_len in zip(plan.reqs[:n], plan.prefix_lens, plan.extend_lens):
+        for req, prefix_len, extend_len in zip(plan.reqs[:n], plan.prefix_lens[:n], plan.extend_lens[:n], strict=True):
             t = self._times.get(req)
             if t is None:
                 continue

@@ -48,6 +48,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "the first Connect message must be an AbortReq hello with an empty rid and a tokenizer_id",
             )
+            return  # not reached: abort raises
         tokenizer_id = first.abort.tokenizer_id
         if tokenizer_id in self.connected:
             log.warning("refused a second Connect stream for tokenizer %s", tokenizer_id)
@@ -67,7 +68,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             reader.cancel()
             self.connected.discard(tokenizer_id)
             log.info("tokenizer %s stream closed; aborting its requests", tokenizer_id)
-            self.loop.abort(tokenizer_id=tokenizer_id, message=f"tokenizer {tokenizer_id} stream closed", status="UNAVAILABLE")
+            self.loop.abort(tokenizer_id=tokenizer_id, message=f"tokenizer {tokenizer_id} stream closed",
+                            status="UNAVAILABLE")
 
     async def _read(self, request_iterator, tokenizer_id: str) -> None:
         async for msg in request_iterator:

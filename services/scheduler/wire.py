@@ -10,7 +10,6 @@ from services.scheduler.policy.grammar_backends import GrammarSpec
 from services.scheduler.policy.output import StepOutput
 from services.scheduler.policy.req import FinishReason, ReqInput, SamplingParams
 
-
 # ResolvedSamplingParams fields copied as they are; the rest need a conversion.
 _SCALAR_PARAMS = tuple(
     f.name for f in fields(SamplingParams) if f.name not in ("stop", "stop_token_ids", "seed", "logit_bias")
@@ -54,7 +53,8 @@ def req_input_from_proto(msg: scheduler_pb2.TokenizedGenerateReqInput, tokenizer
 
 
 def _finish_to_proto(fr: FinishReason) -> common_pb2.FinishReason:
-    msg = common_pb2.FinishReason(type=int(fr.type), message=fr.message, status=fr.status)
+    msg = common_pb2.FinishReason(type=common_pb2.FinishReasonType.ValueType(fr.type), message=fr.message,
+                                  status=fr.status)
     if fr.matched_str is not None:
         msg.matched_str = fr.matched_str
     elif fr.matched_token_id is not None:

@@ -63,7 +63,8 @@ def message_content(msg: tokenizer_pb2.ChatMessage, i: int) -> str | None:
     for j, part in enumerate(msg.content_parts):
         if part.type != "text":
             raise invalid(
-                f"messages[{i}].content[{j}] has type {part.type!r}: only text content parts are supported by this model",
+                f"messages[{i}].content[{j}] has type {part.type!r}: only text content parts are supported by "
+                "this model",
                 "messages",
                 UNSUPPORTED_CONTENT_TYPE,
             )

@@ -23,7 +23,7 @@ from __future__ import annotations
 import grpc
 
 from ringserve.limits import LimitExceeded
-from ringserve.prompt_bounds import CONTEXT_LENGTH_EXCEEDED, INVALID_VALUE
+from ringserve.prompt_bounds import INVALID_VALUE
 
 # Status details as UTF-8 (gRPC percent-encodes them: at most 3x on the wire) and the param.
 MAX_DETAILS_BYTES = 2048

@@ -86,7 +86,8 @@ class Link(ABC):
             failed = False
             try:
                 async for attempt in AsyncRetrying(
-                    wait=wait_exponential(multiplier=BACKOFF_INITIAL_S, max=BACKOFF_MAX_S) + wait_random(0, BACKOFF_INITIAL_S),
+                    wait=wait_exponential(multiplier=BACKOFF_INITIAL_S, max=BACKOFF_MAX_S)
+                    + wait_random(0, BACKOFF_INITIAL_S),
                     retry=retry_if_exception_type(_RETRYABLE),
                     before_sleep=self._retry_log,
                 ):

@@ -46,9 +46,9 @@ from services.tokenizer.errors import unavailable
 from services.tokenizer.links import DetokenizerLink, Link, SchedulerLink
 from services.tokenizer.manager import TokenizerManager
 from services.tokenizer.metrics import install_tokenizer_metrics
-from services.tokenizer.replicas import Replica, ReplicaAddress, ReplicaSet
 from services.tokenizer.model import load_tokenizer, model_facts
 from services.tokenizer.readiness import ReadinessConfig, ReadinessMonitor
+from services.tokenizer.replicas import Replica, ReplicaAddress, ReplicaSet
 from services.tokenizer.servicer import SERVICE_NAME, TokenizerServicer
 from services.tokenizer.workers import Workers, default_workers, thread_pool
 
@@ -169,9 +169,10 @@ class TokenizerService:
         for replica in self.replicas.replicas:
             replica.start()
         self.readiness.start()
+        replicas = ", ".join(f"{r.address.scheduler}+{r.address.detokenizer}" for r in self.replicas.replicas)
+        keys = f"API key required ({len(self.config.api_keys.keys)} valid)" if self.config.api_keys else "no API key"
         logger.info("tokenizer %s listening on %s:%d, replicas %s, %s", self.config.instance_id, self.config.host,
-                    self.port, ", ".join(f"{r.address.scheduler}+{r.address.detokenizer}" for r in self.replicas.replicas),
-                    f"API key required ({len(self.config.api_keys.keys)} valid)" if self.config.api_keys else "no API key")
+                    self.port, replicas, keys)
         bounds = self.manager.bounds
         logger.info("%d tokenize workers; prompts over %s characters or %d messages are refused before tokenizing",
                     self.config.tokenize_workers, bounds.max_prompt_chars or "(no bound)", bounds.max_prompt_tokens)
@@ -192,7 +193,8 @@ class TokenizerService:
 def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
     """Flags -> TokenizerConfig (the option table, ``ringserve.options.tokenizer``). A bad value
     exits with status 2 and argparse's message."""
-    cli = ConfigParser(TokenizerConfig, prog="ringserve tokenizer", description="The tokenizer service (public gRPC API).")
+    cli = ConfigParser(TokenizerConfig, prog="ringserve tokenizer",
+                       description="The tokenizer service (public gRPC API).")
     args, values = cli.parse(argv)
     for spec in values["replicas"]:
         try:

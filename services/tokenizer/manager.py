@@ -30,7 +30,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import grpc
@@ -282,7 +282,7 @@ class TokenizerManager:
 
     # --- Generate ---------------------------------------------------------------------------
 
-    async def generate(self, req: tokenizer_pb2.GenerateReqInput) -> AsyncIterator[tokenizer_pb2.GenerateOutput]:
+    async def generate(self, req: tokenizer_pb2.GenerateReqInput) -> AsyncGenerator[tokenizer_pb2.GenerateOutput, None]:
         """Serve one Generate call: yield GenerateOutputs until every choice finished.
 
         stream=true: one output per drain of a choice's queued rows (rows queued while
@@ -302,7 +302,7 @@ class TokenizerManager:
         states = self.register(prepared)
         reason = "the Generate call ended before the request finished"
         try:
-            for st, sub in zip(states, prepared.subs):
+            for st, sub in zip(states, prepared.subs, strict=True):
                 replica.send_req(sub)  # every choice on one replica: they share the prompt's cache
                 st.dispatched = True
                 st.replica = replica

@@ -2,10 +2,10 @@
 
 Reads ``tokenizer.json`` / ``tokenizer_config.json`` / ``chat_template.jinja``
 through transformers, and ``config.json`` for the context length; the EOS ids and the
-vocabulary size follow the shared definitions of ``ringserve.modelfacts``. It never imports torch: ``AutoTokenizer`` pulls in
-``transformers.configuration_utils`` and, through it, torch whenever torch is
-installed, so the class is resolved here the way AutoTokenizer resolves it for
-a local directory (``tokenizer_class`` in tokenizer_config.json, a top-level
+vocabulary size follow the shared definitions of ``ringserve.modelfacts``. It never imports
+torch: ``AutoTokenizer`` pulls in ``transformers.configuration_utils`` and, through it,
+torch whenever torch is installed, so the class is resolved here the way AutoTokenizer
+resolves it for a local directory (``tokenizer_class`` in tokenizer_config.json, a top-level
 transformers name; ``TokenizersBackend`` when absent).
 """
 
@@ -49,7 +49,8 @@ def load_tokenizer(model_dir: Path) -> Any:
     name = _read_json(model_dir / "tokenizer_config.json").get("tokenizer_class") or "TokenizersBackend"
     cls = getattr(transformers, name, None) or getattr(transformers, name.removesuffix("Fast"), None)
     if cls is None:
-        raise ValueError(f"tokenizer_config.json of {model_dir} names tokenizer_class {name!r}, unknown to transformers")
+        raise ValueError(f"tokenizer_config.json of {model_dir} names tokenizer_class {name!r}, "
+                         "unknown to transformers")
     return cls.from_pretrained(str(model_dir))
 
 

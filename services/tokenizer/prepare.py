@@ -225,5 +225,5 @@ class Preparer:
         ids = self.check_ids(req.ids, "ids") if req.ids else []
         texts = self.tokenizer.backend_tokenizer.decode_batch([[i] for i in ids], skip_special_tokens=False)
         pieces = self.tokenizer.convert_ids_to_tokens(ids)
-        out = [_token_bytes(text, piece) for text, piece in zip(texts, pieces)]
+        out = [_token_bytes(text, piece) for text, piece in zip(texts, pieces, strict=True)]
         return tokenizer_pb2.TokenPiecesResponse(texts=texts, token_bytes=out)

@@ -82,7 +82,7 @@ class ReadinessMonitor:
     """
 
     def __init__(self, replicas: Sequence[Replica], outstanding: Callable[[Replica], int],
-                 config: ReadinessConfig = ReadinessConfig(), on_change: Callable[[bool], None] = lambda ready: None,
+                 config: ReadinessConfig = ReadinessConfig(), on_change: Callable[[bool], object] = lambda ready: None,
                  check: HealthCheck = grpc_health_check, clock: Callable[[], float] = time.monotonic):
         self.replicas = tuple(replicas)
         self.outstanding = outstanding
@@ -117,7 +117,7 @@ class ReadinessMonitor:
     def not_ready(self, replica: Replica) -> list[tokenizer_pb2.NotReady]:
         """Why ``replica`` cannot move a token now; empty when it can."""
         out = []
-        for peer, link in zip(PEERS, (replica.scheduler, replica.detokenizer)):
+        for peer, link in zip(PEERS, (replica.scheduler, replica.detokenizer), strict=True):
             if not link.up:
                 out.append(self._reason(replica, f"{peer}_link_down", f"the {peer} at {link.target} is not connected"))
                 continue
@@ -155,7 +155,8 @@ class ReadinessMonitor:
             reasons = self.not_ready(replica)
             if replica in self._could and reasons:
                 self._could.discard(replica)
-                logger.warning("replica %s cannot move a token: %s", replica.name, "; ".join(r.message for r in reasons))
+                logger.warning("replica %s cannot move a token: %s", replica.name,
+                               "; ".join(r.message for r in reasons))
             elif replica not in self._could and not reasons:
                 self._could.add(replica)
                 logger.info("replica %s can move tokens", replica.name)

@@ -13,6 +13,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -110,7 +111,7 @@ class ReplicaSet:
         # Whether a replica can move a token (services.tokenizer.readiness); set by the service.
         self.can_move_tokens: Callable[[Replica], bool] = lambda replica: True
 
-    def pick(self, input_ids: Sequence[int], outstanding: Mapping[object, int]) -> Replica:
+    def pick(self, input_ids: Sequence[int], outstanding: Mapping[Any, int]) -> Replica:
         """The replica for a prompt among those with both links up, preferring those that
         can move a token (a stalled one gets requests only when no other is up); the
         choice is recorded.

@@ -16,10 +16,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ringserve import sampling_params as table
-from ringserve.prompt_bounds import context_overflow_message
+from ringserve.prompt_bounds import CONTEXT_LENGTH_EXCEEDED, context_overflow_message
 from ringserve.v1 import common_pb2
 from services.tokenizer.constraints import resolve_constraint
-from services.tokenizer.errors import CONTEXT_LENGTH_EXCEEDED, invalid
+from services.tokenizer.errors import invalid
 
 UINT64 = 1 << 64
 # max_new_tokens may be 0 when the request only scores its prompt.
@@ -69,7 +69,7 @@ def resolve_sampling_params(
     """
     values: dict[str, Any] = {}
     for p in table.TABLE:
-        if not sp.HasField(p.name):
+        if not sp.HasField(p.name):  # type: ignore[arg-type]  # the table's names are the proto's fields
             values[p.name] = p.default
             continue
         value = getattr(sp, p.name)

@@ -59,7 +59,9 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         self.readiness = readiness
         self.observe_send = ignore_seconds  # per finished Generate call: seconds its writes to the client took
 
-    async def Generate(self, request: tokenizer_pb2.GenerateReqInput, context: grpc.aio.ServicerContext) -> None:
+    # grpc.aio also serves a response stream written through context.write; the stub names only the iterator form.
+    async def Generate(  # type: ignore[override]
+            self, request: tokenizer_pb2.GenerateReqInput, context: grpc.aio.ServicerContext) -> None:
         """Stream GenerateOutputs; a cancelled call aborts the request (through ``aclose``)."""
         outputs = self.manager.generate(request)
         sending = 0.0
@@ -74,13 +76,16 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         finally:
             await outputs.aclose()
 
-    async def Abort(self, request: tokenizer_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> tokenizer_pb2.AbortResponse:
+    async def Abort(self, request: tokenizer_pb2.AbortRequest,
+                    context: grpc.aio.ServicerContext) -> tokenizer_pb2.AbortResponse:
         return tokenizer_pb2.AbortResponse(found=self.manager.abort(request.rid))
 
-    async def GetModelInfo(self, request: common_pb2.Empty, context: grpc.aio.ServicerContext) -> tokenizer_pb2.ModelInfo:
+    async def GetModelInfo(self, request: common_pb2.Empty,
+                           context: grpc.aio.ServicerContext) -> tokenizer_pb2.ModelInfo:
         return self.manager.model_info()
 
-    async def Tokenize(self, request: tokenizer_pb2.TokenizeRequest, context: grpc.aio.ServicerContext) -> tokenizer_pb2.TokenizeResponse:
+    async def Tokenize(self, request: tokenizer_pb2.TokenizeRequest,
+                       context: grpc.aio.ServicerContext) -> tokenizer_pb2.TokenizeResponse:
         try:
             return await self.manager.tokenize(request)
         except RequestError as err:
@@ -111,7 +116,8 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
                     setattr(report, name, getattr(report, name) + getattr(upstream, name))
         return report
 
-    async def GetClusterLoad(self, request: common_pb2.Empty, context: grpc.aio.ServicerContext) -> tokenizer_pb2.ClusterLoad:
+    async def GetClusterLoad(self, request: common_pb2.Empty,
+                             context: grpc.aio.ServicerContext) -> tokenizer_pb2.ClusterLoad:
         """This instance's own report and each replica's fresh scheduler and detokenizer reports."""
         out = tokenizer_pb2.ClusterLoad(tokenizer=self.manager.load())
         for sched, detok in await self.replica_loads():
@@ -121,6 +127,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
                 out.detokenizers.append(detok)
         return out
 
-    async def GetReadiness(self, request: common_pb2.Empty, context: grpc.aio.ServicerContext) -> tokenizer_pb2.Readiness:
+    async def GetReadiness(self, request: common_pb2.Empty,
+                           context: grpc.aio.ServicerContext) -> tokenizer_pb2.Readiness:
         """Whether this instance can move a token, and why not (read from state: no I/O)."""
         return self.readiness()

@@ -17,7 +17,13 @@ import grpc
 
 from ringserve import columns
 from ringserve.v1 import common_pb2, detokenizer_pb2, tokenizer_pb2
-from services.tokenizer.errors import INTERNAL_ERROR, INVALID_REQUEST, SERVER_OVERLOADED, SERVICE_UNAVAILABLE, RequestError
+from services.tokenizer.errors import (
+    INTERNAL_ERROR,
+    INVALID_REQUEST,
+    SERVER_OVERLOADED,
+    SERVICE_UNAVAILABLE,
+    RequestError,
+)
 
 # Scheduler abort statuses that end the Generate call with that gRPC status
 # instead of a FINISH_ABORT output (CANCELLED is a normal abort).
@@ -80,8 +86,10 @@ def split_rows(batch: detokenizer_pb2.BatchStrOutput) -> list[Row]:
     row_logprobs = row_logprobs or [[] for _ in range(n)]
     tops = tops or [[] for _ in range(n)]
     if prompt:
-        return [Row(*cols, prompt.get(i)) for i, cols in enumerate(zip(
-            rids, batch.texts, ids, fins, batch.completion_tokens, batch.cached_tokens, row_logprobs, tops))]
+        # typeshed types zip of at most 6 iterables, so mypy cannot count the 8 columns here.
+        return [Row(*cols, prompt.get(i)) for i, cols in enumerate(zip(  # type: ignore[call-arg]
+            rids, batch.texts, ids, fins, batch.completion_tokens, batch.cached_tokens, row_logprobs, tops,
+            strict=True))]
     return list(map(Row, rids, batch.texts, ids, fins, batch.completion_tokens, batch.cached_tokens, row_logprobs,
                     tops))
 

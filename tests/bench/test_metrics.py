@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from itertools import pairwise
 
 import pytest
 
@@ -78,7 +79,7 @@ def test_poisson_arrivals_are_seeded_and_have_the_rate():
     a = arrival_offsets(2000, request_rate=4.0, seed=7)
     assert a == arrival_offsets(2000, request_rate=4.0, seed=7)
     assert a != arrival_offsets(2000, request_rate=4.0, seed=8)
-    assert a[0] == 0.0 and all(x < y for x, y in zip(a, a[1:]))
+    assert a[0] == 0.0 and all(x < y for x, y in pairwise(a))
     assert 2000 / a[-1] == pytest.approx(4.0, rel=0.1)  # mean gap 1/rate
     assert arrival_offsets(3, math.inf) == [0.0, 0.0, 0.0]
     with pytest.raises(ValueError):

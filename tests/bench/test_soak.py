@@ -48,7 +48,8 @@ def test_report_fails_on_a_gauge_off_baseline_or_a_hung_request(capsys):
     cfg = SoakConfig(model=Path("."), duration_s=1)
     zero = {g: 0 for g in GAUGES}
     assert report(cfg, Tally(Counter(ok=3)), "no scheduler kill", zero, 1.0)
-    assert not report(cfg, Tally(Counter(ok=3)), "no scheduler kill", {**zero, ("scheduler", "kv_used_tokens"): 16}, 1.0)
+    leaked = {**zero, ("scheduler", "kv_used_tokens"): 16}
+    assert not report(cfg, Tally(Counter(ok=3)), "no scheduler kill", leaked, 1.0)
     assert capsys.readouterr().out.splitlines()[-1] == "result: FAILED: gauges not back to baseline"
     assert not report(cfg, Tally(Counter(ok=3, hung=1)), "no scheduler kill", zero, 1.0)
     out = capsys.readouterr().out

@@ -178,7 +178,7 @@ def test_make_images_builds_every_linted_dockerfile() -> None:
     builds = []
     for words in make_images():
         assert words[:2] == ["docker", "build"] and words[-1] == ".", words
-        flags = dict(zip(words[2:-1:2], words[3:-1:2]))
+        flags = dict(zip(words[2:-1:2], words[3:-1:2], strict=True))
         assert set(flags) <= {"-f", "-t", "--build-arg"}, words
         builds.append((flags["-f"], flags.get("--build-arg"), flags["-t"]))
     assert builds == [
@@ -186,7 +186,8 @@ def test_make_images_builds_every_linted_dockerfile() -> None:
         ("services/tokenizer/Dockerfile", None, f"ghcr.io/ringserve/ringserve-tokenizer:{version}"),
         ("services/detokenizer/Dockerfile", None, f"ghcr.io/ringserve/ringserve-detokenizer:{version}"),
         ("services/scheduler/Dockerfile", "TORCH_VARIANT=cpu", f"ghcr.io/ringserve/ringserve-scheduler:{version}-cpu"),
-        ("services/scheduler/Dockerfile", "TORCH_VARIANT=cu128", f"ghcr.io/ringserve/ringserve-scheduler:{version}-cuda"),
+        ("services/scheduler/Dockerfile", "TORCH_VARIANT=cu128",
+         f"ghcr.io/ringserve/ringserve-scheduler:{version}-cuda"),
     ]
     assert sorted({f for f, _, _ in builds}) == sorted(f"services/{s}/Dockerfile" for s in SERVICES)
     declared = {rest.split("=")[0] for word, rest in dockerfile("scheduler") if word == "ARG"}

@@ -9,11 +9,21 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-import kubernetes_validate as kv
 from kubernetes_validate import utils as kv_utils
-from tests.helpers.helm import (CHART, FULL, K8S_VERSION, NAMESPACE, RELEASE, VALUE_SETS, VALUES, by, container, render,
-                                render_notes)
+
+from tests.helpers.helm import (
+    CHART,
+    FULL,
+    K8S_VERSION,
+    NAMESPACE,
+    RELEASE,
+    VALUE_SETS,
+    VALUES,
+    by,
+    container,
+    render,
+    render_notes,
+)
 
 # Custom resources: no upstream schema; checked structurally below.
 CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
@@ -215,7 +225,8 @@ def test_gpu_multi_replica(rendered: dict[str, list[dict]], helm: Path) -> None:
     assert sm["spec"]["endpoints"][0]["port"] == "http" and sm["spec"]["endpoints"][0]["path"] == "/metrics"
     # Every ServiceMonitor endpoint names a port of the Service it selects.
     monitors = [d for d in docs if d["kind"] == "ServiceMonitor"]
-    assert sorted(m["metadata"]["name"] for m in monitors) == [f"{FULL}-gateway", f"{FULL}-replica", f"{FULL}-tokenizer"]
+    names = sorted(m["metadata"]["name"] for m in monitors)
+    assert names == [f"{FULL}-gateway", f"{FULL}-replica", f"{FULL}-tokenizer"]
     for m in monitors:
         component = m["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"]
         svc = by(docs, "Service", f"{FULL}-{component}")
@@ -230,7 +241,8 @@ def test_gpu_multi_replica(rendered: dict[str, list[dict]], helm: Path) -> None:
     assert "connects to all 2 replica pod(s)" in notes and f"{FULL}-replica-0.{FULL}-replica.{NAMESPACE}" in notes
     assert "round_robin" in notes and "WARNING" not in notes
     assert "connects to all 1 replica pod(s)" in render_notes(helm, "cpu-single")
-    assert "9020 (scheduler)" in notes and f"ServiceMonitors {FULL}-gateway, {FULL}-tokenizer and {FULL}-replica" in notes
+    assert "9020 (scheduler)" in notes
+    assert f"ServiceMonitors {FULL}-gateway, {FULL}-tokenizer and {FULL}-replica" in notes
 
 
 def test_tls_and_api_key(rendered: dict[str, list[dict]]) -> None:
@@ -276,8 +288,10 @@ def test_grpc_mutual_tls(rendered: dict[str, list[dict]]) -> None:
     """Every service gets the --tls-* flags and the Secret; gRPC probes (which cannot speak
     TLS) become `ringserve health` with the same flags."""
     docs = rendered["tls-apikey"]
-    pods = {"gateway": by(docs, "Deployment", f"{FULL}-gateway"), "tokenizer": by(docs, "Deployment", f"{FULL}-tokenizer"),
-            "scheduler": by(docs, "StatefulSet", f"{FULL}-replica"), "detokenizer": by(docs, "StatefulSet", f"{FULL}-replica")}
+    pods = {"gateway": by(docs, "Deployment", f"{FULL}-gateway"),
+            "tokenizer": by(docs, "Deployment", f"{FULL}-tokenizer"),
+            "scheduler": by(docs, "StatefulSet", f"{FULL}-replica"),
+            "detokenizer": by(docs, "StatefulSet", f"{FULL}-replica")}
     ports = {"tokenizer": 30010, "scheduler": 30020, "detokenizer": 30030}
     for name, workload in pods.items():
         pod = workload["spec"]["template"]["spec"]
@@ -343,7 +357,8 @@ def test_grpc_api_without_tls(rendered: dict[str, list[dict]], helm: Path) -> No
     assert sorted(grpc_api_objects(docs)) == [("Ingress", f"{FULL}-grpc-api"), ("Service", f"{FULL}-grpc-api")]
     svc = by(docs, "Service", f"{FULL}-grpc-api")["spec"]
     assert svc["type"] == "LoadBalancer"
-    assert svc["ports"] == [{"name": "grpc", "port": 443, "targetPort": "grpc", "protocol": "TCP", "appProtocol": "grpc"}]
+    assert svc["ports"] == [
+        {"name": "grpc", "port": 443, "targetPort": "grpc", "protocol": "TCP", "appProtocol": "grpc"}]
     tok_dep = by(docs, "Deployment", f"{FULL}-tokenizer")
     assert svc["selector"] == tok_dep["spec"]["selector"]["matchLabels"]
     assert {"name": "grpc", "containerPort": 30010, "protocol": "TCP"} in container(
@@ -430,7 +445,8 @@ def test_scheduler_deterministic_inference_flag(helm: Path, rendered) -> None:
     assert sched_args(render(helm, "cpu-single", "--set", "config.scheduler.deterministicInference=false")) == [
         "--disable-deterministic-inference"]
     out = subprocess.run([str(helm), "template", RELEASE, str(CHART), "--set",
-                          "config.scheduler.deterministicInference=sometimes"], capture_output=True, text=True, timeout=60)
+                          "config.scheduler.deterministicInference=sometimes"],
+                         capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "deterministicInference" in out.stderr
 
 

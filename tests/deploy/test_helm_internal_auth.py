@@ -60,8 +60,8 @@ def test_an_upgrade_keeps_the_token(helm: Path) -> None:
         assert 'lookup "v1" "Secret" .Release.Namespace $name' in source
         template.write_text(source.replace('lookup "v1" "Secret" .Release.Namespace $name',
                                            f'dict "data" (dict "internal-token" "{kept}")'))
-        out = subprocess.run([str(helm), "template", RELEASE, str(chart), "--show-only", "templates/internal-secret.yaml"],
-                             check=True, capture_output=True, text=True, timeout=60)
+        out = subprocess.run([str(helm), "template", RELEASE, str(chart), "--show-only",
+                              "templates/internal-secret.yaml"], check=True, capture_output=True, text=True, timeout=60)
     assert yaml.safe_load(out.stdout)["data"] == {"internal-token": kept}
 
 

@@ -69,7 +69,8 @@ def test_scheduler_variant_and_tag_overrides(helm: Path) -> None:
         return pod_images(docs)["replica/scheduler"]
 
     assert scheduler_image("image.scheduler.variant=cuda") == f"{GHCR}/ringserve-scheduler:0.1.0-cuda"
-    assert scheduler_image("replica.gpu.enabled=true", "image.scheduler.variant=cpu") == f"{GHCR}/ringserve-scheduler:0.1.0-cpu"
+    assert (scheduler_image("replica.gpu.enabled=true", "image.scheduler.variant=cpu")
+            == f"{GHCR}/ringserve-scheduler:0.1.0-cpu")
     assert scheduler_image("image.tag=0.3.0") == f"{GHCR}/ringserve-scheduler:0.3.0-cpu"
     assert scheduler_image("image.scheduler.tag=custom") == f"{GHCR}/ringserve-scheduler:custom"
     # `make images REGISTRY=r.example.com/ai` and `--set image.registry=r.example.com/ai` agree.

@@ -33,7 +33,8 @@ def test_readme_deploy_commands_hold(helm: Path) -> None:
     cmds = deploy_commands()
     assert [c[:2] for c in cmds] == [["make", "images"], ["make", "push-images"], ["helm", "install"],
                                      ["kubectl", "-n"], ["helm", "test"], ["kubectl", "-n"], ["kubectl", "-n"],
-                                     ["curl", "http://127.0.0.1:8000/v1/models"], [".venv/bin/python", "examples/grpc_chat.py"]]
+                                     ["curl", "http://127.0.0.1:8000/v1/models"],
+                                     [".venv/bin/python", "examples/grpc_chat.py"]]
     # 1. The image builds: every tag under the registry the install step points at.
     builds = run_make("-n", *cmds[0][1:]).stdout.splitlines()
     tags = [shlex.split(b)[shlex.split(b).index("-t") + 1] for b in builds]

@@ -10,7 +10,7 @@ import pytest
 from ringserve.v1 import common_pb2
 from services.detokenizer.manager import DetokenizerManager
 from services.detokenizer.replay import StreamSpec, build_steps, collect
-from tests.helpers.detok_streams import chunked, common_prefix_len, decided_positions, Case
+from tests.helpers.detok_streams import Case, chunked, common_prefix_len, decided_positions
 from tests.helpers.textgen import generate
 from tests.helpers.vocabs import VOCABS
 
@@ -150,7 +150,7 @@ def test_stop_strings_property(vocab, tokenizers, ref_tables, make_manager):
     texts = generate(2_000, seed=8)
     encoded = [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
     cases, stops_of = [], {}
-    for k, (text, ids) in enumerate(zip(texts, encoded)):
+    for k, (text, ids) in enumerate(zip(texts, encoded, strict=True)):
         if not ids:
             continue
         stops = []

@@ -43,7 +43,8 @@ def test_check_names_what_is_wrong():
         (lambda b: b.cached_tokens.pop(), "cached_tokens has 3 entries for 4 rows"),
         (lambda b: b.output_ids.append(1), "new_token_counts (sum 6) do not cover output_ids (7 values)"),
         (lambda b: b.new_token_counts.__setitem__(1, -1), "new_token_counts has a negative count"),
-        (lambda b: b.output_token_logprobs.pop(), "logprob_counts (sum 3) do not cover output_token_logprobs (2 values)"),
+        (lambda b: b.output_token_logprobs.pop(),
+         "logprob_counts (sum 3) do not cover output_token_logprobs (2 values)"),
     ]
     for breaks, message in cases:
         b = batch()

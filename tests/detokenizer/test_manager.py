@@ -101,7 +101,7 @@ def test_one_step_request_and_prefill_only_steps(make_manager, tokenizers):
     texts: dict[str, str] = {}
     for batch in build_steps(specs):
         for o in m.handle_batch(batch).values():
-            for rid, t in zip(o.rids, o.texts):
+            for rid, t in zip(o.rids, o.texts, strict=True):
                 texts[rid] = texts.get(rid, "") + t
     assert texts == {"one": "café 👍🏽", "gaps": "café 👍🏽"}
     assert m.num_decode_states == 0

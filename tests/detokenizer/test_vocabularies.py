@@ -26,13 +26,14 @@ def test_qwen25_ids_match_the_package_tokenizer(tmp_path, tokenizers):
     tok = tokenizers["qwen25"]
     texts = generate(3_000, seed=11) + ["<|im_start|>user\nhi<|im_end|>\n", "e\u0301 NFC", "1234567 digits"]
     ours = [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
-    for text, ids in zip(texts, ours):
+    for text, ids in zip(texts, ours, strict=True):
         assert ids == qwen.encode(text), text
     assert tok.get_vocab_size(with_added_tokens=True) == 151_665
     assert [tok.token_to_id(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")] == [151643, 151644, 151645]
     assert tok.decode(list(range(151643, 151665)), skip_special_tokens=True) == (
         "<tool_call></tool_call><|fim_prefix|><|fim_middle|><|fim_suffix|><|fim_pad|><|repo_name|><|file_sep|>")
-    assert all(qwen.decode(ids) == unicodedata.normalize("NFC", t) for t, ids in zip(texts[:200], ours[:200]))
+    pairs = zip(texts[:200], ours[:200], strict=True)
+    assert all(qwen.decode(ids) == unicodedata.normalize("NFC", t) for t, ids in pairs)
 
 
 def test_gemma3_is_sentencepiece_with_byte_fallback(tokenizers):

@@ -121,7 +121,8 @@ def test_typed_client_sync_and_async(ring):
 
     async def async_chat() -> str:
         async with AsyncRingserveClient(ring.tokenizer, api_key=API_KEYS[0]) as aclient:
-            return "".join([c.text async for c in aclient.chat(PARIS, max_new_tokens=16, temperature=0.0, timeout_s=60)])
+            chunks = aclient.chat(PARIS, max_new_tokens=16, temperature=0.0, timeout_s=60)
+            return "".join([c.text async for c in chunks])
 
     assert asyncio.run(async_chat()) == ANSWER
 
@@ -131,7 +132,8 @@ def test_example_script_with_a_key(ring):
     example = Path(__file__).resolve().parents[2] / "examples" / "grpc_chat.py"
     env = {k: v for k, v in os.environ.items() if k != "RINGSERVE_API_KEY"}
     ok = subprocess.run([sys.executable, str(example), ring.tokenizer, "What is the capital of France?", "--timeout",
-                         "120"], capture_output=True, text=True, timeout=300, env={**env, "RINGSERVE_API_KEY": API_KEYS[1]})
+                         "120"], capture_output=True, text=True, timeout=300,
+                        env={**env, "RINGSERVE_API_KEY": API_KEYS[1]})
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.count(f"{ANSWER}\n[finish_reason=stop, tokens=8]") == 2, ok.stdout
     refused = subprocess.run([sys.executable, str(example), ring.tokenizer], capture_output=True, text=True,

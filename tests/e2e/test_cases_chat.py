@@ -189,7 +189,7 @@ async def test_c11_system_message_is_never_dropped(stack, form):
     prompt = rendered["prompt"]
     # The system text is in the template's system slot, once: the prompt is the one with an
     # empty system message with the text inserted there, before the user's turn.
-    slot = next(i for i, (a, b) in enumerate(zip(prompt, empty["prompt"])) if a != b)
+    slot = next(i for i, (a, b) in enumerate(zip(prompt, empty["prompt"], strict=False)) if a != b)
     assert prompt == empty["prompt"][:slot] + SYSTEM + empty["prompt"][slot:]
     assert prompt.count(SYSTEM) == 1 and slot < prompt.index(SKY["content"])
     assert rendered["count"] - empty["count"] == system_tokens

@@ -101,7 +101,7 @@ async def test_c05_invalid_requests_rejected_before_streaming(stack):
                         b'{"model": "m", "stream": false, "prompt": "x",}')
         ]
 
-    for i, ((body, param), n_prompt) in enumerate(zip(overflow, counts)):
+    for i, ((_body, param), n_prompt) in enumerate(zip(overflow, counts, strict=True)):
         for resp in overflow_resps[2 * i : 2 * i + 2]:
             message = check_error(resp, 400, param, "context_length_exceeded")
             assert f"maximum context length is {context} tokens" in message, message
@@ -112,11 +112,11 @@ async def test_c05_invalid_requests_rejected_before_streaming(stack):
             message = check_error(resp, 400, "prompt", "context_length_exceeded")
             assert f"maximum context length is {context} tokens" in message, message
             assert f"{n_prompt} tokens" in message or f"({n_prompt} in the" in message, message
-    for i, (extra, status, param, code) in enumerate(invalid):
+    for i, (_extra, status, param, code) in enumerate(invalid):
         for resp in invalid_resps[2 * i : 2 * i + 2]:
             check_error(resp, status, param, code)
     plain = [row for row in invalid if "max_completion_tokens" not in row[0]]
-    for i, (extra, status, param, code) in enumerate(plain):
+    for i, (_extra, status, param, code) in enumerate(plain):
         for resp in completion_resps[2 * i : 2 * i + 2]:
             check_error(resp, status, param, code)
     for resp in malformed:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import pairwise
 
 import httpx
 import pytest
@@ -116,7 +117,7 @@ async def check_variants(stack, tok: Tokenizer, prompt: Prompt, max_tokens: int,
             return call(client, prompt.body(kind == "stream", max_tokens, stops, min_tokens))
 
         results = await asyncio.gather(*(run(stops, kind) for stops, kind in runs))
-    for (stops, kind), got in zip(runs, results):
+    for (stops, kind), got in zip(runs, results, strict=True):
         text, matched, _ = first_stop(tok, ref.ids, stops, min_tokens)
         want = (text, "stop", matched) if matched else (text, ref.finish_reason, ref.matched_stop)
         if kind == "grpc":
@@ -160,8 +161,8 @@ async def test_c03_start_of_stop_string_never_leaks(stack, tok):
 def token_texts(tok: Tokenizer, ids: list[int]) -> tuple[list[str], list[int]]:
     """Each token's text and character offset inside the decoded output (ASCII output)."""
     prefixes = [tok.decode(ids[:k]) for k in range(len(ids) + 1)]
-    assert all(b.startswith(a) for a, b in zip(prefixes, prefixes[1:]))
-    return [b[len(a):] for a, b in zip(prefixes, prefixes[1:])], [len(p) for p in prefixes[:-1]]
+    assert all(b.startswith(a) for a, b in pairwise(prefixes))
+    return [b[len(a):] for a, b in pairwise(prefixes)], [len(p) for p in prefixes[:-1]]
 
 
 def place_stop(tok: Tokenizer, ids: list[int], make: Callable[[list[str], int], str | None],

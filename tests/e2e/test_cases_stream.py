@@ -86,7 +86,7 @@ async def test_c06_c07_chunk_schema_usage_and_framing(stack, chat):
         for content in (COUNT, HI):
             resp = await client.post("/v1/tokenize", json={"model": stack.model_name, **prompt(content)})
             prompts[content] = resp.json()["count"]
-    for (name, content, max_tokens, extra, n, finish), got, want in zip(variants, streamed, full):
+    for (name, content, max_tokens, extra, n, finish), got, want in zip(variants, streamed, full, strict=True):
         usage = check_chunks(got.events, stack.model_name, n, "stream_options" in extra, chat)
         assert sorted(got.choices) == list(range(n)), name
         for i in range(n):

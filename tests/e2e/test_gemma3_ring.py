@@ -62,7 +62,7 @@ async def test_greedy_continuations_equal_transformers(gemma_ring, gemma_gguf):
         # Together: one batch in the engine (batched prefill, then decodes of unequal lengths).
         outputs = await asyncio.gather(*(generate(client, ids) for ids in prompts))
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    for ids, out in zip(prompts, outputs):
+    for ids, out in zip(prompts, outputs, strict=True):
         assert len(out) == STEPS
         with torch.no_grad():
             logits = ref(torch.tensor([ids + out])).logits[0]
@@ -78,7 +78,7 @@ async def test_streamed_text_equals_non_streamed(gemma_ring):
         # All four at once (one batch in the engine): each stream against its non-streamed twin.
         results = await asyncio.gather(*(call(client, {**body, "stream": stream})
                                          for body in bodies for stream in (False, True)))
-        for whole, stream in zip(results[0::2], results[1::2]):
+        for whole, stream in zip(results[0::2], results[1::2], strict=True):
             assert {e["model"] for e in stream.events} == {SERVED}  # the GGUF's name, not the cache key
             assert stream.only.text == whole.only.text and whole.only.text.strip()
             assert stream.only.finish_reason == whole.only.finish_reason == "length"

@@ -16,7 +16,8 @@ from tests.helpers.helm import CHART, RELEASE
 
 def rendered_test_pod(helm_bin: Path, *sets: str) -> dict:
     out = subprocess.run([str(helm_bin), "template", RELEASE, str(CHART), "--show-only", "templates/tests/chat.yaml",
-                          *[a for s in sets for a in ("--set", s)]], capture_output=True, text=True, timeout=60, check=True)
+                          *[a for s in sets for a in ("--set", s)]],
+                         capture_output=True, text=True, timeout=60, check=True)
     return yaml.safe_load(out.stdout)
 
 
@@ -29,7 +30,8 @@ def test_helm_test_pod_gets_an_answer_from_the_ring(helm: Path, stack) -> None:
     assert env == {"URL": "http://rs-ringserve-gateway:80/v1/chat/completions", "MODEL": "SmolLM2-135M-Instruct"}
     assert chat["command"][:2] == ["python", "-c"]
     env = {**os.environ, "URL": f"{stack.base_url}/v1/chat/completions", "MODEL": stack.model_name}
-    out = subprocess.run([sys.executable, "-c", chat["command"][2]], env=env, capture_output=True, text=True, timeout=180)
+    out = subprocess.run([sys.executable, "-c", chat["command"][2]], env=env, capture_output=True, text=True,
+                         timeout=180)
     assert out.returncode == 0, out.stderr
     assert out.stdout == "SmolLM2-135M-Instruct: 'The capital of France is Paris.' (8 tokens)\n"
 

@@ -22,8 +22,14 @@ import orjson
 import pytest
 
 from ringserve.internal_auth import MISSING, WRONG
-from ringserve.v1 import common_pb2, detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from ringserve.v1 import tokenizer_pb2_grpc
+from ringserve.v1 import (
+    common_pb2,
+    detokenizer_pb2,
+    detokenizer_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+    tokenizer_pb2_grpc,
+)
 from tests.helpers.ringstack import still_serves
 
 STORY = [{"role": "user", "content": "Write a very long story."}]

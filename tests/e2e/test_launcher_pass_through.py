@@ -4,6 +4,7 @@ launched with options for every service."""
 
 from __future__ import annotations
 
+from itertools import pairwise
 from pathlib import Path
 
 import httpx
@@ -26,7 +27,7 @@ EXPECTED = {
 
 def _given(args: list[str]) -> dict[str, str]:
     """The GIVEN flags among a process's arguments, with their values."""
-    return {a: b for a, b in zip(args, args[1:]) if a in GIVEN}
+    return {a: b for a, b in pairwise(args) if a in GIVEN}
 
 
 @pytest.mark.ring  # launches a ring of its own: its options differ from every shared ring's

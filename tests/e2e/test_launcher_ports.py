@@ -53,7 +53,7 @@ def test_default_ports_are_fixed() -> None:
 @pytest.mark.parametrize("flag, what, make_var", [("--port", "gateway HTTP", "PORT"),
                                                     ("--tokenizer-port", "tokenizer gRPC API", "GRPC_PORT")])
 def test_port_in_use_fails_fast(flag: str, what: str, make_var: str, tmp_path: Path) -> None:
-    ports = dict(zip(("--port", "--tokenizer-port"), map(str, free_ports(2))))
+    ports = dict(zip(("--port", "--tokenizer-port"), map(str, free_ports(2)), strict=True))
     with listening() as port:
         ports[flag] = str(port)
         line, elapsed = launch_fails(*(a for item in ports.items() for a in item), tmp_path=tmp_path)
@@ -65,8 +65,10 @@ def test_port_in_use_fails_fast(flag: str, what: str, make_var: str, tmp_path: P
 def test_internal_and_metrics_ports_are_checked_too() -> None:
     http_port, grpc_port = free_ports(2)
     with listening() as port:
-        for flag, what in (("--scheduler-port", "scheduler gRPC"), ("--detokenizer-metrics-port", "detokenizer metrics")):
-            config = parse_args(["--model", "m", "--port", str(http_port), "--tokenizer-port", str(grpc_port), flag, str(port)])
+        for flag, what in (("--scheduler-port", "scheduler gRPC"),
+                           ("--detokenizer-metrics-port", "detokenizer metrics")):
+            config = parse_args(["--model", "m", "--port", str(http_port), "--tokenizer-port", str(grpc_port),
+                                 flag, str(port)])
             with pytest.raises(PortInUse) as info:
                 check_ports(config.host, vars(config))
             assert str(info.value) == (f"port {port} ({what}, {flag}) on 127.0.0.1 is already in use; "

@@ -122,7 +122,7 @@ async def test_greedy_streaming_equals_non_streaming(stack):
         full = await asyncio.gather(
             *(_full_text(client, _chat_body(stack.model_name, p, False)) for p in PROMPTS)
         )
-    for prompt, (text, finish, _), (full_text, data) in zip(PROMPTS, streamed, full):
+    for prompt, (text, finish, _), (full_text, data) in zip(PROMPTS, streamed, full, strict=True):
         assert text == full_text, prompt
         assert finish == data["choices"][0]["finish_reason"], prompt
         assert text, prompt
@@ -165,7 +165,7 @@ async def test_greedy_streaming_equals_non_streaming_with_stop_strings(stack):
         unstopped = await asyncio.gather(*(_completion(client, {**body(p, [], False), "stop": None}) for p, _ in cases))
         streamed = await asyncio.gather(*(_completion(client, body(p, s, True)) for p, s in cases))
         full = await asyncio.gather(*(_completion(client, body(p, s, False)) for p, s in cases))
-    for (prompt, stop), (free_text, _, _), got_stream, got_full in zip(cases, unstopped, streamed, full):
+    for (prompt, stop), (free_text, _, _), got_stream, got_full in zip(cases, unstopped, streamed, full, strict=True):
         assert got_stream == got_full, (prompt, stop)
         text, finish, matched = got_full
         hits = [(free_text.find(s), s) for s in stop if free_text.find(s) >= 0]
@@ -231,7 +231,8 @@ async def test_closing_stream_aborts_and_frees_kv(stack):
 def test_grpc_client_sync_streams_chat(stack):
     with RingserveClient(stack.tokenizer) as client:
         chunks = list(
-            client.chat([{"role": "user", "content": "What is the capital of France?"}], max_new_tokens=32, temperature=0.0)
+            client.chat([{"role": "user", "content": "What is the capital of France?"}], max_new_tokens=32,
+                        temperature=0.0)
         )
     assert "".join(c.text for c in chunks) == "The capital of France is Paris."
     assert chunks[-1].finish_reason == "stop"
@@ -277,7 +278,8 @@ def test_health_and_reflection(stack, service):
             resp = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
             assert resp.status == health_pb2.HealthCheckResponse.SERVING
         refl = reflection_pb2_grpc.ServerReflectionStub(ch)
-        responses = list(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5))
+        ask = iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+        responses = list(refl.ServerReflectionInfo(ask, timeout=5))
     names = {s.name for s in responses[0].list_services_response.service}
     assert {SERVICES[service], "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= names
 
@@ -290,6 +292,7 @@ def test_gateway_health_and_models(stack):
 
 @pytest.mark.parametrize("sub", ["launch", "gateway", "tokenizer", "scheduler", "detokenizer", "prepare-model"])
 def test_cli_help(sub):
-    out = subprocess.run([sys.executable, "-m", "ringserve.cli", sub, "--help"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-m", "ringserve.cli", sub, "--help"], capture_output=True, text=True,
+                         timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("usage: ringserve")

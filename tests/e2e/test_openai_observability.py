@@ -120,7 +120,7 @@ async def test_chat_logprobs_line_up_with_the_text(stack):
             assert b"".join(bytes(e["bytes"]) for e in content).decode() == choice["message"]["content"]
             if "\ufffd" not in "".join(e["token"] for e in content):
                 assert "".join(e["token"] for e in content) == choice["message"]["content"]
-    for r, whole in zip(results[len(prompts):], results[: len(prompts)]):
+    for r, whole in zip(results[len(prompts):], results[: len(prompts)], strict=True):
         chunks = _chunks(r.text)
         content = [e for c in chunks for ch in c["choices"] if ch["logprobs"] for e in ch["logprobs"]["content"]]
         assert len(content) == chunks[-1]["usage"]["completion_tokens"]
@@ -159,6 +159,6 @@ def test_completion_logprobs_tokens_offsets_and_echo(stack, stream):
     assert all(x <= 0 for x in token_lps[1:])
     for top in tops[1:n_prompt]:
         assert len(top) in (1, 2)  # a prompt token need not be among the top 2
-    for token, lp, top in zip(tokens[n_prompt:], token_lps[n_prompt:], tops[n_prompt:]):
+    for token, lp, top in zip(tokens[n_prompt:], token_lps[n_prompt:], tops[n_prompt:], strict=True):
         assert len(top) in (1, 2) and max(top.values()) == pytest.approx(lp, abs=1e-5) and top.get(token) is not None
     stack.wait_idle()

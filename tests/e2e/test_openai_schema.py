@@ -4,8 +4,9 @@ aimed at each of its fields.
 The schema is the one the gateway serves at /openapi.json (built from its routes). Each
 operation gets a bounded number of examples, positive (valid by the schema) and negative,
 with no shrinking, from a fixed seed (derandomized: CI runs the same cases every time;
-raise ``max_examples`` or drop ``derandomize`` locally to hunt for new failures). Checks: no 5xx, documented status codes, content types and headers,
-response bodies matching the schema, and schema-violating bodies rejected with a 4xx.
+raise ``max_examples`` or drop ``derandomize`` locally to hunt for new failures). Checks: no
+5xx, documented status codes, content types and headers, response bodies matching the
+schema, and schema-violating bodies rejected with a 4xx.
 
 Two adjustments keep the run short and make positive cases produce real generations:
 
@@ -49,8 +50,18 @@ from schemathesis.specs.openapi.checks import (
 
 from services.gateway.app import create_app
 from services.gateway.config import GatewayConfig
-from tests.helpers.bad_values import (OpenApi, Raw, dump_body, field_name, json_fields, json_shapes, json_value,
-                                      nested, no_errors_logged, set_json)
+from tests.helpers.bad_values import (
+    OpenApi,
+    Raw,
+    dump_body,
+    field_name,
+    json_fields,
+    json_shapes,
+    json_value,
+    nested,
+    no_errors_logged,
+    set_json,
+)
 
 MAX_NEW_TOKENS = 4
 MAX_N = 2

@@ -57,8 +57,8 @@ def test_echo_logprobs_with_max_tokens_0_scores_the_prompt(stack, prompt, expect
     assert len(lp["tokens"]) == len(prompt) and "".join(lp["tokens"]) == TEXT
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     want, (top_vals, _top_ids) = expected
-    assert max(abs(a - b) for a, b in zip(lp["token_logprobs"][1:], want)) < 1e-4
-    for got, vals in zip(lp["top_logprobs"][1:], top_vals.tolist()):
+    assert max(abs(a - b) for a, b in zip(lp["token_logprobs"][1:], want, strict=True)) < 1e-4
+    for got, vals in zip(lp["top_logprobs"][1:], top_vals.tolist(), strict=True):
         assert sorted(got.values(), reverse=True) == pytest.approx(vals, abs=1e-4)
     assert lp["text_offset"][:2] == [0, len(lp["tokens"][0])]
 
@@ -68,7 +68,7 @@ def test_echo_logprobs_then_generated_tokens_stream_equals_non_stream(stack, pro
     whole = post(stack, "/v1/completions", body).json()["choices"][0]
     lp = whole["logprobs"]
     assert len(lp["tokens"]) == len(prompt) + 4
-    assert max(abs(a - b) for a, b in zip(lp["token_logprobs"][1:len(prompt)], expected[0])) < 1e-4
+    assert max(abs(a - b) for a, b in zip(lp["token_logprobs"][1:len(prompt)], expected[0], strict=True)) < 1e-4
     assert whole["text"] == "".join(lp["tokens"])
     tokens, logprobs, text = [], [], ""
     with httpx.stream("POST", f"{stack.base_url}/v1/completions", timeout=120,
@@ -81,7 +81,8 @@ def test_echo_logprobs_then_generated_tokens_stream_equals_non_stream(stack, pro
                     tokens += c["logprobs"]["tokens"]
                     logprobs += c["logprobs"]["token_logprobs"]
     assert text == whole["text"] and tokens == lp["tokens"]
-    assert logprobs[0] is None and max(abs(a - b) for a, b in zip(logprobs[1:], lp["token_logprobs"][1:])) < 1e-4
+    assert logprobs[0] is None
+    assert max(abs(a - b) for a, b in zip(logprobs[1:], lp["token_logprobs"][1:], strict=True)) < 1e-4
 
 
 def test_vllm_prompt_logprobs_on_completions_and_chat(stack, prompt, expected):
@@ -89,7 +90,7 @@ def test_vllm_prompt_logprobs_on_completions_and_chat(stack, prompt, expected):
     assert r.status_code == 200, r.text
     pl = r.json()["choices"][0]["prompt_logprobs"]
     assert len(pl) == len(prompt) and pl[0] is None
-    for p, token, want in zip(pl[1:], prompt[1:], expected[0]):
+    for p, token, want in zip(pl[1:], prompt[1:], expected[0], strict=True):
         assert abs(p[str(token)]["logprob"] - want) < 1e-4 and 1 <= len(p) <= 2
     chat = post(stack, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
                                                "prompt_logprobs": 0, "max_tokens": 1})
@@ -110,7 +111,7 @@ def test_sglang_generate_logprob_start_len(stack, prompt, expected):
     meta = r.json()["meta_info"]
     got = meta["input_token_logprobs"]
     assert [t for _, t, _ in got] == prompt[3:]
-    assert max(abs(lp - want) for (lp, _, _), want in zip(got, expected[0][2:])) < 1e-4
+    assert max(abs(lp - want) for (lp, _, _), want in zip(got, expected[0][2:], strict=True)) < 1e-4
     assert all(len(top) == 2 for top in meta["input_top_logprobs"])
     assert len(meta["output_token_logprobs"]) == 2
     bad = post(stack, "/generate", {"input_ids": prompt, "return_logprob": True, "logprob_start_len": len(prompt)})
@@ -126,7 +127,7 @@ def test_grpc_prompt_logprobs(stack, prompt, expected):
         outs = list(tokenizer_pb2_grpc.TokenizerStub(ch).Generate(req, timeout=60))
     p = outs[-1].prompt_logprobs
     assert list(p.token_ids) == prompt and p.start == 1 and len(p.logprobs) == len(prompt) - 1
-    assert max(abs(a - b) for a, b in zip(p.logprobs, expected[0])) < 1e-4
+    assert max(abs(a - b) for a, b in zip(p.logprobs, expected[0], strict=True)) < 1e-4
     assert outs[-1].completion_tokens == 0 and outs[-1].finish_reason.type == common_pb2.FINISH_LENGTH
     assert not math.isnan(sum(p.logprobs))
 
@@ -141,10 +142,11 @@ def test_lm_eval_local_completions_batch(stack, prompt, expected):
     assert r.status_code == 200, r.text
     choices = sorted(r.json()["choices"], key=lambda c: c["index"])
     want, (_vals, top_ids) = expected
-    for choice, end in zip(choices, (len(prompt), ctx + 1)):
+    for choice, end in zip(choices, (len(prompt), ctx + 1), strict=True):
         lp = choice["logprobs"]
         assert len(lp["token_logprobs"]) == end
         got = sum(lp["token_logprobs"][ctx:])
         assert got == pytest.approx(sum(want[ctx - 1:end - 1]), abs=1e-4)
-        greedy = all(max(top, key=top.get) == tok for top, tok in zip(lp["top_logprobs"][ctx:], lp["tokens"][ctx:]))
+        pairs = zip(lp["top_logprobs"][ctx:], lp["tokens"][ctx:], strict=True)
+        greedy = all(max(top, key=top.get) == tok for top, tok in pairs)
         assert greedy == bool((top_ids[ctx - 1:end - 1, 0] == torch.tensor(prompt[ctx:end])).all())

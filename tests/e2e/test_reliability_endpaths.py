@@ -174,7 +174,8 @@ async def test_duplicate_in_flight_rid_is_400_and_first_is_untouched(stack, clie
     rid = f"dup-{uuid.uuid4().hex}"
     before = aborted(stack)
     texts = []
-    async with client.stream("POST", "/v1/chat/completions", json=chat(stack, max_tokens=48, stream=True, rid=rid)) as first:
+    body = chat(stack, max_tokens=48, stream=True, rid=rid)
+    async with client.stream("POST", "/v1/chat/completions", json=body) as first:
         assert first.status_code == 200
         dup = await client.post("/v1/chat/completions", json=chat(stack, max_tokens=48, rid=rid))
         assert dup.status_code == 400, dup.text

@@ -78,7 +78,8 @@ async def test_topology_in_get_load(ring):
     )
     for s in load["scheduler"]:
         assert s["kv_total_tokens"] == 8192
-        assert {"num_running_reqs", "num_waiting_reqs", "req_slots_used", "kv_used_tokens", "kv_cached_tokens"} <= set(s)
+        assert {"num_running_reqs", "num_waiting_reqs", "req_slots_used", "kv_used_tokens",
+                "kv_cached_tokens"} <= set(s)
     assert all("req_states" in t for t in load["tokenizer"]) and all("decode_states" in d for d in load["detokenizer"])
 
 
@@ -174,17 +175,18 @@ async def test_concurrent_load_spreads_over_both_replicas_and_both_tokenizers(ri
     for events, _ in results:
         assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
     after = finished_counts(ring)
-    assert [a - b for a, b in zip(after, before)] == [2, 2]
+    assert [a - b for a, b in zip(after, before, strict=True)] == [2, 2]
     ring.wait_idle()
 
 
 async def test_a_shared_prefix_lands_on_the_replica_that_caches_it(ring):
     async with httpx.AsyncClient(base_url=ring.base_url, timeout=120) as client:
         for lead in ("Alpha", "Bravo", "Charlie"):
-            shared = f"{lead} report. " + " ".join(f"Section {i} lists the stations of the northern line." for i in range(20))
+            sections = " ".join(f"Section {i} lists the stations of the northern line." for i in range(20))
+            shared = f"{lead} report. " + sections
             prompts = [f"{shared} Summary of the first part:", f"{shared} Questions about the second part:"]
             ids = [(await client.post("/v1/tokenize", json={"prompt": p})).json()["tokens"] for p in prompts]
-            common = next(i for i, (a, b) in enumerate(zip(*ids)) if a != b)
+            common = next(i for i, (a, b) in enumerate(zip(*ids, strict=False)) if a != b)
             assert common > 200
             landed, cached = [], []
             for prompt in prompts:  # one after the other: both replicas idle, so affinity decides
@@ -194,7 +196,7 @@ async def test_a_shared_prefix_lands_on_the_replica_that_caches_it(ring):
                 assert resp.status_code == 200, resp.text
                 cached.append(resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
                 after = finished_counts(ring)
-                landed.append([i for i, (a, b) in enumerate(zip(after, before)) if a != b])
+                landed.append([i for i, (a, b) in enumerate(zip(after, before, strict=True)) if a != b])
             assert landed[0] == landed[1] and len(landed[0]) == 1, landed
             assert cached == [0, common]
 
@@ -231,6 +233,7 @@ async def test_killing_one_replica_fails_only_its_requests(ring):
         assert sum(len(e["choices"][0]["delta"].get("content") or "") > 0 for e in events[:-1]
                    if e.get("choices")) > 0
     with grpc.insecure_channel(sched1) as ch:
-        load1 = scheduler_pb2_grpc.SchedulerStub(ch).GetLoad(common_pb2.Empty(), timeout=5, metadata=ring.internal_metadata)
+        load1 = scheduler_pb2_grpc.SchedulerStub(ch).GetLoad(common_pb2.Empty(), timeout=5,
+                                                             metadata=ring.internal_metadata)
     assert load1.num_finished_reqs - finished1 == 4  # the 2 survivors and the 2 new requests
     ring.wait_serving("scheduler")  # scheduler-0 came back (--restart-on-failure)

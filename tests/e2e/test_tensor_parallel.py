@@ -59,10 +59,10 @@ def test_tp3_answers_equal_tp1(tp_ring, stack):
     label = (("model_name", tp_ring.model_name),)
     retractions = tp_ring.scrape("scheduler")[("ringserve:num_retractions_total", label)]
     resps = asyncio.run(together(tp_ring, abort=True))
-    for resp, (text, toks, logprobs) in zip(resps, reference):
+    for resp, (text, toks, logprobs) in zip(resps, reference, strict=True):
         got_text, got_toks, got_logprobs = tokens(resp)
         assert (got_text, got_toks) == (text, toks) and len(toks) == 64
-        assert max(abs(a - b) for a, b in zip(got_logprobs, logprobs)) < 1e-4
+        assert max(abs(a - b) for a, b in zip(got_logprobs, logprobs, strict=True)) < 1e-4
     again = httpx.post(f"{tp_ring.base_url}/v1/chat/completions", json=answer(tp_ring, QUESTIONS[0], 4), timeout=120)
     assert tokens(again)[1] == reference[0][1][:4]
     assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 20  # the prefix cache's hit

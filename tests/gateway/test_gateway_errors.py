@@ -133,8 +133,8 @@ async def test_grpc_status_mapping(stack, stream, code, metadata, status, type_,
 
 async def test_api_key(keyed, stack):
     body = {"model": "smol", "messages": MSG}
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}, {"Authorization": "Bearer sekri"},
-                    {"Authorization": "Bearer sekrit,rotated"}):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"},
+                    {"Authorization": "Bearer sekri"}, {"Authorization": "Bearer sekrit,rotated"}):
         r = await keyed.post("/v1/chat/completions", json=body, headers=headers)
         assert_error(r, 401, None, "invalid_api_key", "authentication_error")
     # malformed JSON without a key is still a 401: the key is checked first
@@ -184,7 +184,8 @@ async def test_health_follows_tokenizer_readiness(stack):
     assert orjson.loads((await stack.client.get("/health")).content) == {"status": "ok", "replicas": 1,
                                                                         "not_ready": []}
     stalled = tokenizer_pb2.NotReady(replica="10.0.0.1:30020", reason="detokenizer_health_check",
-                                     message="the detokenizer at 10.0.0.2:30030 did not answer its health check within 2 s")
+                                     message="the detokenizer at 10.0.0.2:30030 did not answer its health check "
+                                             "within 2 s")
     down = tokenizer_pb2.NotReady(replica="10.0.0.3:30020", reason="scheduler_link_down",
                                   message="the scheduler at 10.0.0.3:30020 is not connected")
     reasons = [{"replica": r.replica, "reason": r.reason, "message": r.message} for r in (stalled, down)]

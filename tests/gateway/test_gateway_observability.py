@@ -83,7 +83,8 @@ async def test_metrics_count_a_client_disconnect_as_aborted(stack):
         await asyncio.sleep(0.02)
     assert _delta(before, after, "ringserve:num_aborted_requests_total") == 1
     assert _delta(before, after, "ringserve:generation_tokens_total") == 1
-    assert sum(_delta(before, after, "ringserve:request_success_total", finished_reason=r) for r in ("stop", "length")) == 0
+    assert sum(_delta(before, after, "ringserve:request_success_total", finished_reason=r)
+               for r in ("stop", "length")) == 0
 
 
 async def test_health_generate_runs_one_uncounted_token(stack):

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import grpc
 import pytest
 
@@ -71,5 +73,5 @@ async def test_round_robin_spreads_calls_over_an_ipv4_target():
         for server, _ in servers:
             await server.stop(0)
     assert names.count("tok-a") == names.count("tok-b") == 4
-    assert all(a != b for a, b in zip(names, names[1:]))  # strictly alternating
+    assert all(a != b for a, b in pairwise(names))  # strictly alternating
     assert len(first) == 1

@@ -56,7 +56,7 @@ def make_cases(tok: Tokenizer, table: ByteTable, texts: list[str], n_random: int
     refs = {}
     for skip in (False, True):
         group = [k for k, (_, s) in enumerate(seqs) if s == skip]
-        for k, text in zip(group, tok.decode_batch([seqs[k][0] for k in group], skip_special_tokens=skip)):
+        for k, text in zip(group, tok.decode_batch([seqs[k][0] for k in group], skip_special_tokens=skip), strict=True):
             refs[k] = text
     cases = []
     for k, (ids, skip) in enumerate(seqs):
@@ -81,7 +81,7 @@ def common_prefix_len(a: str, b: str) -> int:
     if b.startswith(a):
         return len(a)
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         if x != y:
             break
         n += 1
@@ -131,7 +131,7 @@ def check_cases(tok: Tokenizer, table: ByteTable, cases: list[Case], deltas: dic
         requests[c.spec.skip_special_tokens].extend(c.ids[:m] for m in ms)
     prefixes = {skip: tok.decode_batch(reqs, skip_special_tokens=skip) for skip, reqs in requests.items()}
     checked = 0
-    for c, (start, ms) in zip(cases, where):
+    for c, (start, ms) in zip(cases, where, strict=True):
         got = deltas[c.spec.rid]
         assert len(got) == len(c.spec.chunks), c.spec.rid
         text = "".join(got)

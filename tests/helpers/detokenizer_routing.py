@@ -12,7 +12,7 @@ class RoutingManager:
 
     def handle_batch(self, batch: detokenizer_pb2.BatchTokenIDOutput) -> dict[str, detokenizer_pb2.BatchStrOutput]:
         out: dict[str, detokenizer_pb2.BatchStrOutput] = {}
-        for rid, tokenizer_id in zip(batch.rids, batch.tokenizer_ids):
+        for rid, tokenizer_id in zip(batch.rids, batch.tokenizer_ids, strict=True):
             out.setdefault(tokenizer_id, detokenizer_pb2.BatchStrOutput()).rids.append(rid)
         return out
 

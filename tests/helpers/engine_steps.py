@@ -64,4 +64,5 @@ def collect(out, results: dict[str, Result], step: int = 0) -> None:
 
 def greedy(rid: str, ids: list[int], max_new_tokens: int = 16, **kw) -> ReqInput:
     """A greedy request."""
-    return ReqInput(rid=rid, input_ids=ids, sampling=SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, **kw))
+    return ReqInput(rid=rid, input_ids=ids,
+                    sampling=SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, **kw))

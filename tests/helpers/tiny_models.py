@@ -10,8 +10,16 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import (AutoModelForCausalLM, Gemma3TextConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig,
-                          Qwen3Config, Qwen3MoeConfig)
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
+    MixtralConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen2MoeConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=128)

@@ -13,13 +13,22 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from ringserve.v1 import common_pb2, detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, tokenizer_pb2
+from ringserve.v1 import (
+    common_pb2,
+    detokenizer_pb2,
+    detokenizer_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+    tokenizer_pb2,
+)
 
-SCRIPT = [("Hello", [19556], None), (", world", [28, 905], None), ("!", [17], common_pb2.FinishReason(type=common_pb2.FINISH_STOP, matched_token_id=2))]
+SCRIPT = [("Hello", [19556], None), (", world", [28, 905], None),
+          ("!", [17], common_pb2.FinishReason(type=common_pb2.FINISH_STOP, matched_token_id=2))]
 TIMEOUT_S = 10
 
 
-def row_batch(rid: str, text: str, ids: list[int], finish: common_pb2.FinishReason | None, completion: int) -> detokenizer_pb2.BatchStrOutput:
+def row_batch(rid: str, text: str, ids: list[int], finish: common_pb2.FinishReason | None,
+              completion: int) -> detokenizer_pb2.BatchStrOutput:
     return detokenizer_pb2.BatchStrOutput(
         rids=[rid], texts=[text], new_token_counts=[len(ids)], output_ids=ids,
         finish_reasons=[finish or common_pb2.FinishReason()], prompt_tokens=[0],
@@ -66,7 +75,8 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
                 self.aborts.append(msg.abort)
                 if msg.abort.rid in self.running:
                     tid, done = self.running.pop(msg.abort.rid)
-                    fr = common_pb2.FinishReason(type=common_pb2.FINISH_ABORT, status="CANCELLED", message=msg.abort.reason)
+                    fr = common_pb2.FinishReason(type=common_pb2.FINISH_ABORT, status="CANCELLED",
+                                                 message=msg.abort.reason)
                     self.detokenizer.send(tid, row_batch(msg.abort.rid, "", [], fr, done))
 
     def _run(self, req: scheduler_pb2.TokenizedGenerateReqInput) -> None:

@@ -11,7 +11,6 @@ from services.scheduler.config import EngineConfig, SchedulerConfig
 from services.scheduler.engine.engine import Engine
 from services.scheduler.executor.tp import TPGroup
 from services.scheduler.layers.parallel import TensorParallel
-
 from tests.helpers.engine_steps import collect, greedy
 
 
@@ -47,7 +46,7 @@ def run_engine(model_dir: Path, tp_size: int, specs, load_format: str, **engine_
 def assert_same(tp1, tpn) -> None:
     (res1, logits1, _), (resn, logitsn, load) = tp1, tpn
     assert len(logits1) == len(logitsn)
-    for a, b in zip(logits1, logitsn):
+    for a, b in zip(logits1, logitsn, strict=True):
         assert a.shape == b.shape
         torch.testing.assert_close(b, a, atol=1e-4, rtol=0)
     assert {rid: r.output_ids for rid, r in resn.items()} == {rid: r.output_ids for rid, r in res1.items()}

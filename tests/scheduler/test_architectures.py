@@ -30,7 +30,8 @@ def paged_logits(model, prompts: list[list[int]], decode_steps: int) -> list[lis
     """Batched prefill then greedy decode on the paged KV cache; per request, last-token logits per step."""
     c = model.config
     req_pool = ReqToTokenPool(8, 256)
-    kv_pool = TokenToKVPool(1024, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, next(model.parameters()).dtype)
+    dtype = next(model.parameters()).dtype
+    kv_pool = TokenToKVPool(1024, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, dtype)
     policy = SchedulePolicy(req_pool, kv_pool, 8, 1024)
     runner = ModelRunner(model, req_pool, kv_pool)
     reqs = [Req(ReqInput(rid=str(i), input_ids=p)) for i, p in enumerate(prompts)]
@@ -74,18 +75,19 @@ def test_bfloat16_agrees_with_float32(smollm2_dir, sched_model, tokenizer):
     prompts = [tokenizer.encode(t).ids for t in ("The capital of France is", "2 + 2 =")]
     low = paged_logits(bf16, prompts, decode_steps=2)
     full = paged_logits(sched_model, prompts, decode_steps=2)
-    for lo, hi in zip(low, full):
+    for lo, hi in zip(low, full, strict=True):
         assert lo[0][1].dtype == torch.float32  # logits leave the model in fp32 whatever the weights
         assert int(lo[0][1].argmax()) == int(hi[0][1].argmax())
         assert (lo[0][1] - hi[0][1]).abs().max().item() < 1.0
 
 
 def test_dummy_load_format_needs_only_a_config(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **TINY}))
+    hf = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **TINY}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
     a = load_model(tmp_path, torch.bfloat16, "dummy")
     b = load_model(tmp_path, torch.bfloat16, "dummy")
     assert a.config.attention_bias and next(a.parameters()).dtype == torch.bfloat16
-    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
     steps = paged_logits(a, [[1, 2, 3], [4, 5]], decode_steps=2)
     assert all(logits.shape == (256,) and torch.isfinite(logits).all() for s in steps for _, logits in s)
     with pytest.raises(ValueError, match="unknown load format 'gguf'"):

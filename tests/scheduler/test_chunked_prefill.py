@@ -25,7 +25,8 @@ def test_chunked_output_equals_unchunked(make_engine, chat_ids, greedy_req, run_
     assert outputs[64] == outputs[0]
 
 
-def test_running_stream_gets_a_token_every_step_while_a_long_prompt_prefills(make_engine, chat_ids, greedy_req, run_all):
+def test_running_stream_gets_a_token_every_step_while_a_long_prompt_prefills(make_engine, chat_ids, greedy_req,
+                                                                            run_all):
     engine = make_engine(chunked_prefill_size=64)
     engine.add_request(greedy_req("short", chat_ids("Count slowly."), 20, ignore_eos=True))
     results = run_all(engine, {}, max_steps=1)  # "short" is prefilled and decoding

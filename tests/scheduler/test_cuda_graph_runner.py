@@ -28,7 +28,7 @@ def _decode_logits(make_engine, chat_ids, greedy_req, n: int, graphs: bool):
     tokens: dict[str, list[int]] = {}
     while engine.has_work:
         out = engine.step()
-        for rid, tid in zip(out.rids, out.output_ids):
+        for rid, tid in zip(out.rids, out.output_ids, strict=True):
             tokens.setdefault(rid, []).append(tid)
     return tokens, logits, runner
 
@@ -40,7 +40,7 @@ def test_padded_static_buffers_give_the_plain_path_results(make_engine, chat_ids
         assert runner.bucket(n) == next(b for b in (1, 2, 4, 8, 16) if b >= n)
         assert graph_tokens == plain_tokens and all(len(t) == 4 for t in plain_tokens.values()), n
         assert len(graph_logits) == len(plain_logits) == 3
-        for got, want in zip(graph_logits, plain_logits):
+        for got, want in zip(graph_logits, plain_logits, strict=True):
             assert got.shape == want.shape == (n, 49152) and got.dtype == torch.float32
             # Not bit-equal: the BLAS blocks a GEMM by its row count, so 3 rows padded to 4 run
             # another kernel (4.2e-5 seen at logits of magnitude ~15).

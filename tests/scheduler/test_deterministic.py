@@ -19,14 +19,19 @@ import torch
 
 from services.scheduler.engine.engine import Engine
 from services.scheduler.layers import batch_invariant
-from services.scheduler.layers.batch_invariant import (NotBatchInvariantError, RowPaddedLinear, make_batch_invariant,
-                                                       measure)
+from services.scheduler.layers.batch_invariant import (
+    NotBatchInvariantError,
+    RowPaddedLinear,
+    make_batch_invariant,
+    measure,
+)
 from services.scheduler.models import load_model
 from services.scheduler.policy.req import ReqInput, SamplingParams
 from tests.helpers.engine_steps import Result, collect
 
 NEW_TOKENS = 8
-TOPICS = ["the sea", "a robot", "bread", "winter", "a lighthouse", "chess", "rain", "a violin", "mountains", "a library"]
+TOPICS = ["the sea", "a robot", "bread", "winter", "a lighthouse", "chess", "rain", "a violin", "mountains",
+          "a library"]
 
 
 def _bf16_factory(smollm2_dir, tokenizer, make_engine):

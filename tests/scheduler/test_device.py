@@ -46,7 +46,8 @@ def test_device_auto_is_the_cpu_here_and_cuda_is_refused_by_name():
     assert resolve_device("cpu") == torch.device("cpu")
     assert type(create_runtime(torch.device("cpu"))) is DeviceRuntime
     assert type(create_runtime(torch.device("cuda:1"))) is CudaRuntime
-    with pytest.raises(RuntimeError, match=r"--device cuda: torch sees 0 CUDA device\(s\) \(this torch is a CPU-only build\)"):
+    with pytest.raises(RuntimeError,
+                       match=r"--device cuda: torch sees 0 CUDA device\(s\) \(this torch is a CPU-only build\)"):
         resolve_device("cuda")
     with pytest.raises(ValueError, match="unsupported device 'meta'"):
         resolve_device("meta")
@@ -93,7 +94,8 @@ def test_every_device_decision_is_the_runtimes(monkeypatch):
     assert (cpu.batch_invariant_linears, cuda.batch_invariant_linears) == ("padded", "triton")
     assert (cpu.int8_linears, cuda.int8_linears) == (True, False)
     assert cpu.deterministic_default(torch.bfloat16, invariant)
-    assert not cpu.deterministic_default(torch.float32, invariant) and not cpu.deterministic_default(torch.bfloat16, plain)
+    assert not cpu.deterministic_default(torch.float32, invariant)
+    assert not cpu.deterministic_default(torch.bfloat16, plain)
     assert not cuda.deterministic_default(torch.bfloat16, invariant)
     assert cpu.fused_experts() is None and cuda.fused_experts() is triton_moe.fused_experts
     assert cpu.packs_linears == linear.onednn_bf16() and not cuda.packs_linears

@@ -105,7 +105,8 @@ GEMMA3 = dict(architectures=["Gemma3ForCausalLM"], vocab_size=49152, hidden_size
                                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
 
 
-@pytest.mark.parametrize("backend,graphs,overlap,arch", [("torch", False, False, "llama"), ("torch", True, True, "llama"),
+@pytest.mark.parametrize("backend,graphs,overlap,arch", [("torch", False, False, "llama"),
+                                                         ("torch", True, True, "llama"),
                                                          ("triton", False, True, "llama"),
                                                          ("triton", True, True, "gemma3")])
 def test_step_sequence_on_fake_cuda_tensors(smollm2_dir, tokenizer, backend, graphs, overlap, arch):

@@ -7,12 +7,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from services.scheduler.main import parse_args
 from services.scheduler.policy import kv_pool
 from services.scheduler.policy.kv_pool import GIB, available_memory_bytes, kv_bytes_per_token, kv_pool_tokens
-
-import torch
 
 SMOLLM2_BF16 = 2 * 30 * 3 * 64 * 2  # K and V x 30 layers x 3 KV heads x head_dim 64 x 2 bytes
 
@@ -26,7 +25,8 @@ def test_the_first_setting_given_sizes_the_pool():
     assert kv_pool_tokens(SMOLLM2_BF16, 100, 1.0, 0, "") == 100
     assert kv_pool_tokens(SMOLLM2_BF16, None, 0.5, 0, "") == (GIB // 2) // SMOLLM2_BF16 == 23301
     assert kv_pool_tokens(SMOLLM2_BF16, None, None, 2 * GIB, "a quarter of 8 GiB") == (2 * GIB) // SMOLLM2_BF16 == 93206
-    with pytest.raises(ValueError, match=r"^the KV pool would hold 0 tokens \(--kv-cache-gib 1e-06, 23040 bytes per token\)$"):
+    with pytest.raises(ValueError,
+                       match=r"^the KV pool would hold 0 tokens \(--kv-cache-gib 1e-06, 23040 bytes per token\)$"):
         kv_pool_tokens(SMOLLM2_BF16, None, 1e-6, 0, "")
 
 

@@ -103,5 +103,5 @@ def test_packed_linear_is_bit_identical_to_nn_linear(smollm2_dir):
     assert isinstance(mlp.gate_up_proj, PackedLinear)
     for m in (3, 1):  # several rows and a single row through the same packed weight
         got = [mlp.gate_up_proj(x[:m]), model.lm_head(x[:m])]
-        assert all(g.dtype == torch.bfloat16 and torch.equal(g, w[:m]) for g, w in zip(got, want))
+        assert all(g.dtype == torch.bfloat16 and torch.equal(g, w[:m]) for g, w in zip(got, want, strict=True))
     assert torch.equal(model.embed_tokens.weight, load_model(smollm2_dir, torch.bfloat16).embed_tokens.weight)

@@ -17,7 +17,6 @@ from services.scheduler.layers.parallel import TensorParallel
 from services.scheduler.models import ARCHITECTURES, build_model, load_model
 from services.scheduler.models.config import FAMILIES, ModelConfig
 from services.scheduler.policy.kv_pool import GIB
-
 from tests.helpers.tiny_models import TINY
 
 QWEN3_MOE = dict(TINY, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=8,

@@ -36,7 +36,6 @@ from services.scheduler.models import load_model
 from services.scheduler.models.blocks import SparseMoeBlock
 from services.scheduler.policy.req import ReqInput, SamplingParams
 from services.scheduler.policy.stops import load_eos_ids
-
 from tests.helpers.tiny_models import ARCHS, TINY, tiny_checkpoint
 
 MLPS = {"Qwen3MoeForCausalLM": ["SparseMoeBlock", "GatedMLP"], "Qwen2MoeForCausalLM": ["GatedMLP", "SparseMoeBlock"],
@@ -125,7 +124,7 @@ def assert_matches(got: dict, expected: dict, tol: float = 1e-4) -> None:
     assert sum("p3" in rids for _, _, rids in got["plans"]) == 3
     assert any(n_ext and n > n_ext for n_ext, n, _ in got["plans"])
     assert set(got["emitted"].values()) == {STEPS}  # one row per sampled token: no prefill chunk emits
-    for rid, ids in zip([f"p{i}" for i in range(len(PROMPTS))] + ["hit"], PROMPTS + [PREFIX_HIT]):
+    for rid, ids in zip([f"p{i}" for i in range(len(PROMPTS))] + ["hit"], PROMPTS + [PREFIX_HIT], strict=True):
         ref_logits, ref_ids = expected[tuple(ids)]
         assert got["outputs"][rid] == ref_ids, rid
         assert got["rows"][rid].shape == ref_logits.shape == (STEPS, TINY["vocab_size"])
@@ -285,7 +284,8 @@ def test_unsupported_rope_type_is_named(tmp_path, kind):
     hf = dict(TINY, architectures=["LlamaForCausalLM"], rope_parameters={"rope_type": kind, "rope_theta": 1e4,
                                                                         "factor": 2.0})
     (tmp_path / "config.json").write_text(json.dumps(hf))
-    with pytest.raises(ValueError, match=f"unsupported rope_type '{kind}'; supported: default, linear, llama3, longrope"):
+    with pytest.raises(ValueError,
+                       match=f"unsupported rope_type '{kind}'; supported: default, linear, llama3, longrope"):
         load_model(tmp_path, torch.float32, "dummy")
 
 
@@ -316,7 +316,8 @@ def _bf16_block(tokens: int):
 
     hf = dict(TINY, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
     cpu = torch.device("cpu")
-    block = SparseMoeBlock(ModelConfig.from_hf(hf), LayerEnv(TensorParallel(), TorchAttnBackend(cpu), torch.float32, cpu))
+    env = LayerEnv(TensorParallel(), TorchAttnBackend(cpu), torch.float32, cpu)
+    block = SparseMoeBlock(ModelConfig.from_hf(hf), env)
     gen = torch.Generator().manual_seed(0)
     for p in (block.gate.weight, block.experts.gate_up, block.experts.down):
         p.data = (torch.randn(p.shape, generator=gen) * 0.1).bfloat16()
@@ -380,8 +381,12 @@ def test_expert_row_floor_pads_every_expert_call(monkeypatch):
             monkeypatch.setattr(moe, "packed_linear", lambda rows, w: seen.append(rows.shape[0]) or real(rows, w))
         else:
             stacked = moe.stacked_expert
-            monkeypatch.setattr(moe, "stacked_expert", lambda *args: (
-                lambda e, rows, run=stacked(*args): seen.append(rows.shape[0]) or run(e, rows)))
+
+            def counting(*args):
+                run = stacked(*args)
+                return lambda e, rows: seen.append(rows.shape[0]) or run(e, rows)
+
+            monkeypatch.setattr(moe, "stacked_expert", counting)
         after = block(x)
     assert seen and min(seen) == 5  # 3 tokens x top-2 over 8 experts: every expert has < 5 rows
     assert (after.float() - before.float()).abs().max() < 0.02

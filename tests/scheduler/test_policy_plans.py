@@ -31,7 +31,8 @@ def test_fcfs_admits_in_order_up_to_the_req_slots():
     ]
     assert runner.finished == {"a": [1003, 1004], "b": [1004, 1005], "c": [1002, 1003]}
     # Every computed token but each request's last stays cached: 4 + 5 + 3 rows, all evictable.
-    assert (policy.req_pool.available, policy.kv_pool.used, policy.kv_cached, policy.tree.protected_size) == (2, 12, 12, 0)
+    assert (policy.req_pool.available, policy.kv_pool.used, policy.kv_cached,
+            policy.tree.protected_size) == (2, 12, 12, 0)
 
 
 def test_without_a_prefix_cache_release_frees_every_row():

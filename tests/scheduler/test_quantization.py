@@ -25,8 +25,14 @@ from services.scheduler.config import EngineConfig
 from services.scheduler.engine.engine import Engine
 from services.scheduler.executor.build import apply_quantization
 from services.scheduler.layers import quant
-from services.scheduler.layers.quant import (Int8Linear, QuantizationError, check_supported, dequantize, quantize_weight,
-                                             unpack)
+from services.scheduler.layers.quant import (
+    Int8Linear,
+    QuantizationError,
+    check_supported,
+    dequantize,
+    quantize_weight,
+    unpack,
+)
 from services.scheduler.main import parse_args
 from services.scheduler.models import load_model
 from services.scheduler.policy.req import ReqInput, SamplingParams
@@ -210,7 +216,7 @@ def test_int8_quality_gate_on_python_docs(engines, tokenizer, run_all):
     assert n == len(lp_int8) == CORPUS_TOKENS - len(windows)
     ppl_bf16 = math.exp(-sum(lp_bf16) / n)
     ppl_int8 = math.exp(-sum(lp_int8) / n)
-    agree = sum(a == b for a, b in zip(top_bf16, top_int8)) / n
+    agree = sum(a == b for a, b in zip(top_bf16, top_int8, strict=True)) / n
     print(f"perplexity bf16 {ppl_bf16:.4f} int8wo {ppl_int8:.4f} ({ppl_int8 / ppl_bf16 - 1:+.2%}); "
           f"greedy agreement {agree:.2%} over {n} tokens")
     assert ppl_int8 <= 1.02 * ppl_bf16
@@ -255,5 +261,5 @@ def test_fused_norm_and_silu_give_the_same_bits(engines, smollm2_dir, tokenizer,
                 engine.add_request(ReqInput(rid=f"{len(batch)}-{i}", input_ids=ids, return_logprob=True,
                                             sampling=SamplingParams(temperature=0.0, max_new_tokens=8)))
             runs[model.int8_fused, len(batch)] = {rid: (r.output_ids, r.logprobs) for rid, r in run_all(engine).items()}
-    assert [l.kernels for l in quant.int8_linears(plain)] == [l.kernels for l in quant.int8_linears(fused)]
+    assert [lin.kernels for lin in quant.int8_linears(plain)] == [lin.kernels for lin in quant.int8_linears(fused)]
     assert runs[True, 1] == runs[False, 1] and runs[True, 5] == runs[False, 5]

@@ -82,11 +82,12 @@ def test_shared_prefix_is_locked_while_in_use_and_released_on_abort(make_engine,
     results = run_all(engine, {}, max_steps=3)
     tree = engine.tree
     cached = system + warm.output_ids[:1]  # the warm-up's computed tokens
-    shared = next(i for i, (a, b) in enumerate(zip(cached + [-1], prompt)) if a != b)
+    shared = next(i for i, (a, b) in enumerate(zip(cached + [-1], prompt, strict=False)) if a != b)
     assert results["user"].cached_tokens == tree.protected_size == shared >= len(system)
     tree.evict(10**6)  # evicts every unlocked row, never the prefix "user" holds
     assert tree.protected_size == shared and tree.evictable_size == 0
-    assert tree.match_prefix(prompt)[0].tolist() == engine.req_pool.req_to_token[engine.reqs["user"].req_slot, :shared].tolist()
+    slot = engine.reqs["user"].req_slot
+    assert tree.match_prefix(prompt)[0].tolist() == engine.req_pool.req_to_token[slot, :shared].tolist()
     engine.abort(rid="user")
     run_all(engine, results)
     load = engine.load()

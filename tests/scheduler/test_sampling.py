@@ -150,7 +150,8 @@ def test_filters_give_a_row_the_same_bits_whatever_its_batch():
     def filtered(rows: int) -> torch.Tensor:
         top_k = torch.tensor([40.0] + [vocab] * (rows - 1))
         top_p = torch.tensor([0.9] + [1.0] * (rows - 1))
-        return typical(_filter(probs[:rows], top_k, top_p, torch.zeros(rows)), torch.tensor([0.95] + [1.0] * (rows - 1)))
+        typical_p = torch.tensor([0.95] + [1.0] * (rows - 1))
+        return typical(_filter(probs[:rows], top_k, top_p, torch.zeros(rows)), typical_p)
 
     alone, batched = filtered(1), filtered(64)
     assert torch.equal(alone, batched[:1]) and torch.equal(batched[1:], probs[1:])

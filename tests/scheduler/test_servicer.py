@@ -62,7 +62,8 @@ async def open_stream(stub, tokenizer_id: str):
 
 async def test_scheduler_service_end_to_end(smollm2_dir, chat_ids):
     detok = RecordingDetokenizer()
-    detok_server = await start_server("127.0.0.1:0", [(detokenizer_pb2_grpc.add_DetokenizerServicer_to_server, detok, "ringserve.v1.Detokenizer")])
+    detok_server = await start_server(
+        "127.0.0.1:0", [(detokenizer_pb2_grpc.add_DetokenizerServicer_to_server, detok, "ringserve.v1.Detokenizer")])
     cfg = SchedulerConfig(
         engine=EngineConfig(model=smollm2_dir, max_running_requests=8, max_total_tokens=4096),
         port=0, detokenizer=f"127.0.0.1:{detok_server.port}", instance_id="sched-test", torch_threads=2,
@@ -76,7 +77,8 @@ async def test_scheduler_service_end_to_end(smollm2_dir, chat_ids):
         assert await wait_serving(channel, "ringserve.v1.Scheduler")
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
         base = await stub.GetLoad(common_pb2.Empty())
-        assert (base.instance_id, base.num_running_reqs, base.kv_used_tokens, base.kv_total_tokens) == ("sched-test", 0, 0, 4096)
+        assert (base.instance_id, base.num_running_reqs, base.kv_used_tokens,
+                base.kv_total_tokens) == ("sched-test", 0, 0, 4096)
 
         queue, call = await open_stream(stub, "tok-1")
         first_event = await call.read()

@@ -29,7 +29,8 @@ def test_stop_token_id(make_engine, run_all, greedy_req, story):
     prompt, ref = story
     stop_id = ref[5]
     first = ref.index(stop_id)
-    res = run_one(make_engine, run_all, greedy_req("s", prompt, 24, ignore_eos=True, stop_token_ids=frozenset({stop_id})))
+    req = greedy_req("s", prompt, 24, ignore_eos=True, stop_token_ids=frozenset({stop_id}))
+    res = run_one(make_engine, run_all, req)
     assert res.finish.type == FinishType.STOP and res.finish.matched_token_id == stop_id
     assert res.output_ids == ref[: first + 1] and res.completion_tokens == first + 1
 

@@ -84,7 +84,7 @@ def test_launcher_gives_each_replica_its_ranks_devices_and_port():
                                     "--dist-port", "29500", "--chunked-prefill-size", "512"]))
     args = [launcher._scheduler_args("1", "d", i) for i in range(2)]
     for i, a in enumerate(args):
-        flags = dict(zip(a[::2], a[1::2]))
+        flags = dict(zip(a[::2], a[1::2], strict=True))
         assert (flags["--tp-size"], flags["--device"], flags["--dist-port"], flags["--chunked-prefill-size"]) == \
             ("4", f"cuda:{4 * i}", str(29500 + i), "512")
     single = Launcher(parse_args(["--model", "m"]))._scheduler_args("1", "d", 0)

@@ -25,7 +25,6 @@ from ringserve import models
 from services.scheduler.config import EngineConfig, SchedulerConfig
 from services.scheduler.executor.tp import TPGroup
 from services.scheduler.models.config import ModelConfig
-
 from tests.helpers.tiny_models import TINY, tiny_checkpoint
 from tests.helpers.tp_runs import assert_same, run_engine, specs
 
@@ -82,15 +81,17 @@ def test_sizes_that_do_not_divide_are_refused(checkpoint, tmp_path):
                shared_expert_intermediate_size=48)
     with pytest.raises(ValueError, match=r"^--tp-size 4 does not divide the model's MoE intermediate size 30$"):
         ModelConfig.from_hf(moe).check_tensor_parallel(4)
-    with pytest.raises(ValueError, match=r"^--tp-size 4 does not divide the model's shared expert intermediate size 50$"):
-        ModelConfig.from_hf(dict(moe, moe_intermediate_size=32, shared_expert_intermediate_size=50)).check_tensor_parallel(4)
+    shared_50 = ModelConfig.from_hf(dict(moe, moe_intermediate_size=32, shared_expert_intermediate_size=50))
+    with pytest.raises(ValueError,
+                       match=r"^--tp-size 4 does not divide the model's shared expert intermediate size 50$"):
+        shared_50.check_tensor_parallel(4)
     ModelConfig.from_hf(dict(moe, moe_intermediate_size=32)).check_tensor_parallel(4)
     gemma = checkpoint("Gemma3ForCausalLM")
     with pytest.raises(ValueError, match=r"^--tp-size 3 does not divide the model's 4 attention heads$"):
         TPGroup.start(SchedulerConfig(engine=EngineConfig(model=gemma), tp_size=3))
-    (tmp_path / "config.json").write_text(json.dumps(dict(TINY, architectures=["MixtralForCausalLM"], model_type="mixtral",
-                                                          num_local_experts=4, num_experts_per_tok=2,
-                                                          intermediate_size=34)))
+    mixtral = dict(TINY, architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=4,
+                   num_experts_per_tok=2, intermediate_size=34)
+    (tmp_path / "config.json").write_text(json.dumps(mixtral))
     with pytest.raises(ValueError, match=r"^--tp-size 8 does not divide the model's 4 attention heads$"):
         TPGroup.start(SchedulerConfig(engine=EngineConfig(model=tmp_path), tp_size=8))
     with pytest.raises(ValueError, match=r"^--tp-size 4 does not divide the model's MoE intermediate size 34$"):

@@ -49,13 +49,15 @@ for dtype in (torch.float32, torch.bfloat16):
     for b in range(3):
         n, p = int(ext[b]), int(prefix[b])
         rows = kv_indices[b, : p + n]
-        k, v = k_buf[rows].float().repeat_interleave(2, 1), v_buf[rows].float().repeat_interleave(2, 1)  # GQA groups of 2
+        # GQA groups of 2
+        k, v = k_buf[rows].float().repeat_interleave(2, 1), v_buf[rows].float().repeat_interleave(2, 1)
         scores = torch.einsum("thd,khd->htk", q[start : start + n].float(), k) * 0.25
         causal = torch.arange(p + n)[None, :] <= (p + torch.arange(n))[:, None]
         probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
         want.append(torch.einsum("htk,khd->thd", probs, v).reshape(n, -1))
         start += n
-    errors["extend " + str(dtype)] = [list(got.shape), str(got.dtype), (got.float() - torch.cat(want)).abs().max().item()]
+    err = (got.float() - torch.cat(want)).abs().max().item()
+    errors["extend " + str(dtype)] = [list(got.shape), str(got.dtype), err]
 
 # Deterministic inference: the backend attends each extend token as a decode query, so a
 # token gets the same bits prefilled whole, prefilled after a cached prefix, or decoded.
@@ -66,7 +68,8 @@ from services.scheduler.attention.paged import AttnMetadata, DecodeLayout, Exten
 backend = TritonAttnBackend(torch.device("cpu"))
 for dtype in (torch.float32, torch.bfloat16):
     n = 20
-    kv = SimpleNamespace(k_buffer=[torch.zeros(128, 2, 16, dtype=dtype)], v_buffer=[torch.zeros(128, 2, 16, dtype=dtype)])
+    kv = SimpleNamespace(k_buffer=[torch.zeros(128, 2, 16, dtype=dtype)],
+                         v_buffer=[torch.zeros(128, 2, 16, dtype=dtype)])
     table = torch.zeros(2, 32, dtype=torch.int32)
     rows = torch.randperm(128)[:n]
     table[1, :n] = rows.int()

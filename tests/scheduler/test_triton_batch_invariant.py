@@ -30,13 +30,16 @@ for dtype in (torch.float32, torch.bfloat16):
     x, w, b = torch.randn(70, 96).to(dtype), torch.randn(130, 96).to(dtype), torch.randn(130).to(dtype)
     full = batch_invariant_linear(x, w, b)
     ref = torch.nn.functional.linear(x.float(), w.float(), b.float())
-    rows = all(torch.equal(batch_invariant_linear(x[i:i + m], w, b), full[i:i + m]) for i, m in [(0, 1), (5, 3), (33, 37)])
+    rows = all(torch.equal(batch_invariant_linear(x[i:i + m], w, b), full[i:i + m])
+               for i, m in [(0, 1), (5, 3), (33, 37)])
     norm = RMSNorm(96, 1e-5)
     norm.weight = torch.nn.Parameter(torch.rand(96).to(dtype), requires_grad=False)
     got = batch_invariant_rms_norm(x, norm.weight, 1e-5)
-    out[str(dtype)] = [list(full.shape), str(full.dtype), (full.float() - ref).abs().max().item() / ref.abs().max().item(),
-                       rows, (got.float() - norm(x).float()).abs().max().item(),
-                       all(torch.equal(batch_invariant_rms_norm(x[i:i + 1], norm.weight, 1e-5), got[i:i + 1]) for i in (0, 3, 69))]
+    norm_rows = all(torch.equal(batch_invariant_rms_norm(x[i:i + 1], norm.weight, 1e-5), got[i:i + 1])
+                    for i in (0, 3, 69))
+    rel = (full.float() - ref).abs().max().item() / ref.abs().max().item()
+    norm_err = (got.float() - norm(x).float()).abs().max().item()
+    out[str(dtype)] = [list(full.shape), str(full.dtype), rel, rows, norm_err, norm_rows]
 # Qwen3's q/k norms hand the norm [T, heads, head_dim]: each head a row.
 heads = torch.randn(5, 3, 32).to(torch.bfloat16)
 qk_norm = RMSNorm(32, 1e-6)

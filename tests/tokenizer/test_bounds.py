@@ -111,7 +111,8 @@ def test_id_counts_are_bounded(small):
     assert asyncio.run(small.detokenize(tokenizer_pb2.DetokenizeRequest(ids=[28] * 101))).text == "," * 101
     pieces = refused(small.token_pieces(tokenizer_pb2.TokenIds(ids=[5] * 49153)))
     assert (pieces.code, pieces.param, pieces.message) == (
-        "invalid_value", "ids", "ids: 49153 ids are more than the vocabulary's 49152 (each id once is the whole vocabulary)")
+        "invalid_value", "ids",
+        "ids: 49153 ids are more than the vocabulary's 49152 (each id once is the whole vocabulary)")
 
 
 def bpe(normalizer=None, pre=None, **model) -> Tokenizer:

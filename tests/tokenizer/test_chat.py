@@ -14,7 +14,8 @@ from services.tokenizer.model import load_tokenizer
 DEFAULT_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
 
 
-def msg(role: str, content: str | None = None, parts: list[tuple[str, str]] | None = None, **kw) -> tokenizer_pb2.ChatMessage:
+def msg(role: str, content: str | None = None, parts: list[tuple[str, str]] | None = None,
+        **kw) -> tokenizer_pb2.ChatMessage:
     m = tokenizer_pb2.ChatMessage(role=role, **kw)
     if content is not None:
         m.content = content
@@ -64,14 +65,16 @@ def test_continue_final_message_ends_with_the_prefill(smollm2_tokenizer, prefill
             continue_final_message=True,
         ),
     )
-    assert prompt == DEFAULT_SYSTEM + "<|im_start|>user\nComplete the sentence.<|im_end|>\n<|im_start|>assistant\n" + prefill
+    assert prompt == (DEFAULT_SYSTEM + "<|im_start|>user\nComplete the sentence.<|im_end|>\n<|im_start|>assistant\n"
+                      + prefill)
     assert prompt.count("<|im_start|>assistant") == 1
 
 
 def test_continue_final_message_conflicts_are_rejected(smollm2_tokenizer):
     both = rejected(
         smollm2_tokenizer,
-        chat(msg("user", "a"), msg("assistant", "b"), continue_final_message=True),  # add_generation_prompt defaults true
+        # add_generation_prompt defaults true
+        chat(msg("user", "a"), msg("assistant", "b"), continue_final_message=True),
     )
     assert both.message.startswith("continue_final_message and add_generation_prompt cannot both be true")
     last_user = rejected(
@@ -105,7 +108,8 @@ def test_image_part_is_rejected(smollm2_tokenizer):
         smollm2_tokenizer,
         chat(msg("user", parts=[("text", "What is this?"), ("image_url", "http://x/cat.png")])),
     )
-    assert err.message == "messages[0].content[1] has type 'image_url': only text content parts are supported by this model"
+    assert err.message == ("messages[0].content[1] has type 'image_url': only text content parts are supported by "
+                           "this model")
     assert (err.code, err.param) == ("unsupported_content_type", "messages")
 
 
@@ -129,7 +133,8 @@ def probe_tokenizer(smollm2_dir):
     tok = load_tokenizer(smollm2_dir)
     tok.chat_template = (
         "{% for m in messages %}{{ m.role }}:{{ m.content }}"
-        "{% for c in m.tool_calls or [] %}[{{ c.id }} {{ c.function.name }} {{ c.function.arguments | tojson }}]{% endfor %}"
+        "{% for c in m.tool_calls or [] %}"
+        "[{{ c.id }} {{ c.function.name }} {{ c.function.arguments | tojson }}]{% endfor %}"
         "{% if m.tool_call_id %}#{{ m.tool_call_id }}{% endif %}|{% endfor %}"
         "tools={{ tools | tojson }} greeting={{ greeting }}"
         "{% if add_generation_prompt %}>{% endif %}"
@@ -140,7 +145,8 @@ def probe_tokenizer(smollm2_dir):
 
 def test_tools_kwargs_and_tool_calls_reach_the_template(probe_tokenizer):
     tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
-    call = tokenizer_pb2.ToolCall(id="call_1", type="function", function_name="weather", function_arguments='{"city": "Paris"}')
+    call = tokenizer_pb2.ToolCall(id="call_1", type="function", function_name="weather",
+                                  function_arguments='{"city": "Paris"}')
     prompt = render_chat(
         probe_tokenizer,
         chat(

@@ -48,7 +48,8 @@ def test_json_object_and_choice_become_what_the_scheduler_compiles():
 @pytest.mark.parametrize("constraint,message", [
     (common_pb2.Constraint(json_schema='{"type": "object", "properties": 5}', param="response_format"),
      "response_format: not a valid JSON Schema at properties: 5 is not of type 'object'"),
-    (common_pb2.Constraint(json_schema="{", param="response_format"), "response_format: the JSON schema is not valid JSON"),
+    (common_pb2.Constraint(json_schema="{", param="response_format"),
+     "response_format: the JSON schema is not valid JSON"),
     (common_pb2.Constraint(json_schema="[1]", param="structured_outputs.json"),
      "structured_outputs.json: a JSON schema must be an object (or true), got list"),
     (common_pb2.Constraint(regex="", param="regex"), "regex: the regex is empty"),
@@ -64,7 +65,8 @@ def test_json_object_and_choice_become_what_the_scheduler_compiles():
     (common_pb2.Constraint(regex="a{300000}", param="structured_outputs.regex"),
      "structured_outputs.regex: the regex counts to 300000 (nested repetitions multiplied); at most 1000 is supported"),
     (common_pb2.Constraint(regex="(x(ab){50}){21}", param="regex"), "regex: the regex counts to 1050 "),
-    (common_pb2.Constraint(json_schema=json.dumps({"type": "string", "pattern": "^[0-9]{1001}$"}), param="response_format"),
+    (common_pb2.Constraint(json_schema=json.dumps({"type": "string", "pattern": "^[0-9]{1001}$"}),
+                           param="response_format"),
      "response_format: the schema pattern '^[0-9]{1001}$' counts to 1001 "),
     (common_pb2.Constraint(json_schema=json.dumps({"type": "object", "properties": {"const": {
         "type": "object", "patternProperties": {"k{2000}": {}}}}}), param="response_format"),
@@ -140,6 +142,6 @@ def test_the_shipped_template_renders_tools_and_plain_chat_like_smollm2s(smollm2
     assert render_chat(tok, plain) == before
     with_tools = tokenizer_pb2.ChatInput(messages=plain.messages, tools_json=TOOLS)
     prompt = render_chat(tok, with_tools)
-    assert '<tools>\n{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}\n</tools>' \
-        in prompt
+    tools = '{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}'
+    assert f"<tools>\n{tools}\n</tools>" in prompt
     assert prompt.endswith("<|im_start|>user\nTime?<|im_end|>\n<|im_start|>assistant\n")

@@ -14,8 +14,15 @@ import grpc
 import pytest
 
 from ringserve import grpcutil
-from ringserve.internal_auth import (MISSING, SKIP_FLAG, WRONG, InternalAuth, InternalAuthInterceptor,
-                                     add_internal_auth_args, internal_auth_from_args)
+from ringserve.internal_auth import (
+    MISSING,
+    SKIP_FLAG,
+    WRONG,
+    InternalAuth,
+    InternalAuthInterceptor,
+    add_internal_auth_args,
+    internal_auth_from_args,
+)
 from ringserve.launch import Launcher
 from ringserve.launch import parse_args as launch_args
 from ringserve.v1 import common_pb2, detokenizer_pb2, detokenizer_pb2_grpc

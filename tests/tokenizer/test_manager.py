@@ -130,7 +130,9 @@ def test_a_prompt_that_opens_the_reasoning_is_marked_and_clears_the_opening_tag(
 def test_input_ids_are_taken_as_they_are_and_checked(manager):
     p = manager.prepare(tokenizer_pb2.GenerateReqInput(input_ids=tokenizer_pb2.TokenIds(ids=[1, 49151, 0])))
     assert list(p.subs[0].input_ids) == [1, 49151, 0]
-    for ids, message in (([], "input_ids must not be empty"), ([5, 49152], "input_ids: token id 49152 is outside the vocabulary [0, 49152)"), ([-1], "input_ids: token id -1 is outside the vocabulary [0, 49152)")):
+    for ids, message in (([], "input_ids must not be empty"),
+                         ([5, 49152], "input_ids: token id 49152 is outside the vocabulary [0, 49152)"),
+                         ([-1], "input_ids: token id -1 is outside the vocabulary [0, 49152)")):
         with pytest.raises(RequestError) as info:
             manager.prepare(tokenizer_pb2.GenerateReqInput(input_ids=tokenizer_pb2.TokenIds(ids=ids)))
         assert (info.value.status, info.value.message) == (grpc.StatusCode.INVALID_ARGUMENT, message)
@@ -159,8 +161,10 @@ async def test_stream_life_cycle(manager, dispatcher):
     assert (st.dispatched, st.abort_sent, st.finished) == (True, False, False)
     manager.handle_batch(batch(("r1", "Hi", [11], None, 1)))
     first = await task
-    assert (first.rid, first.text, list(first.output_ids), first.finish_reason.type) == ("r1", "Hi", [11], common_pb2.FINISH_NONE)
-    assert (first.prompt_tokens, first.completion_tokens, first.cached_tokens) == (len(dispatcher.reqs[0].input_ids), 1, 3)
+    assert (first.rid, first.text, list(first.output_ids), first.finish_reason.type) == (
+        "r1", "Hi", [11], common_pb2.FINISH_NONE)
+    assert (first.prompt_tokens, first.completion_tokens, first.cached_tokens) == (
+        len(dispatcher.reqs[0].input_ids), 1, 3)
     manager.handle_batch(batch(("r1", " there", [12], STOP, 2)))
     last = await next_out(gen)
     assert (last.text, list(last.output_ids), last.finish_reason.matched_token_id) == (" there", [12], 2)
@@ -178,7 +182,8 @@ async def test_queued_rows_are_coalesced_into_one_delta(manager):
     manager.handle_batch(batch(("r1", "b", [2], None, 2)))
     manager.handle_batch(batch(("r1", "c", [3], LENGTH, 3)))
     out = await task
-    assert (out.text, list(out.output_ids), out.completion_tokens, out.finish_reason.type) == ("abc", [1, 2, 3], 3, common_pb2.FINISH_LENGTH)
+    assert (out.text, list(out.output_ids), out.completion_tokens, out.finish_reason.type) == (
+        "abc", [1, 2, 3], 3, common_pb2.FINISH_LENGTH)
     assert [o async for o in gen] == []
     assert manager.load().req_states == 0
 
@@ -193,7 +198,8 @@ async def test_non_stream_gives_one_final_output_per_choice(manager, dispatcher)
     assert not task.done()  # nothing is sent before a choice finishes
     manager.handle_batch(batch(("r-1", "q", [8], STOP, 2)))
     first = await task
-    assert (first.rid, first.index, first.text, list(first.output_ids), first.completion_tokens) == ("r", 1, "pq", [7, 8], 2)
+    assert (first.rid, first.index, first.text, list(first.output_ids), first.completion_tokens) == (
+        "r", 1, "pq", [7, 8], 2)
     manager.handle_batch(batch(("r-0", "y", [6], None, 2)))
     await settle()
     manager.handle_batch(batch(("r-0", "z", [9], LENGTH, 3)))
@@ -212,7 +218,8 @@ async def test_duplicate_rid_is_rejected_before_dispatch(manager, dispatcher):
     for again in (text_req("dup"), text_req("dup", n=2)):
         with pytest.raises(RequestError) as info:
             await next_out(manager.generate(again))
-        assert (info.value.status, info.value.message) == (grpc.StatusCode.ALREADY_EXISTS, "request id 'dup' is already in flight")
+        assert (info.value.status, info.value.message) == (
+            grpc.StatusCode.ALREADY_EXISTS, "request id 'dup' is already in flight")
     gen2 = manager.generate(text_req("x", n=2))
     t2 = asyncio.ensure_future(next_out(gen2))
     await settle()
@@ -280,7 +287,8 @@ async def test_lost_link_fails_in_flight_calls(manager, dispatcher):
     assert manager.fail_all(unavailable("lost the connection to the detokenizer"), send_aborts=True) == 2
     with pytest.raises(RequestError) as info:
         await task
-    assert (info.value.status, info.value.message) == (grpc.StatusCode.UNAVAILABLE, "lost the connection to the detokenizer")
+    assert (info.value.status, info.value.message) == (
+        grpc.StatusCode.UNAVAILABLE, "lost the connection to the detokenizer")
     assert sorted(a.rid for a in dispatcher.aborts) == ["l-0", "l-1"]
     assert manager.load().req_states == 0
 
@@ -289,7 +297,8 @@ async def test_scheduler_invalid_argument_abort_ends_the_call_with_that_status(m
     gen = manager.generate(text_req("e", n=2))
     task = asyncio.ensure_future(next_out(gen))
     await settle()
-    bad = common_pb2.FinishReason(type=common_pb2.FINISH_ABORT, status="INVALID_ARGUMENT", message="stop string too long")
+    bad = common_pb2.FinishReason(type=common_pb2.FINISH_ABORT, status="INVALID_ARGUMENT",
+                                  message="stop string too long")
     manager.handle_batch(batch(("e-1", "", [], bad, 0)))
     with pytest.raises(RequestError) as info:
         await task
@@ -309,7 +318,8 @@ async def test_abort_rpc_aborts_every_choice_and_the_call_sees_finish_abort(mana
     assert sorted(a.rid for a in dispatcher.aborts) == ["a-0", "a-1"]
     manager.handle_batch(batch(("a-0", "", [], ABORT, 0), ("a-1", "", [], ABORT, 0)))
     outs = [await task, await next_out(gen)]
-    assert sorted((o.index, o.finish_reason.type) for o in outs) == [(0, common_pb2.FINISH_ABORT), (1, common_pb2.FINISH_ABORT)]
+    assert sorted((o.index, o.finish_reason.type) for o in outs) == [
+        (0, common_pb2.FINISH_ABORT), (1, common_pb2.FINISH_ABORT)]
     with pytest.raises(StopAsyncIteration):
         await next_out(gen)
     assert len(dispatcher.aborts) == 2 and manager.load().req_states == 0
@@ -326,7 +336,8 @@ def test_logprob_columns_are_split_per_row(manager):
     b.top_logprob_vals.extend([-0.5, -2.0, -1.5, -3.0])
     x, y = split_rows(b)
     assert (x.output_ids, x.logprobs, y.output_ids, y.logprobs) == ([1, 2], [-0.5, -1.5], [3], [])
-    assert [(list(t.token_ids), list(t.logprobs)) for t in x.top_logprobs] == [([1, 9], [-0.5, -2.0]), ([2, 8], [-1.5, -3.0])]
+    assert [(list(t.token_ids), list(t.logprobs)) for t in x.top_logprobs] == [
+        ([1, 9], [-0.5, -2.0]), ([2, 8], [-1.5, -3.0])]
     assert y.top_logprobs == []
 
 
@@ -334,5 +345,6 @@ async def test_requests_are_refused_while_outputs_cannot_arrive(manager, dispatc
     manager.outputs_up = False
     with pytest.raises(RequestError) as info:
         await next_out(manager.generate(text_req("o")))
-    assert (info.value.status, info.value.message) == (grpc.StatusCode.UNAVAILABLE, "the detokenizer subscription is down")
+    assert (info.value.status, info.value.message) == (
+        grpc.StatusCode.UNAVAILABLE, "the detokenizer subscription is down")
     assert dispatcher.reqs == [] and manager.load().req_states == 0

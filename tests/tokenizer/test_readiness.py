@@ -87,7 +87,8 @@ async def test_one_replica_link_check_and_stall_rules():
         await until(lambda: not monitor.ready)
         assert changes == [True, False]
         assert reasons(monitor, r) == [
-            ("detokenizer_health_check", "the detokenizer at 10.0.0.1:30030 did not answer its health check within 0.1 s")]
+            ("detokenizer_health_check",
+             "the detokenizer at 10.0.0.1:30030 did not answer its health check within 0.1 s")]
         peers.answers.clear()
         await until(lambda: monitor.ready)
         assert changes == [True, False, True]
@@ -152,8 +153,10 @@ async def test_several_replicas_ready_while_one_can_and_the_router_prefers_it():
         assert len(samples) == 10  # every reason of both replicas
         ones = sorted(line for line in samples if line.endswith(" 1.0"))
         assert ones == [
-            'ringserve:replica_not_ready{model_name="smol",reason="detokenizer_link_down",replica="10.0.0.2:30020"} 1.0',
-            'ringserve:replica_not_ready{model_name="smol",reason="scheduler_health_check",replica="10.0.0.1:30020"} 1.0',
+            'ringserve:replica_not_ready{model_name="smol",reason="detokenizer_link_down",'
+            'replica="10.0.0.2:30020"} 1.0',
+            'ringserve:replica_not_ready{model_name="smol",reason="scheduler_health_check",'
+            'replica="10.0.0.1:30020"} 1.0',
         ]
     finally:
         await monitor.stop()

@@ -48,7 +48,7 @@ async def two(smollm2_dir):
     detoks = [LoadedDetokenizer(f"detok-{i}") for i in range(2)]
     scheds = [LoadedScheduler(d, f"sched-{i}") for i, d in enumerate(detoks)]
     servers = []
-    for d, s in zip(detoks, scheds):
+    for d, s in zip(detoks, scheds, strict=True):
         servers.append(await start_server("127.0.0.1:0", [
             (detokenizer_pb2_grpc.add_DetokenizerServicer_to_server, d, "ringserve.v1.Detokenizer")]))
         servers.append(await start_server("127.0.0.1:0", [

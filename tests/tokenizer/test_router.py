@@ -161,7 +161,8 @@ async def test_losing_one_replica_fails_only_its_requests(two):
     [failed] = done
     with pytest.raises(RequestError) as info:
         failed.result()
-    assert (info.value.status, info.value.message) == (grpc.StatusCode.UNAVAILABLE, f"lost the connection to the scheduler at {A}")
+    assert (info.value.status, info.value.message) == (
+        grpc.StatusCode.UNAVAILABLE, f"lost the connection to the scheduler at {A}")
     assert tasks.index(failed) == int(on_a[1:])  # the request that went to the lost replica
     assert len(pending) == 1 and manager.load().req_states == 1  # the other replica's request goes on
     # A new request goes to the replica that is up, even with the same prompt.

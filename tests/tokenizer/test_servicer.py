@@ -85,7 +85,8 @@ async def ring(smollm2_dir):
 
 def chat_req(rid: str = "", stream: bool = True, **sp) -> tokenizer_pb2.GenerateReqInput:
     chat = tokenizer_pb2.ChatInput(messages=[tokenizer_pb2.ChatMessage(role="user", content="Say hi.")])
-    return tokenizer_pb2.GenerateReqInput(rid=rid, chat=chat, stream=stream, sampling_params=common_pb2.SamplingParams(**sp))
+    return tokenizer_pb2.GenerateReqInput(rid=rid, chat=chat, stream=stream,
+                                          sampling_params=common_pb2.SamplingParams(**sp))
 
 
 async def test_serving_hello_and_unary_calls(ring):
@@ -101,7 +102,8 @@ async def test_serving_hello_and_unary_calls(ring):
     tok = await ring.stub.Tokenize(tokenizer_pb2.TokenizeRequest(chat=chat))
     assert tok.prompt.count("Always answer in French.") == 1
     assert (tok.count, tok.max_model_len) == (len(tok.input_ids), 8192)
-    text = await ring.stub.Detokenize(tokenizer_pb2.DetokenizeRequest(ids=list(tok.input_ids), skip_special_tokens=False))
+    text = await ring.stub.Detokenize(
+        tokenizer_pb2.DetokenizeRequest(ids=list(tok.input_ids), skip_special_tokens=False))
     assert text.text == tok.prompt
     assert await ring.req_states() == 0
 
@@ -110,10 +112,12 @@ async def test_generate_streams_the_rows_back(ring):
     outs = await collect(ring.stub.Generate(chat_req("s1", max_new_tokens=8)))
     assert [o.text for o in outs] == ["Hello", ", world", "!"]
     assert [list(o.output_ids) for o in outs] == [[19556], [28, 905], [17]]
-    assert [o.finish_reason.type for o in outs] == [common_pb2.FINISH_NONE, common_pb2.FINISH_NONE, common_pb2.FINISH_STOP]
+    assert [o.finish_reason.type for o in outs] == [
+        common_pb2.FINISH_NONE, common_pb2.FINISH_NONE, common_pb2.FINISH_STOP]
     assert [o.completion_tokens for o in outs] == [1, 2, 3]
     req = ring.sched.reqs[0]
-    assert (req.rid, req.tokenizer_id, req.stream, req.sampling_params.max_new_tokens) == ("s1", "tok-under-test", True, 8)
+    assert (req.rid, req.tokenizer_id, req.stream, req.sampling_params.max_new_tokens) == (
+        "s1", "tok-under-test", True, 8)
     assert all(o.prompt_tokens == len(req.input_ids) for o in outs)
     assert await ring.req_states() == 0
 
@@ -130,7 +134,8 @@ async def test_generate_streams_the_rows_back(ring):
     "sp, message, code, param",
     [
         ({"temperature": 3.0}, "temperature must be at most 2, got 3", "invalid_value", "temperature"),
-        ({"max_new_tokens": 9000}, "This model's maximum context length is 8192 tokens.", "context_length_exceeded", "max_tokens"),
+        ({"max_new_tokens": 9000}, "This model's maximum context length is 8192 tokens.", "context_length_exceeded",
+         "max_tokens"),
     ],
 )
 async def test_invalid_request_has_status_message_and_metadata(ring, sp, message, code, param):

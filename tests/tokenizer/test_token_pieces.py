@@ -16,7 +16,7 @@ def test_pieces_bytes_rebuild_multibyte_text(manager, smollm2_tokenizer):
     assert b"".join(resp.token_bytes).decode() == text + "<|im_end|>"
     assert list(resp.texts) == [smollm2_tokenizer.decode([i]) for i in ids]
     assert "\ufffd" in "".join(resp.texts)  # pieces of 社 decode to U+FFFD alone, as in vLLM
-    for t, b in zip(resp.texts, resp.token_bytes):
+    for t, b in zip(resp.texts, resp.token_bytes, strict=True):
         if "\ufffd" not in t:
             assert b == t.encode()
 

@@ -33,8 +33,15 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from ringserve.options import names
-from services.scheduler.attention.paged import (AttnMetadata, KVBuffers, extend_attention, gather_kv,
-                                                gather_layouts, paged_attention, store_kv)
+from services.scheduler.attention.paged import (
+    AttnMetadata,
+    KVBuffers,
+    extend_attention,
+    gather_kv,
+    gather_layouts,
+    paged_attention,
+    store_kv,
+)
 from services.scheduler.layers.norm import FusedOps
 
 if TYPE_CHECKING:
@@ -73,7 +80,7 @@ class AttentionBackend(ABC):
         """What runs, for the start-up log."""
         return f"{self.name} on {self.device}"
 
-    def init_forward_metadata(self, meta: AttnMetadata) -> None:
+    def init_forward_metadata(self, meta: AttnMetadata) -> None:  # noqa: B027 - an optional hook
         """Prepare what every layer of this step shares (called once per forward, before the layers)."""
 
     @abstractmethod
@@ -116,14 +123,16 @@ class AttentionBackend(ABC):
 
 
 class TorchAttnBackend(AttentionBackend):
-    """Gathered K/V, batched matmuls (decode) and SDPA (extend) in the cache dtype, softmax in fp32: ``attention.paged.paged_attention``."""
+    """Gathered K/V, batched matmuls (decode) and SDPA (extend) in the cache dtype, softmax in fp32:
+    ``attention.paged.paged_attention``."""
 
     name = "torch"
 
     def init_forward_metadata(self, meta: AttnMetadata) -> None:
         if meta.extend is not None and meta.extend.token_seq_lens is not None:
             raise ValueError("the torch attention backend is not batch-invariant (SDPA and batched matmuls reduce "
-                             "in a batch-dependent order): deterministic inference needs --attention-backend cpu or triton")
+                             "in a batch-dependent order): deterministic inference needs --attention-backend cpu "
+                             "or triton")
         gather_layouts(meta)
 
     def forward(self, q, k, v, layer_id, meta, kv, scale, window=0, softcap=0.0):

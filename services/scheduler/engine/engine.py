@@ -98,7 +98,7 @@ class Engine:
         self._inflight: _InFlight | None = None
 
     @classmethod
-    def from_config(cls, cfg: EngineConfig, tp: TensorParallel = TensorParallel()) -> "Engine":
+    def from_config(cls, cfg: EngineConfig, tp: TensorParallel | None = None) -> Engine:
         """Load model, tokenizer.json and EOS ids from ``cfg.model`` onto ``cfg.device``
         (rank 0 of ``tp``: its shard, on its device; see ``executor.build.load_engine_model``).
 
@@ -233,7 +233,7 @@ class Engine:
     def _launch(self, plan: Plan, logits: torch.Tensor) -> _InFlight | None:
         """Advance the plan's requests' KV lengths, sample on the device and start the copy
         of the sampled ids to the host; None when no row samples."""
-        for req, n in zip(plan.reqs, plan.extend_lens):
+        for req, n in zip(plan.reqs, plan.extend_lens, strict=True):
             req.kv_len += n
         num_decode = len(plan.reqs) - plan.num_extend
         if num_decode:

@@ -68,7 +68,7 @@ class EngineLoop:
         self.max_queued_requests = max_queued_requests
         self.max_queued_tokens = max_queued_tokens
         self._on_output = on_output
-        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = False
         self._draining = False
@@ -144,7 +144,7 @@ class EngineLoop:
                 return
         self.engine.add_request(spec)
 
-    def _post(self, command: Callable[[], None]) -> None:
+    def _post(self, command: Callable[[], object]) -> None:
         self._inbox.put(command)
         self._wake.set()
 
@@ -164,10 +164,11 @@ class EngineLoop:
             self._drain()
             if not self.engine.has_work:
                 self._busy = False
-                woken = self._wake.wait(self.heartbeat_s if self.heartbeat else None)
+                heartbeat = self.heartbeat
+                woken = self._wake.wait(self.heartbeat_s if heartbeat else None)
                 self._wake.clear()
-                if not woken and not self._stopping:
-                    self._guard(self.heartbeat)
+                if not woken and heartbeat is not None and not self._stopping:
+                    self._guard(heartbeat)
                 continue
             self._busy = True
             try:

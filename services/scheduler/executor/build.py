@@ -27,8 +27,15 @@ from services.scheduler.executor.model_runner import ModelRunner
 from services.scheduler.layers.batch_invariant import NotBatchInvariantError, make_batch_invariant
 from services.scheduler.layers.linear import pack_linears
 from services.scheduler.layers.parallel import TensorParallel
-from services.scheduler.layers.quant import (KERNELS, WEIGHT_ONLY, check_supported, choose_kernels, describe, fix_kernels,
-                                             quantize_model)
+from services.scheduler.layers.quant import (
+    KERNELS,
+    WEIGHT_ONLY,
+    check_supported,
+    choose_kernels,
+    describe,
+    fix_kernels,
+    quantize_model,
+)
 from services.scheduler.models import load_model
 from services.scheduler.models.base import CausalLM
 from services.scheduler.models.config import ModelConfig
@@ -68,7 +75,7 @@ class ModelStack:
         return self.model.tp
 
 
-def load_engine_model(cfg: EngineConfig, tp: TensorParallel = TensorParallel()) -> tuple[CausalLM, DeviceRuntime]:
+def load_engine_model(cfg: EngineConfig, tp: TensorParallel | None = None) -> tuple[CausalLM, DeviceRuntime]:
     """Load ``cfg.model``'s shard of rank ``tp.rank`` onto its device (``executor.device.rank_device``)
     in ``cfg.dtype``, quantized as ``cfg.quantization`` says; returns it and the device's runtime.
 
@@ -80,6 +87,7 @@ def load_engine_model(cfg: EngineConfig, tp: TensorParallel = TensorParallel()) 
             run on the device.
         FileNotFoundError: missing config.json or weights.
     """
+    tp = tp or TensorParallel()
     runtime = create_runtime(rank_device(resolve_device(cfg.device), tp.rank))
     if cfg.quantization:
         check_supported(cfg.quantization, runtime.device)  # before minutes of loading
@@ -152,13 +160,14 @@ def build_stack(model: CausalLM, cfg: EngineConfig, runtime: DeviceRuntime, shap
         make_deterministic(model, replace(cfg, deterministic_inference=True), runtime)
     tp = model.tp
     kv = model.kv_shape()
-    kv_pool = TokenToKVPool(shape.max_total_tokens, kv.num_layers, kv.num_kv_heads, kv.head_dim, kv.dtype, runtime.device)
+    kv_pool = TokenToKVPool(shape.max_total_tokens, kv.num_layers, kv.num_kv_heads, kv.head_dim, kv.dtype,
+                            runtime.device)
     req_pool = ReqToTokenPool(shape.max_running_requests, shape.context_length, runtime.device, kv_pool.pad_row,
                               record_writes=tp.size > 1 and tp.rank == 0, mirrored=runtime.mirrors_tables)
     graphs = None
     if runtime.supports_cuda_graph and not cfg.disable_cuda_graph and tp.size == 1:
-        graphs = DecodeGraphRunner(model, runtime, req_pool, kv_pool, min(cfg.cuda_graph_max_bs, shape.max_running_requests),
-                                   capture=True)
+        graphs = DecodeGraphRunner(model, runtime, req_pool, kv_pool,
+                                   min(cfg.cuda_graph_max_bs, shape.max_running_requests), capture=True)
     runner = ModelRunner(model, req_pool, kv_pool, runtime, graphs, batch_invariant=shape.deterministic)
     return ModelStack(model, runtime, shape, kv_pool, req_pool, runner)
 
@@ -195,7 +204,8 @@ def make_deterministic(model: CausalLM, cfg: EngineConfig, runtime: DeviceRuntim
         return False
     elif not backend.batch_invariant:
         raise ValueError(f"--enable-deterministic-inference needs a batch-invariant attention backend (cpu or "
-                         f"triton), not {backend.name!r}: its SDPA and batched matmuls reduce in a batch-dependent order")
+                         f"triton), not {backend.name!r}: its SDPA and batched matmuls reduce in a "
+                         "batch-dependent order")
     if runtime.packs_linears:  # as build_stack packs them, so the probe measures the call the forward makes
         pack_linears(model)
     try:

@@ -167,7 +167,7 @@ class StepInputs:
         q_valid: list[int] = []
         token_rows: list[int] = []
         token_slots: list[int] = []
-        for b, (req, p, n) in enumerate(zip(reqs, prefix, ext)):
+        for b, (req, p, n) in enumerate(zip(reqs, prefix, ext, strict=True)):
             self.ids.extend(req.fill_ids()[p : p + n])
             self.positions.extend(range(p, p + n))
             q_valid.extend(range(b * lq, b * lq + n))
@@ -188,7 +188,7 @@ class StepInputs:
             total += n
             last.append(total - 1)
         self.add("sample_index", last)
-        return dict(max_extend_len=lq, max_seq_len=max(p + n for p, n in zip(prefix, ext)),
+        return dict(max_extend_len=lq, max_seq_len=max(p + n for p, n in zip(prefix, ext, strict=True)),
                     plain_causal=len(reqs) == 1 and prefix[0] == 0)
 
     def add_decode(self, reqs, prefix_lens: list[int], pad_to: int | None = None, pad_slot: int = 0) -> dict:
@@ -236,7 +236,7 @@ def upload(runtime: DeviceRuntime, req_pool: ReqToTokenPool, names: list[str], s
            host: torch.Tensor) -> dict[str, torch.Tensor]:
     """One host-to-device copy of a packed step (``StepInputs.pack``) -> device views by name;
     the req-to-token writes it carries are applied to ``req_pool.device_table``."""
-    dev = dict(zip(names, runtime.to_device(host).split(sizes)))
+    dev = dict(zip(names, runtime.to_device(host).split(sizes), strict=True))
     if "table_index" in dev:
         table = req_pool.device_table.view(-1)
         table.index_copy_(0, dev.pop("table_index"), dev.pop("table_rows").to(torch.int32))

@@ -49,7 +49,8 @@ def plan_logprob_rows(plan: Plan) -> list[Span]:
     rows: list[int] = []
     spans: list[Span] = []
     offset = 0
-    for req, prefix, n in zip(plan.reqs[: plan.num_extend], plan.prefix_lens, plan.extend_lens):
+    e = plan.num_extend
+    for req, prefix, n in zip(plan.reqs[:e], plan.prefix_lens[:e], plan.extend_lens[:e], strict=True):
         if req.prompt_logprob_pos < req.prompt_len:
             lo = req.prompt_logprob_pos - 1  # >= prefix: the cache stopped before it
             hi = min(prefix + n, req.prompt_len - 1)

@@ -43,7 +43,7 @@ class SampleResult:
     top_ids: torch.Tensor | None = None
     top_vals: torch.Tensor | None = None
 
-    def start_copy(self, runtime: DeviceRuntime) -> Callable[[], "HostSample"]:
+    def start_copy(self, runtime: DeviceRuntime) -> Callable[[], HostSample]:
         """Start the one device-to-host copy of everything; the returned function waits
         for it -> Python lists."""
         if self.logprobs is None:
@@ -144,7 +144,8 @@ class Sampler:
                                 torch.full((len(rows),), float("-inf"), device=logits.device))
 
     def _exponential(self, shape: torch.Size, reqs: list[Req]) -> torch.Tensor:
-        noise = torch.empty(shape, dtype=torch.float32, device=self.runtime.device).exponential_(generator=self.generator)
+        noise = torch.empty(shape, dtype=torch.float32, device=self.runtime.device)
+        noise.exponential_(generator=self.generator)
         for i, r in enumerate(reqs):
             if r.generator is not None:
                 noise.select(0, i).exponential_(generator=r.generator)
@@ -178,7 +179,7 @@ class Sampler:
             pairs = [(j, t) for j, (_, r) in enumerate(counted) for t in r.output_ids]
             counts = torch.zeros(len(counted), vocab, dtype=torch.float32, device=dev)
             if pairs:
-                index = self._dev(list(zip(*pairs)))
+                index = self._dev(list(zip(*pairs, strict=True)))
                 counts.index_put_((index.select(0, 0), index.select(0, 1)),
                                   torch.ones(len(pairs), dtype=torch.float32, device=dev), accumulate=True)
             coef = self._dev([[r.sampling.frequency_penalty for _, r in counted],
@@ -187,9 +188,10 @@ class Sampler:
             logits.index_add_(0, self._dev([i for i, _ in counted]), -delta)
         if repeated:
             pairs = [(j, t) for j, (_, r) in enumerate(repeated) for t in r.fill_ids()]
-            index = self._dev(list(zip(*pairs)))
+            index = self._dev(list(zip(*pairs, strict=True)))
             seen = torch.zeros(len(repeated), vocab, dtype=torch.bool, device=dev)
-            seen.index_put_((index.select(0, 0), index.select(0, 1)), torch.ones(len(pairs), dtype=torch.bool, device=dev))
+            seen.index_put_((index.select(0, 0), index.select(0, 1)),
+                            torch.ones(len(pairs), dtype=torch.bool, device=dev))
             rows = self._dev([i for i, _ in repeated])
             penalty = self._dev([r.sampling.repetition_penalty for _, r in repeated], torch.float32).unsqueeze(1)
             vals = logits.index_select(0, rows)
@@ -215,7 +217,8 @@ def _filter(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p
     sorted_p = sorted_p.masked_fill(drop, 0.0)
     active = ((top_k < vocab) | (top_p < 1.0) | (min_p > 0.0)).unsqueeze(1)
     kept = sorted_p / row_sum(sorted_p)
-    return torch.where(active, torch.zeros_like(probs).scatter_(1, sorted_idx, kept), probs)  # other rows keep their bits
+    # Rows without a filter keep their bits.
+    return torch.where(active, torch.zeros_like(probs).scatter_(1, sorted_idx, kept), probs)
 
 
 def row_sum(x: torch.Tensor) -> torch.Tensor:

@@ -28,8 +28,10 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
+from multiprocessing.process import BaseProcess
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,7 +58,7 @@ def rank_threads(cfg: SchedulerConfig, usable: int) -> int:
     return cfg.torch_threads or max(1, usable // cfg.tp_size)
 
 
-def _broadcast(tp: TensorParallel, obj: object = None) -> object:
+def _broadcast(tp: TensorParallel, obj: object = None) -> Any:
     """Rank 0 sends ``obj``; the others return what it sent. Raises RankFailure."""
     box = [obj]
     try:
@@ -74,7 +76,7 @@ class TPGroup:
     ranks from timing out; ``watch`` reports a rank that exits; ``stop`` ends them.
     """
 
-    def __init__(self, tp: TensorParallel, procs: list[multiprocessing.Process]):
+    def __init__(self, tp: TensorParallel, procs: Sequence[BaseProcess]):
         self.tp = tp
         self.procs = procs
         self._stopping = False

@@ -185,7 +185,8 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     kind = _kind(q)
     if _kind(k_buf) != kind or _kind(v_buf) != kind:
         raise ValueError(f"q {q.dtype} and the KV pool {k_buf.dtype} must share a dtype")
-    if kv_indices.dtype != torch.int64 or seq_lens.dtype != torch.int64 or (rows is not None and rows.dtype != torch.int64):
+    if kv_indices.dtype != torch.int64 or seq_lens.dtype != torch.int64 or (
+            rows is not None and rows.dtype != torch.int64):
         raise ValueError("kv_indices, seq_lens and rows must be int64")
     kv_indices, seq_lens = kv_indices.contiguous(), seq_lens.contiguous()
     rows = None if rows is None else rows.contiguous()

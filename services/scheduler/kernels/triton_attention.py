@@ -45,7 +45,8 @@ def interpreted() -> bool:
 
 def _check_head_dim(d: int) -> None:
     if d < 16 or d & (d - 1):
-        raise ValueError(f"the Triton attention kernels need head_dim a power of two >= 16 (tl.arange, tl.dot); got {d}")
+        raise ValueError(f"the Triton attention kernels need head_dim a power of two >= 16 (tl.arange, tl.dot); "
+                         f"got {d}")
 
 
 def num_warps(head_dim: int, dtype: torch.dtype) -> int:
@@ -253,8 +254,8 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     grid = (ext.numel(), hq, triton.cdiv(max_extend_len, block_m))
     rows = _rows(req_slots, ext.numel(), q.device)
     _extend_kernel[grid](
-        q, k_buf, v_buf, kv_indices, rows, starts, prefix_lens.to(torch.int32).contiguous(), ext.contiguous(), out, scale,
-        hq // hkv, window, softcap,
+        q, k_buf, v_buf, kv_indices, rows, starts, prefix_lens.to(torch.int32).contiguous(), ext.contiguous(), out,
+        scale, hq // hkv, window, softcap,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), kv_indices.stride(0), out.stride(0), out.stride(1),
         HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
         # Triton's interpreter multiplies 16-bit floats in tl.dot as their raw bits (numpy

@@ -125,7 +125,7 @@ class TritonRMSNorm(RMSNorm):
     """``RMSNorm`` through ``batch_invariant_rms_norm`` (same weight and eps)."""
 
     @classmethod
-    def of(cls, norm: RMSNorm) -> "TritonRMSNorm":
+    def of(cls, norm: RMSNorm) -> TritonRMSNorm:
         """A ``TritonRMSNorm`` sharing ``norm``'s weight."""
         new = cls.__new__(cls)
         torch.nn.Module.__init__(new)

@@ -43,8 +43,9 @@ class Experts(torch.nn.Module):
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
-                 tp: TensorParallel = TensorParallel(), dtype: torch.dtype | None = None):
+                 tp: TensorParallel | None = None, dtype: torch.dtype | None = None):
         super().__init__()
+        tp = tp or TensorParallel()
         self.num_experts = num_experts
         self.tp = tp
         inter = intermediate_size // tp.size

@@ -44,8 +44,8 @@ class TensorParallel:
 
     rank: int = 0
     size: int = 1
-    group: object = None
-    cpu_group: object = None
+    group: dist.ProcessGroup | None = None
+    cpu_group: dist.ProcessGroup | None = None
     fixed_order: bool = False
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

@@ -46,7 +46,8 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
 def load_whole(param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
     """The loader of a parameter every rank holds whole (norms, routers, biases of row-parallel layers)."""
     if tuple(param.shape) != tuple(loaded.shape):
-        raise ValueError(f"checkpoint tensor of shape {list(loaded.shape)} for a parameter of shape {list(param.shape)}")
+        raise ValueError(f"checkpoint tensor of shape {list(loaded.shape)} for a parameter of shape "
+                         f"{list(param.shape)}")
     copy_into(param.data, loaded)
 
 
@@ -125,7 +126,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         d, rank, size = self.head_dim, self.tp.rank, self.tp.size
         if shard_id is None:  # the fused [(Hq + 2 Hkv) D, ...] tensor
             parts = loaded.split([self.total_heads * d, self.total_kv_heads * d, self.total_kv_heads * d])
-            for sid, part in zip("qkv", parts):
+            for sid, part in zip("qkv", parts, strict=True):
                 self.weight_loader(param, part, sid)
             return
         if shard_id != "v" and self.qk_perm is not None:

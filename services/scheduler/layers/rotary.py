@@ -133,7 +133,8 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("sin", torch.cat((sin, sin), dim=-1), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions int64 [T] -> (cos, sin), each [T, 1, D] in ``dtype``; computed once per step, used by every layer."""
+        """positions int64 [T] -> (cos, sin), each [T, 1, D] in ``dtype``; computed once per step, used by
+        every layer."""
         return (self.cos.index_select(0, positions).unsqueeze(1).to(dtype),
                 self.sin.index_select(0, positions).unsqueeze(1).to(dtype))
 

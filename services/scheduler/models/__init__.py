@@ -51,7 +51,7 @@ def model_config(hf: dict) -> ModelConfig:
 
 
 def build_model(hf: dict, dtype: torch.dtype, attention_backend: str = "auto", runtime: DeviceRuntime | None = None,
-                tp: TensorParallel = TensorParallel()) -> CausalLM:
+                tp: TensorParallel | None = None) -> CausalLM:
     """The model of an HF config dict on the runtime's device (default: the CPU) with this
     rank's shapes, its weights uninitialized (``models.loader`` fills them). The blocks get
     what the runtime and the attention backend offer (``LayerEnv``): the backend's fused
@@ -62,6 +62,7 @@ def build_model(hf: dict, dtype: torch.dtype, attention_backend: str = "auto", r
         RuntimeError: an attention backend that cannot run on the device.
     """
     runtime = runtime or create_runtime(torch.device("cpu"))
+    tp = tp or TensorParallel()
     cfg = model_config(hf)
     if tp.size > 1:
         cfg.check_tensor_parallel(tp.size)
@@ -73,7 +74,7 @@ def build_model(hf: dict, dtype: torch.dtype, attention_backend: str = "auto", r
 
 def load_model(model_dir: Path, dtype: torch.dtype, load_format: str = "auto",
                attention_backend: str = "auto", runtime: DeviceRuntime | None = None,
-               tp: TensorParallel = TensorParallel()) -> CausalLM:
+               tp: TensorParallel | None = None) -> CausalLM:
     """Load the model that ``model_dir``/config.json names.
 
     Args:
@@ -81,7 +82,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, load_format: str = "auto",
             weights of the config's shapes (benchmarks of sizes no package ships).
         attention_backend: "auto", "torch", "cpu" or "triton" (``attention.backends``).
         runtime: the device the weights load onto (``executor.device.create_runtime``; default the CPU).
-        tp: this rank's tensor-parallel group; the model keeps its shard.
+        tp: this rank's tensor-parallel group (default: none); the model keeps its shard.
 
     Raises:
         ValueError: the config names no architecture this registry supports, an
@@ -102,7 +103,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, load_format: str = "auto",
 
 
 def dummy_model(hf: dict, dtype: torch.dtype, seed: int | None = 0, attention_backend: str = "auto",
-                runtime: DeviceRuntime | None = None, tp: TensorParallel = TensorParallel()) -> CausalLM:
+                runtime: DeviceRuntime | None = None, tp: TensorParallel | None = None) -> CausalLM:
     """The model of an HF config dict with random weights (``models.loader.fill_random``): under
     tensor parallelism every rank draws the whole model and keeps its shard, so the ranks
     together hold the weights of ``tp.size`` 1. Errors as ``build_model``."""

@@ -18,8 +18,13 @@ from services.scheduler.attention.paged import AttnMetadata, KVBuffers
 from services.scheduler.layers.activation import ACTIVATIONS, Activation
 from services.scheduler.layers.moe import Experts, fused_experts_cpu, select_experts
 from services.scheduler.layers.norm import NORMS, RMSNorm
-from services.scheduler.layers.parallel_linear import (MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear,
-                                                       RowParallelLinear, copy_into)
+from services.scheduler.layers.parallel_linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    copy_into,
+)
 from services.scheduler.layers.rotary import rotary_permutation, rotate_qkv
 from services.scheduler.models.base import LayerEnv
 from services.scheduler.models.config import ModelConfig
@@ -62,7 +67,8 @@ class Attention(torch.nn.Module):
         self.tp = env.tp
         self.head_dim = d = cfg.head_dim
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                          cfg.attention_bias, env.tp, env.dtype, rotary_permutation(d, spec.rope.scaling))
+                                          cfg.attention_bias, env.tp, env.dtype,
+                                          rotary_permutation(d, spec.rope.scaling))
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, env.tp, env.dtype)

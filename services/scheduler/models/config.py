@@ -96,7 +96,7 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
 
     @classmethod
-    def from_hf(cls, hf: dict) -> "ModelConfig":
+    def from_hf(cls, hf: dict) -> ModelConfig:
         """Read an HF config dict: rope from ``rope_parameters`` (transformers 5; Gemma's per
         layer type) or ``rope_theta``/``rope_scaling``, with the top-level
         ``partial_rotary_factor`` and ``original_max_position_embeddings`` (Phi-3) folded in.
@@ -223,7 +223,8 @@ def _gemma3(hf: dict) -> dict:
     window = int(hf.get("sliding_window") or 0)
     return dict(
         layers=tuple(LayerSpec(window if t == SLIDING else 0, ropes[t]) for t in types),
-        norm_style="offset", hidden_act="gelu_tanh", qk_norm=True, tie_word_embeddings=hf.get("tie_word_embeddings", True),
+        norm_style="offset", hidden_act="gelu_tanh", qk_norm=True,
+        tie_word_embeddings=hf.get("tie_word_embeddings", True),
         attention_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
         embedding_multiplier=hf["hidden_size"] ** 0.5,
         attn_logit_softcapping=float(hf.get("attn_logit_softcapping") or 0.0),
@@ -241,7 +242,7 @@ def _moe(hf: dict, family: str, layers: tuple[LayerSpec, ...]) -> dict:
     dense = set(hf.get("mlp_only_layers") or ())
     sparse = [i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(len(layers))]
     return dict(
-        layers=tuple(LayerSpec(s.sliding_window, s.rope, sp) for s, sp in zip(layers, sparse)),
+        layers=tuple(LayerSpec(s.sliding_window, s.rope, sp) for s, sp in zip(layers, sparse, strict=True)),
         num_experts=experts, num_experts_per_tok=hf["num_experts_per_tok"],
         moe_intermediate_size=hf["intermediate_size"] if mixtral else hf["moe_intermediate_size"],
         norm_topk_prob=True if mixtral else bool(hf.get("norm_topk_prob", False)),

@@ -50,8 +50,8 @@ class DecoderForCausalLM(torch.nn.Module):
         for spec in cfg.layers:
             if spec.rope not in ropes:
                 ropes.append(spec.rope)
-        self.rotaries = torch.nn.ModuleList(RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, r.theta, r.scaling)
-                                            for r in ropes)
+        self.rotaries = torch.nn.ModuleList(
+            RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, r.theta, r.scaling) for r in ropes)
         self.layer_rope = [ropes.index(spec.rope) for spec in cfg.layers]
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, env.tp, env.dtype)
         self.layers = torch.nn.ModuleList(self.make_layer(cfg, i, env) for i in range(cfg.num_hidden_layers))
@@ -76,7 +76,8 @@ class DecoderForCausalLM(torch.nn.Module):
         return KVShape(cfg.num_hidden_layers, local_kv_heads(cfg.num_key_value_heads, self.tp.size), cfg.head_dim,
                        self.embed_tokens.weight.dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata, kv: KVBuffers) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
+                kv: KVBuffers) -> torch.Tensor:
         """input_ids, positions: int64 [T] packed over requests -> final hidden states [T, hidden].
 
         The attention backend prepares ``meta`` here, once for all layers.
@@ -89,7 +90,7 @@ class DecoderForCausalLM(torch.nn.Module):
         if self.int8_fused:
             return self._forward_int8(h, ropes, meta, kv)
         x, residual = h, None
-        for layer, r in zip(self.layers, self.layer_rope):
+        for layer, r in zip(self.layers, self.layer_rope, strict=True):
             x, residual = layer(x, residual, ropes[r], meta, kv)
         return residual.add_(x)
 
@@ -139,7 +140,7 @@ class DecoderForCausalLM(torch.nn.Module):
         residual, x = h, h  # the embedding's fresh output, updated in place from here on
         norm = self.layers[0].input_layernorm
         pre = (norm.weight, norm.eps, None)  # the first layer normalizes the embedding as it is
-        for i, (layer, r) in enumerate(zip(self.layers, self.layer_rope)):
+        for i, (layer, r) in enumerate(zip(self.layers, self.layer_rope, strict=True)):
             attn = layer.self_attn
             o = attn.o_proj(attn.attend(attn.qkv_proj(x, norm=pre), ropes[r], meta, kv))
             post = layer.post_attention_layernorm

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.scheduler.policy.grammar_backends import GrammarBackend, GrammarError, GrammarSpec
+from services.scheduler.policy.grammar_backends import GrammarBackend, GrammarError, GrammarSpec, Matcher
 from services.scheduler.policy.req import FinishReason, FinishType, Req
 
 log = logging.getLogger(__name__)
@@ -181,7 +181,8 @@ def check_first_step(backend: GrammarBackend, compiled) -> None:
         allowed = _allowed_ids(bitmask[0]).tolist()
         token = next((t for t in allowed if t not in backend.eos_ids), allowed[0])
         if not matcher.accept_token(token):
-            raise GrammarError(f"the grammar fails at its first token: {matcher.error or 'it rejected an allowed token'}")
+            why = matcher.error or "it rejected an allowed token"
+            raise GrammarError(f"the grammar fails at its first token: {why}")
         bitmask.zero_()
 
 
@@ -194,7 +195,8 @@ def _mask_error(matcher: Matcher, row: torch.Tensor) -> str | None:
 
 def _failure(req: Req, error: str, position: int) -> str:
     """The client's message for a grammar that failed at output token ``position`` (1-based)."""
-    return f"{req.grammar_param}: the grammar engine failed at output token {position}: {error}; simplify the constraint"
+    return (f"{req.grammar_param}: the grammar engine failed at output token {position}: {error}; "
+            "simplify the constraint")
 
 
 # Byte value -> the additive mask of its 8 tokens (0 allowed, -inf not): one gather turns a

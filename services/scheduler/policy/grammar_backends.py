@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -259,7 +260,8 @@ def _refuse_keywords(schema: Any) -> None:
             _refuse_keywords(item)
 
 
-GRAMMAR_BACKENDS = {"llguidance": LLGuidanceBackend, "xgrammar": XGrammarBackend}
+GRAMMAR_BACKENDS: dict[str, Callable[[Path, int, frozenset[int]], GrammarBackend]] = {
+    "llguidance": LLGuidanceBackend, "xgrammar": XGrammarBackend}
 names.check_registry("grammar backend", GRAMMAR_BACKENDS, names.GRAMMAR_BACKENDS)
 
 

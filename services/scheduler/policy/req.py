@@ -9,11 +9,11 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field, make_dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ringserve import sampling_params as table
-
 from services.scheduler.policy.grammar_backends import GrammarSpec, Matcher
 from services.scheduler.policy.grammar_gate import GrammarGate
 
@@ -53,14 +53,17 @@ def _sampling_fields() -> list[tuple[str, object, object]]:
     return out
 
 
-SamplingParams = make_dataclass("SamplingParams", [
-    *_sampling_fields(),
-    ("stop", tuple[str, ...], field(default=())),
-    ("stop_token_ids", frozenset[int], field(default=frozenset())),
-    ("logit_bias", tuple[tuple[int, float], ...], field(default=())),  # (token id, bias), sorted by id
-], frozen=True, namespace={"__module__": __name__, "__doc__": """Resolved sampling parameters (every default
-    filled in by the tokenizer service): one field per resolved row of ``ringserve.sampling_params``
-    under the proto's name (``wire`` copies them by name), then stop, stop_token_ids and logit_bias."""})
+if TYPE_CHECKING:
+    SamplingParams = Any  # made from the table at import: its fields are not visible to a type checker
+else:
+    SamplingParams = make_dataclass("SamplingParams", [
+        *_sampling_fields(),
+        ("stop", tuple[str, ...], field(default=())),
+        ("stop_token_ids", frozenset[int], field(default=frozenset())),
+        ("logit_bias", tuple[tuple[int, float], ...], field(default=())),  # (token id, bias), sorted by id
+    ], frozen=True, namespace={"__module__": __name__, "__doc__": """Resolved sampling parameters (every default
+        filled in by the tokenizer service): one field per resolved row of ``ringserve.sampling_params``
+        under the proto's name (``wire`` copies them by name), then stop, stop_token_ids and logit_bias."""})
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,7 @@ class TokenView(Sequence[int]):
     def __init__(self, ids: list[int]):
         self._ids = ids
 
-    def __getitem__(self, i):  # type: ignore[override]
+    def __getitem__(self, i):
         return self._ids[i]
 
     def __len__(self) -> int:

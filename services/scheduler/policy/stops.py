@@ -95,7 +95,7 @@ class StopChecker:
             texts = self.tokenizer.decode_batch(
                 [windows[i] for i in idx] + [windows[i][:-1] for i in idx], skip_special_tokens=skip
             )
-            for i, text, before in zip(idx, texts, texts[len(idx) :]):
+            for i, text, before in zip(idx, texts[: len(idx)], texts[len(idx) :], strict=True):
                 req = reqs[i]
                 # Trailing U+FFFD is an incomplete character that the newest token may complete.
                 seen = len(before.rstrip(_REPLACEMENT))

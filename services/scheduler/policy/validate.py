@@ -40,7 +40,8 @@ def validate(spec: ReqInput, vocab_size: int, context_length: int, max_total_tok
             f"exceeds the context length {context_length}"
         )
     if total > max_total_tokens:
-        return f"prompt + max_new_tokens = {total} exceeds the KV pool ({max_total_tokens} tokens, --max-total-tokens / --kv-cache-gib)"
+        return (f"prompt + max_new_tokens = {total} exceeds the KV pool ({max_total_tokens} tokens, "
+                "--max-total-tokens / --kv-cache-gib)")
     if not 0 <= p.min_new_tokens <= p.max_new_tokens:
         return f"min_new_tokens {p.min_new_tokens} not in [0, max_new_tokens={p.max_new_tokens}]"
     for param in table.RESOLVED:

@@ -86,7 +86,8 @@ class Launch:
         integer arguments included), by parameter name."""
         data = json.loads(self.specialization)
         names = self.kernel.arg_names
-        return {names[k[0]]: v for k, v in zip(data["constant_keys"], data["constant_vals"]) if len(k) == 1}
+        pairs = zip(data["constant_keys"], data["constant_vals"], strict=True)
+        return {names[k[0]]: v for k, v in pairs if len(k) == 1}
 
     def dtype(self) -> str:
         """The element type of the kernel's first pointer argument (the model's dtype here)."""
