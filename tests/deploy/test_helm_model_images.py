@@ -1,4 +1,4 @@
-"""Issue 15: which image each pod gets (per-service repository and tag; the scheduler's CPU and
+"""Which image each pod gets (per-service repository and tag; the scheduler's CPU and
 CUDA variants), and how the model gets into the volume (model.source, model.volume)."""
 
 from __future__ import annotations

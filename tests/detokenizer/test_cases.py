@@ -1,4 +1,4 @@
-"""Component forms of acceptance cases C01-C04 (../shared/cases/CASES.md), plus a stop-string
+"""Component forms of acceptance cases C01-C04 (docs/cases.md), plus a stop-string
 property test: the detokenizer holds exactly the stop prefixes and trims the matched stop."""
 
 from __future__ import annotations

@@ -150,7 +150,7 @@ class CountingTokenizer:
 @pytest.mark.parametrize("vocab,fast", [("gemma3", True), ("gemma3", False), ("gemma3-strip", False)])
 @pytest.mark.parametrize("run", [500, 2_000])
 def test_long_invalid_byte_run_streams_at_once_in_linear_work(vocab, fast, run, make_manager, tokenizers):
-    """Issue 14: 2,000 ``<0x80>`` tokens are 2,000 U+FFFD, one per step as each arrives (a
+    """2,000 ``<0x80>`` tokens are 2,000 U+FFFD, one per step as each arrives (a
     lone continuation byte can never complete a character), then the text after them; the
     decoding work is linear in the stream (no window grows with the run)."""
     tok = tokenizers[vocab]

@@ -1,4 +1,4 @@
-"""Issue 19: API keys on the public gRPC API, against a ring launched with two keys
+"""API keys on the public gRPC API, against a ring launched with two keys
 (``keyed_ring``, tests/e2e/conftest.py, which test_reliability_overload.py shares).
 
 One key comes from ``--api-key``, the other from ``--api-key-file`` (a rotation: both are

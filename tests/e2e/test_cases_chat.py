@@ -1,5 +1,5 @@
-"""Cases C09, C10 and C11 of ../shared/cases/CASES.md (content parts, continuing the final
-assistant message, system messages) and issue 4's n/seed acceptance, through the stack.
+"""Cases C09, C10 and C11 of docs/cases.md (content parts, continuing the final
+assistant message, system messages) and n with a seed, through the stack.
 
 The rendered prompt is read through ``POST /v1/tokenize`` with the same messages, so each
 check compares the prompt the model saw, not only its answer.
@@ -205,7 +205,7 @@ async def test_c11_system_message_is_never_dropped(stack, form):
     stack.wait_idle()
 
 
-# --- issue 4: n with a seed ---------------------------------------------------------------------
+# --- n with a seed -----------------------------------------------------------------------------
 
 FACT = [{"role": "user", "content": "Tell me a fun fact."}]
 

@@ -1,4 +1,4 @@
-"""Case C05 of ../shared/cases/CASES.md: invalid requests are rejected before any SSE byte.
+"""Case C05 of docs/cases.md: invalid requests are rejected before any SSE byte.
 
 Every variant of the case, on chat and on completions where it applies, with ``stream``
 true and false: one JSON OpenAI error object with the exact status, type and param, and

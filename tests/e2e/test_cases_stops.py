@@ -1,4 +1,4 @@
-"""Cases C03 and C04 of ../shared/cases/CASES.md: stop strings, through the running stack.
+"""Cases C03 and C04 of docs/cases.md: stop strings, through the running stack.
 
 Every expectation comes from the model's own unstopped greedy output, read as token ids
 through the gRPC API: the stop ends the text at the first step whose decoded output holds

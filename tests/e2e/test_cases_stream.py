@@ -1,4 +1,4 @@
-"""Cases C06 and C07 of ../shared/cases/CASES.md: chunk schema, finish_reason, usage chunk
+"""Cases C06 and C07 of docs/cases.md: chunk schema, finish_reason, usage chunk
 and SSE framing, checked on every chunk of real streams (framing byte for byte in
 ``sse_reader.sse_events``), each against the same request not streamed.
 """

@@ -1,5 +1,5 @@
 """Structured outputs and tool calls through the launched ring on SmolLM2: the S and T cases
-of ../shared/cases/CASES-structured.md that need no speculative decoding.
+of docs/cases.md that need no speculative decoding.
 
 The ring (``tools_ring``, tests/e2e/conftest.py) runs the shipped ChatML tool template,
 since SmolLM2's own template cannot render tools.

@@ -1,4 +1,4 @@
-"""Deterministic inference through the whole ring (issue 14), as a user meets it: the default
+"""Deterministic inference through the whole ring, as a user meets it: the default
 ring on the CPU (bf16, no flag) gives a greedy request the same text streamed and not
 streamed, whichever of the two ran first and so found the other's prompt in the prefix
 cache. Before deterministic inference this failed for 2 of 5 short prompts tried one after

@@ -1,4 +1,4 @@
-"""Issue 6, faults: a service SIGKILLed or SIGTERMed under load, on a ring of its own.
+"""Faults: a service SIGKILLed or SIGTERMed under load, on a ring of its own.
 
 The launcher runs with ``--restart-on-failure``, so a killed service comes back on the
 same port and the others reconnect with backoff; nothing else is restarted. Every

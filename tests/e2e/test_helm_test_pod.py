@@ -1,4 +1,4 @@
-"""Issue 15: the chart's `helm test` pod (templates/tests/chat.yaml) runs its script against the
+"""The chart's `helm test` pod (templates/tests/chat.yaml) runs its script against the
 gateway Service. Here the same script, taken from the rendered pod, runs against the launched
 ring with the pod's environment pointed at it: the check a cluster would run."""
 

@@ -1,4 +1,4 @@
-"""Issue 15: `make run`'s ports. The gateway (8000) and the public gRPC API (30010) are fixed
+"""`make run`'s ports. The gateway (8000) and the public gRPC API (30010) are fixed
 by default; a port in use ends `ringserve launch` in under 2 s, before any model is touched,
 naming the port and the flag (and make variable) that moves it."""
 

@@ -1,4 +1,4 @@
-"""Issue 2 acceptance: the four services serve SmolLM2 end to end."""
+"""The four services serve SmolLM2 end to end."""
 
 from __future__ import annotations
 

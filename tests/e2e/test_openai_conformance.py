@@ -1,4 +1,4 @@
-"""Issue 4 conformance: the official ``openai`` package (sync and async, streamed and not)
+"""Conformance: the official ``openai`` package (sync and async, streamed and not)
 and raw ``httpx`` against the running stack, over the chat and completions parameters.
 
 Every assertion is exact where the model allows it: greedy (temperature 0) runs are
@@ -180,7 +180,7 @@ async def test_logprobs_and_echo_through_the_sdk(stack, aclient):
     assert len(content) == chat.usage.completion_tokens
     assert all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in content)
     c = cmpl.choices[0]
-    # echo + logprobs scores the prompt's tokens too (issue 14): the first has no logprob.
+    # echo + logprobs scores the prompt's tokens too: the first has no logprob.
     n_prompt = cmpl.usage.prompt_tokens
     assert c.text.startswith(COUNT_PROMPT) and len(c.logprobs.tokens) == n_prompt + cmpl.usage.completion_tokens
     assert c.logprobs.token_logprobs[0] is None and c.logprobs.top_logprobs[0] is None
@@ -271,7 +271,7 @@ async def test_template_flags_tools_user_and_rid(stack, aclient):
     assert plain.usage.prompt_tokens == with_gen["count"]
     assert no_gen.usage.prompt_tokens == without["count"]
     assert not cont.choices[0].message.content.startswith("Hello")
-    # SmolLM2's template has no tools slot: tools it would drop are refused (issue 13), and
+    # SmolLM2's template has no tools slot: tools it would drop are refused, and
     # under tool_choice "none" they never reach it.
     with pytest.raises(openai.BadRequestError) as info:
         await aclient.chat.completions.create(model=m, messages=SAY_HI, max_tokens=3, temperature=0, tools=tools,

@@ -1,4 +1,4 @@
-"""Issue 4 against the running stack: /health_generate, /metrics counter deltas, and
+"""Against the running stack: /health_generate, /metrics counter deltas, and
 logprobs that line up token by token with the text."""
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def test_completion_logprobs_tokens_offsets_and_echo(stack, stream):
         choice = r.json()["choices"][0]
         text, lp = choice["text"], choice["logprobs"]
         tokens, token_lps, tops, offsets = lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], lp["text_offset"]
-    # echo scores the prompt's tokens too (issue 14): they come first, the first without a logprob.
+    # echo scores the prompt's tokens too: they come first, the first without a logprob.
     n_prompt = len(tokens) - 10
     assert text.startswith(prompt) and n_prompt > 0 and "".join(tokens[:n_prompt]) == prompt
     assert "".join(tokens) == text

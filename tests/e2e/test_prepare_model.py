@@ -1,4 +1,4 @@
-"""Issue 15: ``ringserve prepare-model``, the Helm chart's model delivery into a volume.
+"""``ringserve prepare-model``, the Helm chart's model delivery into a volume.
 
 Two pods starting at once on one volume: one converts, the other waits on the lock and finds
 the model ready. The registry wheel is placed where a pod's earlier download would have

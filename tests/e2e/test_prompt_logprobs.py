@@ -1,4 +1,4 @@
-"""Issue 14, prompt logprobs through the whole ring (fp32 SmolLM2): OpenAI completions'
+"""Prompt logprobs through the whole ring (fp32 SmolLM2): OpenAI completions'
 ``echo`` + ``logprobs`` (and ``max_tokens: 0`` to score only), vLLM's ``prompt_logprobs``
 on completions and chat, SGLang's ``/generate`` ``logprob_start_len``, and the gRPC API;
 values equal transformers' log-softmax (1e-4), on a cold and on a cached prompt."""

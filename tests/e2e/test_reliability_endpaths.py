@@ -1,11 +1,11 @@
-"""Issue 6, end paths: every way a request ends releases what each service owns.
+"""End paths: every way a request ends releases what each service owns.
 
 Each test drives the shared stack through one end path and then asserts "back to
 baseline" with ``stack.wait_idle()``: no ReqState in the tokenizer, no waiting or running
 request, request slot or KV token in the scheduler, no DecodeStatus in the detokenizer.
 Aborts are checked at the scheduler's own counter (``num_aborted_reqs``), so a test also
 fails when a request ended at the client but ran on (or was never aborted) below.
-Case C08 of ../shared/cases/CASES.md (its queued variant needs a one-slot stack:
+Case C08 of docs/cases.md (its queued variant needs a one-slot stack:
 test_reliability_overload.py).
 """
 

@@ -1,4 +1,4 @@
-"""Issue 6, special-token injection: text in a chat message that spells a control token
+"""Special-token injection: text in a chat message that spells a control token
 stays text; only the template's own control tokens are control tokens (SmolLM2, ChatML).
 
 Ids: <|im_start|> = 1, <|im_end|> = 2. The attack closes the user turn and opens a fake

@@ -1,4 +1,4 @@
-"""Issue 6, limits: token budget, request timeouts and gRPC deadlines, body and message sizes,
+"""Limits: token budget, request timeouts and gRPC deadlines, body and message sizes,
 and no prompt or output in the logs.
 
 One ring of its own with ``--max-queued-tokens 300``, ``--request-timeout 4``,

@@ -1,4 +1,4 @@
-"""Issue 6, overload (case C12) and the end paths that need a full scheduler (C08 queued).
+"""Overload (case C12) and the end paths that need a full scheduler (C08 queued).
 
 On the ring with two request slots, a queue of one (``--max-queued-requests 1``) and a
 4096-token KV pool (``keyed_ring``, tests/e2e/conftest.py, behind API keys): two long

@@ -1,4 +1,4 @@
-"""Issue 14, defect 1, against the real ring: no string in any field of any endpoint gives a
+"""Against the real ring: no string in any field of any endpoint gives a
 5xx (lone surrogates are a 400 naming the field; NULs are served or refused with a 4xx), and
 the ring still serves afterwards. Over gRPC, a request whose string field is not UTF-8 is
 INVALID_ARGUMENT from every unary method of the tokenizer, and JSON fields holding escaped

@@ -1,4 +1,4 @@
-"""Issue 6, TLS: a ring launched with mutual TLS between every gRPC service (``tls_ring``,
+"""TLS: a ring launched with mutual TLS between every gRPC service (``tls_ring``,
 tests/e2e/conftest.py, in bf16; test_deterministic_ring.py shares it).
 
 Certificates come from a throwaway CA (trustme): one certificate for 127.0.0.1 serves as

@@ -1,4 +1,4 @@
-"""Issue 6, watchdog: the scheduler's health turns NOT_SERVING while the engine thread has
+"""Watchdog: the scheduler's health turns NOT_SERVING while the engine thread has
 work pending and makes no progress for ``--watchdog-timeout`` seconds, and SERVING again
 once it moves.
 

@@ -1,4 +1,4 @@
-"""Issue 7, several replicas of each tier: ``ringserve launch --tokenizers 2 --replicas 2``.
+"""Several replicas of each tier: ``ringserve launch --tokenizers 2 --replicas 2``.
 
 One ring for the module: a gateway balancing over two tokenizer instances (gRPC
 round_robin), each talking to both model replicas (a scheduler with its detokenizer),

@@ -1,4 +1,4 @@
-"""Issue 17: a SmolLM2 replica over 3 tensor-parallel ranks (gloo, one thread each), through the whole ring.
+"""A SmolLM2 replica over 3 tensor-parallel ranks (gloo, one thread each), through the whole ring.
 
 The ring runs with 16-token prefill chunks and a 256-row KV pool, so three 64-token answers
 at once are chunk-prefilled, share their system prompt through the prefix cache and force

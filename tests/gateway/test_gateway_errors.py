@@ -36,7 +36,7 @@ CHAT_INVALID = [
     ({"logit_bias": {"abc": 1}}, "logit_bias", "invalid_value"),
     ({"stop": ["", "x"]}, "stop", "invalid_value"),
     ({"top_logprobs": 2}, "top_logprobs", "invalid_value"),
-    # Output constraints and tools (issue 13).
+    # Output constraints and tools.
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "invalid_value"),
     ({"response_format": {"type": "json_schema"}}, "response_format", "invalid_value"),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},

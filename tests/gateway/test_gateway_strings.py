@@ -1,4 +1,4 @@
-"""Issue 14, defect 1: a string that cannot be encoded as UTF-8 (a lone surrogate, which
+"""A string that cannot be encoded as UTF-8 (a lone surrogate, which
 JSON's ``\\udfff`` escape allows), in any string field of any endpoint, is a 400 naming the
 field, never a 500; NULs and invalid escapes are never a 5xx either; the connection stays
 usable. The fields come from the gateway's own OpenAPI schema, so a new field is covered
@@ -57,7 +57,7 @@ def test_every_endpoint_has_string_slots():
     assert ("messages", 0, "content") in SLOTS["/v1/chat/completions"]
     assert ("tools", 0, "function", "parameters", KEY) in SLOTS["/v1/chat/completions"]
     assert ("sampling_params", "stop", 0) in SLOTS["/generate"]
-    assert sum(map(len, SLOTS.values())) == 86  # 26 added by the output-constraint fields (issue 13)
+    assert sum(map(len, SLOTS.values())) == 86  # 26 added by the output-constraint fields
 
 
 async def still_usable(stack) -> None:

@@ -22,7 +22,7 @@ class Result:
     top_ids: list[int] = field(default_factory=list)
     top_vals: list[float] = field(default_factory=list)
     top_width: int = 0
-    prompt_start: int | None = None  # prompt logprobs (issue 14), once per rid
+    prompt_start: int | None = None  # prompt logprobs, once per rid
     prompt_logprobs: list[float] = field(default_factory=list)
     prompt_top_ids: list[int] = field(default_factory=list)
     prompt_top_vals: list[float] = field(default_factory=list)

@@ -1,5 +1,5 @@
 """Every string slot of every POST endpoint's request schema, read from the gateway's OpenAPI
-schema, and bodies that put a given string in one slot (issue 14, defect 1).
+schema, and bodies that put a given string in one slot.
 
 A slot is a path from the body's root to a place where the schema allows a string: a string
 property, a string array item, a free-form object's value or key. ``body_with`` starts from a

@@ -1,4 +1,4 @@
-"""Deterministic inference (issue 14): with it, a request's token ids and logprobs do not depend
+"""Deterministic inference: with it, a request's token ids and logprobs do not depend
 on what else is in the batch, on chunk boundaries or on prefix-cache hits.
 
 SmolLM2 in bf16 (the default dtype) on the cpu attention backend; 50 prompts, 5 of them

@@ -1,4 +1,4 @@
-"""Issue 5, memory: the KV pool is sized by tokens, by GiB, or by default from the memory
+"""Memory: the KV pool is sized by tokens, by GiB, or by default from the memory
 available after the weights load, and a request that cannot fit is refused up front."""
 
 from __future__ import annotations

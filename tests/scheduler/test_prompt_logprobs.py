@@ -1,4 +1,4 @@
-"""Prompt logprobs computed during prefill (issue 14) equal transformers' log-softmax of the
+"""Prompt logprobs computed during prefill equal transformers' log-softmax of the
 same positions (fp32, 1e-4) on 5 prompts: in one extend, in chunks, and after a cached
 prefix (the range asked for bypasses the cache); the sum over a continuation is lm-eval's
 loglikelihood."""

@@ -1,4 +1,4 @@
-"""Issue 17, tensor parallelism on the CPU (gloo): N ranks give the logits and tokens of one.
+"""Tensor parallelism on the CPU (gloo): N ranks give the logits and tokens of one.
 
 Rank 0 is this test process (an Engine, as the scheduler builds it); ranks 1..N-1 are the
 processes ``TPGroup.start`` spawns, running ``executor.tp.worker_main``. Every step's logits

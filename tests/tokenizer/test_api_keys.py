@@ -1,4 +1,4 @@
-"""Issue 19, without a model: where API keys come from, how they are checked, and the typed
+"""Without a model: where API keys come from, how they are checked, and the typed
 client's key and TLS options against an in-process Tokenizer server that counts the calls
 its servicer saw (a refused call must never reach it)."""
 
