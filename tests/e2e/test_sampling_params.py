@@ -17,7 +17,7 @@ import pytest
 
 from ringserve import sampling_params as table
 from ringserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
-from tests.sampling_cases import NUMERIC, inside, outside
+from tests.helpers.sampling_cases import NUMERIC, inside, outside
 
 USER = [{"role": "user", "content": "Count to five."}]
 FINISHED = {"stop", "length"}

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from ringserve import sampling_params as table
-from tests.sampling_cases import NUMERIC, inside, outside
+from tests.helpers.sampling_cases import NUMERIC, inside, outside
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

@@ -10,7 +10,7 @@ import pytest
 from ringserve import sampling_params as table
 from services.scheduler.policy.req import ReqInput, SamplingParams
 from services.scheduler.policy.validate import validate
-from tests.sampling_cases import NUMERIC, inside, outside
+from tests.helpers.sampling_cases import NUMERIC, inside, outside
 
 VOCAB, CONTEXT, POOL = 100, 64, 128
 

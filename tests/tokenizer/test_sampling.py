@@ -9,7 +9,7 @@ from ringserve import sampling_params as table
 from ringserve.v1 import common_pb2, tokenizer_pb2
 from services.tokenizer.errors import RequestError
 from services.tokenizer.sampling import context_overflow_message, resolve_sampling_params
-from tests.sampling_cases import NUMERIC, inside, outside
+from tests.helpers.sampling_cases import NUMERIC, inside, outside
 
 CTX = 8192
 VOCAB = 49152
