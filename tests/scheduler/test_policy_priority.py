@@ -12,6 +12,9 @@ import logging
 
 import pytest
 
+from ringserve.v1 import scheduler_pb2
+from services.scheduler.engine.engine import LoadStats
+from services.scheduler.wire import load_to_proto, req_input_from_proto
 from tests.helpers.fake_runner import FakeRunner, create_policy, make_req
 
 
@@ -152,3 +155,10 @@ def test_no_request_is_preempted_when_retracting_every_lower_one_would_not_make_
     runner.add(make_req("urgent", list(range(30, 39)), 1, priority=0))
     assert rows(runner.step()) == (["top", "small"], [10, 2], [1, 1], 0, {"top": 1011, "small": 1003})
     assert policy.num_retracted == 0 and [r.rid for r in policy.waiting] == ["urgent"]
+
+
+def test_the_wire_carries_the_priority_in_and_the_policy_out():
+    msg = scheduler_pb2.TokenizedGenerateReqInput(rid="r", input_ids=[1, 2], priority=-3)
+    assert req_input_from_proto(msg, "tok").priority == -3
+    stats = LoadStats(*[0] * 10, schedule_policy="priority")
+    assert load_to_proto(stats, "sched").schedule_policy == "priority"
