@@ -19,8 +19,9 @@ ATTENTION_BACKENDS = ("torch", "cpu", "triton")
 QUANTIZATION_METHODS = ("int8", "int8wo")
 # services.scheduler.policy.grammar_backends.GRAMMAR_BACKENDS (each needs its package installed).
 GRAMMAR_BACKENDS = ("llguidance", "xgrammar")
-# services.scheduler.policy.schedule: first come first served, longest cached prefix first.
-SCHEDULE_POLICIES = ("fcfs", "lpm")
+# services.scheduler.policy.schedule: first come first served, longest cached prefix first, by
+# request priority then arrival (ringserve.priority.PRIORITY_POLICY).
+SCHEDULE_POLICIES = ("fcfs", "lpm", "priority")
 # services.scheduler.models: safetensors, or random weights of config.json's shapes.
 LOAD_FORMATS = ("auto", "dummy")
 # services.gateway.reasoning.REASONING_PARSERS.

@@ -66,8 +66,10 @@ class EngineOptions:
     disable_radix_cache: bool = option("--disable-radix-cache", False, chart="config.scheduler.disableRadixCache",
                                        help="run without the prefix (radix) cache")
     schedule_policy: str = option(
-        "--schedule-policy", "fcfs", choices=names.SCHEDULE_POLICIES, chart="config.scheduler.schedulePolicy",
-        help="admission order: first come first served, or longest cached prefix first")
+        "--schedule-policy", "fcfs", choices=names.SCHEDULE_POLICIES, launch=True,
+        chart="config.scheduler.schedulePolicy",
+        help="admission order: first come first served, longest cached prefix first, or by request priority "
+             "(lower first; then arrival), retracting the lowest priority first under KV pressure")
     load_format: str = option(
         "--load-format", "auto", choices=names.LOAD_FORMATS,
         not_in_chart="random weights are for benchmarks, not for serving",

@@ -222,7 +222,8 @@ def chat_request(req: ChatCompletionRequest, rid: str) -> tokenizer_pb2.Generate
     tools = None if req.tool_choice == "none" else req.tools
     forced = forced_tools(req)
     pb = tokenizer_pb2.GenerateReqInput(
-        rid=rid, stream=req.stream, return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0
+        rid=rid, stream=req.stream, return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0,
+        priority=req.priority,
     )
     chat_input(
         req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs, tools, pb.chat
@@ -292,6 +293,7 @@ def completion_requests(req: CompletionRequest, rid: str) -> list[tokenizer_pb2.
             stream=req.stream,
             return_logprob=req.logprobs is not None,
             top_logprobs_num=req.logprobs or 0,
+            priority=req.priority,
         )
         if prompt_top is not None:
             pb.logprob_start_len = 0
@@ -317,6 +319,7 @@ def native_request(req: GenerateRequest, rid: str) -> tokenizer_pb2.GenerateReqI
         stream=req.stream,
         return_logprob=req.return_logprob,
         top_logprobs_num=req.top_logprobs_num,
+        priority=req.priority,
     )
     if req.return_logprob and req.logprob_start_len >= 0:
         pb.logprob_start_len = req.logprob_start_len

@@ -18,6 +18,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model
 from pydantic_core import PydanticCustomError
 
 from ringserve import sampling_params as table
+from ringserve.priority import PRIORITY
 
 
 class Strict(BaseModel):
@@ -253,6 +254,7 @@ class _RequestFields(Body):
     request_id: str | None = Field(None, min_length=1)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    priority: JsonInt = bounded(PRIORITY, 0)  # vLLM: lower runs first (--schedule-policy priority)
 
 
 if TYPE_CHECKING:
@@ -323,6 +325,7 @@ class GenerateRequest(Body):
     top_logprobs_num: JsonInt = bounded(table.TOP_LOGPROBS, 0)
     # With return_logprob: prompt logprobs from this position (SGLang); -1 = none.
     logprob_start_len: JsonInt = Field(-1, ge=-1, le=INT32_MAX)
+    priority: JsonInt = bounded(PRIORITY, 0)  # SGLang's and vLLM's: lower runs first
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None

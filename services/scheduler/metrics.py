@@ -93,7 +93,8 @@ class SchedulerMetrics(EngineObserver):
             Read("scheduler_prompt_tokens", "Prompt tokens prefilled (counted once per request, when its prompt "
                  "completes).", "counter", lambda: self.prompt_tokens),
             Read("scheduler_generation_tokens", "Tokens sampled.", "counter", lambda: self.generation_tokens),
-            Read("num_retractions", "Requests retracted (preempted) to free KV cache for running decodes.", "counter",
+            Read("num_retractions", "Requests retracted (preempted) to free KV cache for running decodes, or under "
+                 "--schedule-policy priority for a higher-priority prompt.", "counter",
                  lambda: engine.policy.num_retracted),
             Read("num_decode_steps", "Steps that decoded at least one request.", "counter",
                  lambda: engine.num_decode_steps),

@@ -49,6 +49,7 @@ def req_input_from_proto(msg: scheduler_pb2.TokenizedGenerateReqInput, tokenizer
         logprob_start_len=msg.logprob_start_len if msg.HasField("logprob_start_len") else None,
         prompt_top_logprobs_num=msg.prompt_top_logprobs_num,
         grammar=grammar_from_proto(p),
+        priority=msg.priority,
     )
 
 

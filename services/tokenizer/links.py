@@ -143,6 +143,13 @@ class SchedulerLink(Link):
         # The scheduler's latest LoadReport event (sent about once a second); None while down.
         self.last_load: common_pb2.LoadReport | None = None
 
+    @property
+    def schedule_policy(self) -> str | None:
+        """The scheduler's --schedule-policy from its latest LoadReport (sent as the stream
+        opens); None while none has arrived."""
+        load = self.last_load
+        return (load.schedule_policy or None) if load is not None else None
+
     def _put(self, msg: scheduler_pb2.SchedulerInput) -> None:
         if not self.up:
             raise unavailable(f"the scheduler at {self.target} is not connected")

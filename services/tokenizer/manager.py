@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 import grpc
 
+from ringserve import priority
 from ringserve.metrics import ignore_seconds
 from ringserve.prompt_bounds import BoundExceeded
 from ringserve.v1 import common_pb2, detokenizer_pb2, scheduler_pb2, tokenizer_pb2
@@ -59,6 +60,11 @@ class Dispatcher(Protocol):
 
     def send_abort(self, abort: scheduler_pb2.AbortReq) -> None: ...
 
+    @property
+    def schedule_policy(self) -> str | None:
+        """The scheduler's --schedule-policy as it last reported it; None while unknown."""
+        ...
+
 
 class Balancer(Protocol):
     """Picks the replica (a Dispatcher) for a request among several (see ``services.tokenizer.replicas``)."""
@@ -78,6 +84,15 @@ def _bounded(check: Callable[[Any], None], req: Any) -> None:
         check(req)
     except BoundExceeded as exc:
         raise invalid(exc.message, exc.param, exc.code) from None
+
+
+def _check_priority(value: int, replica: Dispatcher) -> None:
+    """Refuse a priority the chosen scheduler cannot honour (``ringserve.priority``), before
+    dispatch. While its policy is unknown (no LoadReport yet) the scheduler checks it itself."""
+    policy = replica.schedule_policy if value else None
+    error = priority.refusal(value, policy) if policy is not None else None
+    if error is not None:
+        raise invalid(error, "priority")
 
 
 def _scored_ids(sub: scheduler_pb2.TokenizedGenerateReqInput) -> list[int] | None:
@@ -299,6 +314,7 @@ class TokenizerManager:
         prepared = await self.workers.run(self.preparer.prepare, req)
         self.observe_tokenize(time.perf_counter() - started)
         replica = self._choose(prepared)
+        _check_priority(req.priority, replica)
         states = self.register(prepared)
         reason = "the Generate call ended before the request finished"
         try:

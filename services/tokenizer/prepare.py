@@ -177,6 +177,7 @@ class Preparer:
                     stream=req.stream,
                     logprob_start_len=req.logprob_start_len if req.HasField("logprob_start_len") else None,
                     prompt_top_logprobs_num=req.prompt_top_logprobs_num,
+                    priority=req.priority,
                 )
             )
         return Prepared(rid, prompt, tuple(subs), opened)

@@ -67,6 +67,10 @@ class Replica:
     def up(self) -> bool:
         return self.scheduler.up and self.detokenizer.up
 
+    @property
+    def schedule_policy(self) -> str | None:
+        return self.scheduler.schedule_policy
+
     def send_req(self, req: scheduler_pb2.TokenizedGenerateReqInput) -> None:
         self.scheduler.send_req(req)
 

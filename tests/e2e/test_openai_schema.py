@@ -16,8 +16,9 @@ Two adjustments keep the run short and make positive cases produce real generati
   for non-assistant roles, tool_call_id on tool messages, ids inside the vocabulary,
   min_tokens <= max_tokens, stream_options only with stream, top_logprobs only with
   logprobs, non-empty stop strings, logit_bias keyed by token ids, top_k never 0, keys only
-  on the variant that has them). Each of those rules has its own 400 test in
-  tests/gateway/test_gateway_errors.py and tests/gateway/test_gateway_variants.py.
+  on the variant that has them, priority 0 under the ring's default policy). Each of those
+  rules has its own 400 test in tests/gateway/test_gateway_errors.py,
+  tests/gateway/test_gateway_variants.py and (priority) tests/tokenizer/test_priority.py.
 
 Schemathesis draws whole bodies and rarely reaches what breaks a server. The second half
 (``test_every_field_...``, hypothesis over ``bad_values``) puts one dangerous value at a time
@@ -152,6 +153,8 @@ def _bound(case, model: str) -> None:
     if path not in GENERATION_PATHS or not isinstance(body, dict):
         return
     positive = case.meta is not None and case.meta.generation.mode.value == "positive"
+    if positive and "priority" in body:
+        body["priority"] = 0  # any other is a 400 under --schedule-policy fcfs
     if path == "/generate":
         params = body.get("sampling_params", {} if positive else None)
         if isinstance(params, dict):

@@ -35,9 +35,10 @@ def create_policy(kv_tokens: int = 64, max_running: int = 4, max_prefill_tokens:
     return SchedulePolicy(req_pool, kv_pool, max_running, max_prefill_tokens, chunked_prefill_size, tree, policy)
 
 
-def make_req(rid: str, prompt: list[int], max_new_tokens: int = 4) -> Req:
+def make_req(rid: str, prompt: list[int], max_new_tokens: int = 4, priority: int = 0) -> Req:
     """A request with prompt ``prompt`` that ends after ``max_new_tokens`` outputs."""
-    return Req(ReqInput(rid=rid, input_ids=prompt, sampling=SamplingParams(max_new_tokens=max_new_tokens)))
+    return Req(ReqInput(rid=rid, input_ids=prompt, sampling=SamplingParams(max_new_tokens=max_new_tokens),
+                        priority=priority))
 
 
 def position_token(req: Req) -> int:

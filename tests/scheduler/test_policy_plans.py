@@ -239,5 +239,5 @@ def test_reset_forgets_every_request_and_rebuilds_the_pools():
 
 
 def test_an_unknown_policy_is_refused():
-    with pytest.raises(ValueError, match=r"^unknown schedule policy 'lifo'; supported: \('fcfs', 'lpm'\)$"):
+    with pytest.raises(ValueError, match=r"^unknown schedule policy 'lifo'; supported: \('fcfs', 'lpm', 'priority'\)$"):
         create_policy(policy="lifo")

@@ -35,3 +35,4 @@ def test_retracted_requests_resume_with_identical_greedy_output(make_engine, cha
 def test_the_engine_plans_with_the_configured_policy(make_engine):
     engines = [make_engine(schedule_policy=p, chunked_prefill_size=c) for p, c in (("fcfs", 0), ("lpm", 64))]
     assert [(e.policy.policy, e.policy.chunked_prefill_size) for e in engines] == [("fcfs", 0), ("lpm", 64)]
+    assert [e.load().schedule_policy for e in engines] == ["fcfs", "lpm"]  # reported to the tokenizer

@@ -54,3 +54,15 @@ def test_every_resolved_parameter_is_a_field():
     assert names == [p.name for p in table.RESOLVED] + ["stop", "stop_token_ids", "logit_bias"]
     defaults = SamplingParams()
     assert all(getattr(defaults, p.name) == p.default for p in table.RESOLVED if p.name != "max_new_tokens")
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "lpm", "priority"])
+def test_a_priority_is_refused_unless_the_policy_honours_it(policy):
+    spec = ReqInput(rid="r", input_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=8), priority=-1)
+    want = None if policy == "priority" else (
+        f"priority must be 0 under --schedule-policy {policy}: the scheduler orders requests by priority only "
+        "when started with --schedule-policy priority")
+    assert validate(spec, VOCAB, CONTEXT, POOL, policy) == want
+    assert validate(dataclasses.replace(spec, priority=0), VOCAB, CONTEXT, POOL, policy) is None
+    assert validate(dataclasses.replace(spec, priority=2**31), VOCAB, CONTEXT, POOL, policy) == (
+        "priority must be at most 2147483647, got 2147483648")

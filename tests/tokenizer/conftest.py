@@ -19,6 +19,7 @@ class RecordingDispatcher:
         self.reqs: list[scheduler_pb2.TokenizedGenerateReqInput] = []
         self.aborts: list[scheduler_pb2.AbortReq] = []
         self.down = False
+        self.schedule_policy: str | None = None  # as a scheduler reports it; None: not yet reported
 
     def _check(self) -> None:
         if self.down:

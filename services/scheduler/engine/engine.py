@@ -50,6 +50,7 @@ class LoadStats:
     peak_decode_batch_size: int
     num_aborted_reqs: int
     num_finished_reqs: int
+    schedule_policy: str = "fcfs"  # --schedule-policy: the tokenizer refuses a priority it cannot honour
 
 
 class Engine:
@@ -127,7 +128,7 @@ class Engine:
             dup.init_sent = True  # the detokenizer's state for this rid belongs to the first request
             self._emit_abort(dup, f"rid {spec.rid!r} is already in flight", "ALREADY_EXISTS")
             return
-        error = validate(spec, self.vocab_size, self.context_length, self.max_total_tokens)
+        error = validate(spec, self.vocab_size, self.context_length, self.max_total_tokens, self.policy.policy)
         req = Req(spec)
         if error is not None:
             self._emit_abort(req, error, "INVALID_ARGUMENT")
@@ -346,6 +347,7 @@ class Engine:
             peak_decode_batch_size=self.peak_decode_batch_size,
             num_aborted_reqs=self.num_aborted_reqs,
             num_finished_reqs=self.num_finished_reqs,
+            schedule_policy=self.policy.policy,
         )
 
 

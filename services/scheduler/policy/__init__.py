@@ -3,7 +3,8 @@
 - ``req``: a request and its state (ids, sampling parameters, finish reason); ``validate``:
   the checks a request passes before it is queued.
 - ``schedule``: the plan of each step (``SchedulePolicy``: which requests extend or decode,
-  chunked prefill, retraction) and its ``Plan``.
+  chunked prefill, retraction, priority preemption) and its ``Plan``; ``waiting``: the
+  waiting queue in admission order (arrival, or priority then arrival).
 - ``kv_pool``: request slots and KV rows (free lists, the host req-to-token table and its
   queued writes; the pools also own the KV buffers and the table's device copy, which the
   executor reads and writes); ``radix_cache``: the prefix cache over KV rows.

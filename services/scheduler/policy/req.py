@@ -80,6 +80,7 @@ class ReqInput:
     logprob_start_len: int | None = None  # prompt logprobs from this position; None = none
     prompt_top_logprobs_num: int = 0
     grammar: GrammarSpec | None = None  # constrained decoding (structured outputs)
+    priority: int = 0  # lower runs first under the priority policy (ringserve.priority)
 
 
 class TokenView(Sequence[int]):
@@ -126,6 +127,9 @@ class Req:
             advances with every output token and survives retraction with them.
         gate: where the grammar applies (``policy.grammar_gate``); grammar_param the
             request field of the constraint, named in its errors.
+        priority: lower runs first under the priority policy; arrival: the waiting queue's
+            number for the request, given when it first joins and kept across retraction
+            (``policy.waiting``); None before.
     """
 
     def __init__(self, spec: ReqInput):
@@ -156,6 +160,8 @@ class Req:
         self.prompt_logprobs: list[float] = []
         self.prompt_top_ids: list[int] = []
         self.prompt_top_vals: list[float] = []
+        self.priority = spec.priority
+        self.arrival: int | None = None
 
     @property
     def origin_input_ids(self) -> TokenView:

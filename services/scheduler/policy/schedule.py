@@ -10,30 +10,45 @@ compute per token, not by its whole prefill. The token budget of a step is
 ``min(max_prefill_tokens, chunked_prefill_size)``; without chunking a single request
 longer than the budget still runs alone.
 
-Admission: waiting requests are taken in ``fcfs`` order, or ``lpm`` (longest cached
-prefix first, SGLang's policy of that name), while the KV pool -- free rows plus rows the
+Admission: waiting requests are taken in ``fcfs`` order, ``lpm`` (longest cached prefix
+first, SGLang's policy of that name), or ``priority`` (by the request's priority, lower
+first, then arrival: ``policy.waiting``), while the KV pool -- free rows plus rows the
 prefix cache may evict -- holds their whole remaining prompt plus one decode token per
 running request. The prefix cache supplies the longest cached prefix of prompt + output
 so far, except the last token, which is always recomputed to get its logits.
 
 Retraction: when the pool cannot hold the next decode token of every running request,
-the request with the least progress (a partially prefilled one first, then fewest output
-tokens) is retracted: its computed tokens go to the prefix cache (or are freed without
-one), its req slot is freed and it waits first in line to be prefilled again with prompt
-+ output so far (SGLang's ``retract_decode``). Greedy output is unchanged by this.
+one is retracted: under ``priority`` the one of the largest priority value; among equals
+(every request, under the other policies) the one with the least progress (a partially
+prefilled one first, then fewest output tokens, then the newest). Its computed tokens go
+to the prefix cache (or are freed without one), its req slot is freed and it waits to be
+prefilled again with prompt + output so far (SGLang's ``retract_decode``): first in line,
+or under ``priority`` in its priority place. Greedy output is unchanged by this.
+
+Preemption (``priority`` only, as vLLM's priority policy): when the head of the queue has
+a request slot but its prompt does not fit the KV pool, running requests of a larger
+priority value than its own are retracted, in retraction order, until it fits -- but only
+when retracting all of them would make room, and not while a prompt is being chunk-
+prefilled (the head waits for that chunk's end, a few steps). A full batch of request slots
+is not preempted: the head takes the next slot that frees. Equal priorities never preempt
+each other, so a retracted request cannot retract its retractor in turn.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import logging
 from dataclasses import dataclass
 
 import torch
 
+from ringserve.priority import PRIORITY_POLICY
 from services.scheduler.config import SCHEDULE_POLICIES
 from services.scheduler.policy.kv_pool import ReqToTokenPool, TokenToKVPool
 from services.scheduler.policy.radix_cache import RadixCache, TreeNode
 from services.scheduler.policy.req import Req
+from services.scheduler.policy.waiting import WaitingQueue
+
+log = logging.getLogger(__name__)
 
 # Beyond this many waiting requests lpm orders first-come-first-served: matching every
 # waiting prompt each step would cost more than it saves (SGLang uses the same cut-off).
@@ -90,7 +105,8 @@ class SchedulePolicy:
         self.max_prefill_tokens = max_prefill_tokens
         self.chunked_prefill_size = chunked_prefill_size
         self.policy = policy
-        self.waiting: deque[Req] = deque()
+        self.by_priority = policy == PRIORITY_POLICY
+        self.waiting = WaitingQueue(self.by_priority)
         self.running: list[Req] = []
         self.chunked: Req | None = None  # holds a req slot and part of its prompt's KV
         self.num_retracted = 0
@@ -118,6 +134,8 @@ class SchedulePolicy:
         every running request not in ``skip`` (under overlap scheduling: requests the step
         in flight ends by length); None when there is nothing to run."""
         retracted = self._make_decode_room()
+        if not retracted and self.by_priority:
+            self._preempt_for_head(skip)
         decode = [r for r in self.running if r not in skip] if skip else list(self.running)
         ext_reqs, prefix_lens, ext_lens, ext_rows = self._schedule_extend(len(decode), admit=not retracted)
         if not ext_reqs and not decode:
@@ -133,15 +151,50 @@ class SchedulePolicy:
         next token; True when any request was retracted."""
         retracted = False
         while (need := len(self.running) + (self.chunked is not None)) > self.kv_room and need > 1:
-            if self.chunked is not None:
-                victim, self.chunked = self.chunked, None
-            else:
-                # Least progress: fewest output tokens; among equals the newest.
-                victim = min(reversed(self.running), key=lambda r: len(r.output_ids))
-                self.running.remove(victim)
-            self._retract(victim)
+            chunked = [self.chunked] if self.chunked is not None else []
+            victim = min(chunked + self.running[::-1], key=self._retract_order)
+            self._retract(victim, "KV room for the running requests' next tokens")
             retracted = True
         return retracted
+
+    def _retract_order(self, req: Req) -> tuple[int, int]:
+        """Retraction's key, the first (smallest) retracted first: under priority the largest
+        priority value; then least progress (chunk-prefilling, then fewest output tokens).
+        Callers list candidates newest first, so ``min`` takes the newest among equals."""
+        progress = -1 if req is self.chunked else len(req.output_ids)
+        return (-req.priority if self.by_priority else 0), progress
+
+    def _preempt_for_head(self, skip: frozenset[Req]) -> bool:
+        """Retract running requests of a larger priority value than the head of the queue
+        until its prompt fits the KV pool (the module docstring); True when any was retracted."""
+        if not self.waiting or self.chunked is not None:
+            return False
+        if len(self.running) >= self.max_running or self.req_pool.available == 0:
+            return False  # a full batch is not preempted: the head takes the next free slot
+        head = self.waiting[0]
+        victims = sorted((r for r in self.running[::-1] if r.priority > head.priority and r not in skip),
+                         key=self._retract_order)
+        if not victims or self._kv_fits(head, skip) or not self._kv_fits(head, skip, victims):
+            return False  # it fits already, or retracting them all would not make room: retract none
+        for victim in victims:
+            self._retract(victim, f"request {head.rid} of priority {head.priority}")
+            if self._kv_fits(head, skip):
+                break
+        return True
+
+    def _kv_fits(self, req: Req, skip: frozenset[Req], gone: list[Req] | None = None) -> bool:
+        """Whether the KV pool holds ``req``'s remaining prompt plus a decode row per running
+        request not in ``skip``, as admission counts -- with ``gone`` retracted: at best (all
+        their rows freed; rows they share with other requests stay held)."""
+        gone = gone or []
+        num_decode = sum(r not in skip for r in self.running) - len(gone)
+        cached, node = self._match(req)
+        if self.tree is not None:
+            self.tree.inc_lock_ref(node)  # as admission does: its own cached prefix is not room
+        room = self.kv_room + sum(r.kv_len for r in gone)
+        if self.tree is not None:
+            self.tree.dec_lock_ref(node)
+        return req.seq_len - len(cached) + num_decode + 1 <= room
 
     def _schedule_extend(self, num_decode: int, admit: bool) -> tuple[list[Req], list[int], list[int], torch.Tensor]:
         batch: list[Req] = []
@@ -163,7 +216,7 @@ class SchedulePolicy:
                 self.chunked = req
 
         if admit and self.policy == "lpm" and self.tree is not None and 1 < len(self.waiting) <= _LPM_MAX_QUEUE:
-            self.waiting = deque(sorted(self.waiting, key=lambda r: -len(self._match(r)[0])))
+            self.waiting.reorder(lambda r: -len(self._match(r)[0]))
         while (admit and self.waiting and self.chunked is None and budget > 0
                and len(self.running) < self.max_running and self.req_pool.available > 0):
             req = self.waiting[0]
@@ -221,9 +274,17 @@ class SchedulePolicy:
         return self.tree.match_prefix(ids[:end])
 
     # ---- releasing memory ----------------------------------------------------------------
-    def _retract(self, req: Req) -> None:
+    def _retract(self, req: Req, why: str) -> None:
+        """Take ``req`` out of the running batch (or its chunked prefill), release its memory and
+        queue it again (``WaitingQueue.requeue``); ``why`` says for what, in the log line."""
+        if req is self.chunked:
+            self.chunked = None
+        else:
+            self.running.remove(req)
+        log.info("retracted request %s (priority %d, %d output tokens) for %s", req.rid, req.priority,
+                 len(req.output_ids), why)
         self.release(req)
-        self.waiting.appendleft(req)
+        self.waiting.requeue(req)
         self.num_retracted += 1
 
     def release(self, req: Req) -> None:

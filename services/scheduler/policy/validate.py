@@ -9,6 +9,7 @@ the tokenizer and the gateway refuse with.
 
 from __future__ import annotations
 
+from ringserve import priority
 from ringserve import sampling_params as table
 from services.scheduler.policy.req import ReqInput
 
@@ -16,12 +17,15 @@ from services.scheduler.policy.req import ReqInput
 _OWN_CHECKS = frozenset({"max_new_tokens", "min_new_tokens"})
 
 
-def validate(spec: ReqInput, vocab_size: int, context_length: int, max_total_tokens: int) -> str | None:
+def validate(spec: ReqInput, vocab_size: int, context_length: int, max_total_tokens: int,
+             schedule_policy: str = "fcfs") -> str | None:
     """Return why ``spec`` cannot run, or None when it can.
 
     Args:
         spec: the request; vocab_size: the model vocabulary size (ids index the embedding);
-        context_length / max_total_tokens: the model's window and the KV pool, in tokens.
+        context_length / max_total_tokens: the model's window and the KV pool, in tokens;
+        schedule_policy: the engine's, which decides whether a non-zero priority can be
+            honoured (``ringserve.priority``).
     """
     ids = spec.input_ids
     p = spec.sampling
@@ -62,4 +66,4 @@ def validate(spec: ReqInput, vocab_size: int, context_length: int, max_total_tok
         return f"logprob_start_len must be in [0, {len(ids)}) (the prompt), got {spec.logprob_start_len}"
     if not 0 <= spec.prompt_top_logprobs_num <= vocab_size:
         return f"prompt_top_logprobs_num must be in [0, {vocab_size}], got {spec.prompt_top_logprobs_num}"
-    return None
+    return priority.refusal(spec.priority, schedule_policy)
