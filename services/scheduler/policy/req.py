@@ -80,6 +80,8 @@ class ReqInput:
     logprob_start_len: int | None = None  # prompt logprobs from this position; None = none
     prompt_top_logprobs_num: int = 0
     grammar: GrammarSpec | None = None  # constrained decoding (structured outputs)
+    embed: bool = False  # prefill only, then the pooled final hidden states (executor/pooling.py)
+    embed_dimensions: int = 0  # with embed: the first this many dimensions (0 = all)
 
 
 class TokenView(Sequence[int]):
@@ -122,6 +124,13 @@ class Req:
             only the positions before ``prompt_logprob_pos - 1``.
         prompt_logprobs / prompt_top_ids / prompt_top_vals: those computed so far, from
             position ``max(1, logprob_start_len)`` on, sent with the first sampled token.
+        embed / embed_dimensions: an embedding request (``executor.pooling``): it samples
+            nothing and ends when its prefill does, with its pooled hidden states.
+        pool_from: with embed, the first prompt position whose hidden state the pooling reads
+            (set by the engine: 0 for mean and cls pooling, the last for last-token pooling);
+            the prefix cache supplies only the positions before it.
+        pool_sum: with embed, the pooling so far (float32 [hidden] on the device): the sum
+            over the chunks prefilled of their rows' share (``executor.pooling``).
         grammar: the constraint's matcher once compiled (None when unconstrained); it
             advances with every output token and survives retraction with them.
         gate: where the grammar applies (``policy.grammar_gate``); grammar_param the
@@ -156,6 +165,10 @@ class Req:
         self.prompt_logprobs: list[float] = []
         self.prompt_top_ids: list[int] = []
         self.prompt_top_vals: list[float] = []
+        self.embed = spec.embed
+        self.embed_dimensions = spec.embed_dimensions
+        self.pool_from: int | None = None
+        self.pool_sum: torch.Tensor | None = None
 
     @property
     def origin_input_ids(self) -> TokenView:
