@@ -89,8 +89,7 @@ class Engine:
         self.grammars = GrammarManager(lambda: self._grammar_backend(eos_ids), cfg.grammar_compile_timeout_s)
         embedding = embedding_facts(Path(cfg.model))
         self.pooling, self.normalize = embedding.resolve(cfg.embedding_pooling, cfg.embedding_normalize)
-        # A sentence-transformers pipeline this engine cannot pool refuses embeddings, unless
-        # --embedding-pooling says how to pool.
+        # A sentence-transformers pipeline it cannot pool refuses embeddings, unless the flag says how.
         self.embed_refusal = embedding.refusal if cfg.embedding_pooling is None else None
         self.reqs: dict[str, Req] = {}  # rid -> in-flight request (compiling, waiting or running)
         self._out = StepOutput()
@@ -281,10 +280,10 @@ class Engine:
                          embedded, pooled)
 
     def _finish(self, step: _InFlight) -> None:
-        """Wait for a launched step's sampled ids; append, check stops, advance grammars,
-        free finished requests and record their rows; then the rows of its embeddings. Rows
-        of requests that ended meanwhile (a stop found in the step before, an abort) are
-        dropped."""
+        """Record the rows of a launched step's embeddings (waiting for their copy); wait for
+        its sampled ids; append, check stops, advance grammars, free finished requests and
+        record their rows. Rows of requests that ended meanwhile (a stop found in the step
+        before, an abort) are dropped."""
         if step.pooled is not None:
             self._finish_embedded(step.embedded, step.pooled())
         if step.wait is None:
@@ -337,8 +336,7 @@ class Engine:
         self._release(req)
 
     def _finish_embedded(self, reqs: list[Req], vectors: list[list[float]]) -> None:
-        """Embedding requests whose prefill ended (their KV already freed) end with their
-        embedding and no token; one aborted meanwhile had its final row then."""
+        """Embeddings whose prefill ended (KV freed) end with their vector; one aborted meanwhile is skipped."""
         for req, vec in zip(reqs, vectors, strict=True):
             if self.reqs.get(req.rid) is not req:
                 continue
