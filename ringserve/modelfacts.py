@@ -1,4 +1,5 @@
-"""Facts of a model directory that more than one service needs: its EOS ids and its vocabulary sizes.
+"""Facts of a model directory that more than one service needs: its EOS ids, its vocabulary sizes
+and how its embeddings are pooled.
 
 **EOS ids** (``eos_token_ids``) are one set, read once per service from the same files: the
 tokenizer service reports it (``ModelInfo.eos_token_ids``), the scheduler stops on it (unless
@@ -19,6 +20,11 @@ interchangeable:
   (an id past it would index outside the embedding) and sizes the logits, the sampler's
   tensors and the grammar bitmask by it.
 
+**Embedding pooling** (``embedding_facts``): a sentence-transformers model says how its
+embeddings are made in ``modules.json`` and its Pooling module's ``config.json``; the scheduler
+pools as they say (unless its flags say otherwise) and the tokenizer service checks a request's
+``dimensions`` against the Matryoshka sizes config.json declares.
+
 Torch-free, and reads only JSON: every service imports it.
 """
 
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -86,3 +93,83 @@ def tokenizer_vocab_size(vocabulary: _Vocabulary) -> int:
         vocabulary: a ``tokenizers.Tokenizer`` (a transformers tokenizer's ``backend_tokenizer``).
     """
     return vocabulary.get_vocab_size(with_added_tokens=True)
+
+
+# Pooling of an embedding: the final hidden state of the last prompt token (decoder embedding
+# models such as Qwen3-Embedding), the mean over the prompt's tokens, or the first token's.
+POOLING_MODES = ("last", "mean", "cls")
+# sentence-transformers' Pooling config keys for the modes served; any other mode set is refused.
+_ST_POOLING = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
+_ST_MODULE = "sentence_transformers.models."
+
+
+@dataclass(frozen=True)
+class EmbeddingFacts:
+    """How a model's embeddings are made, from its sentence-transformers files and config.json.
+
+    Attributes:
+        pooling: the pooling mode its ``1_Pooling/config.json`` sets (one of ``POOLING_MODES``),
+            None without sentence-transformers files.
+        normalize: its ``modules.json`` lists a ``Normalize`` module (L2 normalisation); None
+            without sentence-transformers files.
+        refusal: why its sentence-transformers pipeline cannot be served (a pooling mode other
+            than last/mean/cls, or a module such as ``Dense`` after the pooling), or None.
+        hidden_size: config.json's ``hidden_size``: the embedding's full dimensions.
+        matryoshka: config.json declares Matryoshka dimensions (``is_matryoshka`` or
+            ``matryoshka_dimensions``, vLLM's keys): a client may ask for fewer.
+        matryoshka_dimensions: the sizes it lists; empty: any size up to ``hidden_size``.
+    """
+
+    pooling: str | None
+    normalize: bool | None
+    refusal: str | None
+    hidden_size: int
+    matryoshka: bool
+    matryoshka_dimensions: tuple[int, ...]
+
+    def resolve(self, pooling: str | None, normalize: bool | None) -> tuple[str, bool]:
+        """The (pooling mode, normalize) the scheduler serves: a flag given wins, then the
+        model's sentence-transformers config, then last-token pooling, normalised."""
+        mode = pooling or self.pooling or "last"
+        norm = normalize if normalize is not None else self.normalize if self.normalize is not None else True
+        return mode, norm
+
+    def dimensions_refusal(self, dimensions: int) -> str | None:
+        """Why a request for ``dimensions`` (> 0) cannot be served, or None."""
+        if not self.matryoshka:
+            return (f"dimensions is not supported by this model: its config.json declares no Matryoshka "
+                    f"dimensions (is_matryoshka / matryoshka_dimensions); it embeds in {self.hidden_size}")
+        if self.matryoshka_dimensions and dimensions not in self.matryoshka_dimensions:
+            return f"dimensions must be one of {list(self.matryoshka_dimensions)}, got {dimensions}"
+        if not 1 <= dimensions <= self.hidden_size:
+            return f"dimensions must be in [1, {self.hidden_size}], got {dimensions}"
+        return None
+
+
+def embedding_facts(model_dir: Path) -> EmbeddingFacts:
+    """Read ``model_dir``'s embedding facts (``EmbeddingFacts``): ``modules.json`` and the
+    Pooling module's ``config.json`` as sentence-transformers lays them out, and config.json.
+    The tokenizer service checks ``dimensions`` with them; the scheduler pools with them."""
+    config = _read_json(model_dir / "config.json")
+    hidden = int(config.get("hidden_size") or config.get("text_config", {}).get("hidden_size") or 0)
+    listed = config.get("matryoshka_dimensions") or ()
+    matryoshka = bool(config.get("is_matryoshka")) or bool(listed)
+    listing = model_dir / "modules.json"
+    modules = json.loads(listing.read_text()) if listing.is_file() else None
+    pooling = normalize = refusal = None
+    if isinstance(modules, list):
+        kinds = [str(m.get("type", "")).removeprefix(_ST_MODULE) for m in modules]
+        normalize = "Normalize" in kinds
+        other = [k for k in kinds if k not in ("Transformer", "Pooling", "Normalize")]
+        if other:
+            refusal = f"its sentence-transformers modules {other} (after the pooling) are not served"
+        if "Pooling" in kinds:
+            path = modules[kinds.index("Pooling")].get("path", "")
+            pool = _read_json(model_dir / path / "config.json")
+            on = sorted(k for k, v in pool.items() if k.startswith("pooling_mode_") and v is True)
+            if len(on) == 1 and on[0] in _ST_POOLING:
+                pooling = _ST_POOLING[on[0]]
+            else:
+                refusal = refusal or f"its sentence-transformers pooling {on} is not served (one of " \
+                                     f"{sorted(_ST_POOLING)} is)"
+    return EmbeddingFacts(pooling, normalize, refusal, hidden, matryoshka, tuple(int(d) for d in listed))

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ringserve.grpcutil import Transport
 from ringserve.internal_auth import InternalAuth
+from ringserve.modelfacts import POOLING_MODES
 from ringserve.options import names
 from ringserve.options.common import (
     BY_CHART,
@@ -117,6 +118,17 @@ class EngineOptions:
         help="CPU with AVX-512-VNNI: quantize every linear and the LM head to per-channel int8 at load; int8 runs "
              "W8A8 or weight-only per shape and batch size, whichever measured faster; int8wo weight-only (closer "
              "to bf16). Default: the checkpoint's weights in --dtype")
+    # Embedding requests (/v1/embeddings, the Embed RPC): services/scheduler/executor/pooling.py.
+    embedding_pooling: str | None = option(
+        "--embedding-pooling", None, choices=POOLING_MODES, launch=True, not_in_chart=EXTRA_ARGS,
+        help="how an embedding pools the prompt's final hidden states: the last token's, their mean or the first "
+             "token's. Default: the model's sentence-transformers config (modules.json, 1_Pooling/config.json), "
+             "else last")
+    embedding_normalize: bool | None = option(
+        "--embedding-normalize", None, negative="--no-embedding-normalize", launch=True, not_in_chart=EXTRA_ARGS,
+        help="L2-normalise embeddings. Default: as the model's sentence-transformers modules say (a Normalize "
+             "module), else on",
+        negative_help="return embeddings as pooled, not normalised")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -25,7 +25,7 @@ def _varint(n: int) -> bytes:
 def group_outputs(batch: detokenizer_pb2.BatchTokenIDOutput, rids: list[str], texts: list[str],
                   ftypes: list[int], errors: dict[int, common_pb2.FinishReason | None],
                   top_ns: list[int] | None) -> dict[str, detokenizer_pb2.BatchStrOutput]:
-    """One BatchStrOutput per tokenizer instance, passing ids, counts and logprobs through.
+    """One BatchStrOutput per tokenizer instance, passing ids, counts, logprobs and embeddings through.
 
     Args:
         batch: the step's input; rids, texts, ftypes: per row.
@@ -43,7 +43,8 @@ def group_outputs(batch: detokenizer_pb2.BatchTokenIDOutput, rids: list[str], te
             completion_tokens=batch.completion_tokens, cached_tokens=batch.cached_tokens,
             logprob_counts=batch.logprob_counts, output_token_logprobs=batch.output_token_logprobs,
             top_logprobs_nums=top_ns or (), top_logprob_ids=batch.top_logprob_ids,
-            top_logprob_vals=batch.top_logprob_vals, prompt_logprobs=batch.prompt_logprobs)
+            top_logprob_vals=batch.top_logprob_vals, prompt_logprobs=batch.prompt_logprobs,
+            embeddings=batch.embeddings)
         if any(ftypes):
             fins = batch.finish_reasons
             wire = [_EMPTY_FIN] * n
@@ -77,6 +78,7 @@ def _group_rows(batch, rids, texts, errors, top_ns) -> dict[str, detokenizer_pb2
     top_at = columns.offsets(lp_counts, top)
     fins = batch.finish_reasons if len(batch.finish_reasons) == n else None
     prompt = {p.row: p for p in batch.prompt_logprobs}
+    embeddings = {e.row: e for e in batch.embeddings}
     out: dict[str, detokenizer_pb2.BatchStrOutput] = {}
     for tid, rows in groups.items():
         pick = itemgetter(*rows) if len(rows) > 1 else lambda col, i=rows[0]: (col[i],)
@@ -100,4 +102,7 @@ def _group_rows(batch, rids, texts, errors, top_ns) -> dict[str, detokenizer_pb2
             if i in prompt:
                 o.prompt_logprobs.append(prompt[i])
                 o.prompt_logprobs[-1].row = j
+            if i in embeddings and i not in errors:  # an error row replaced the request's end
+                o.embeddings.append(embeddings[i])
+                o.embeddings[-1].row = j
     return out

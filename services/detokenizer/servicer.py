@@ -26,7 +26,7 @@ def check_batch(batch: detokenizer_pb2.BatchTokenIDOutput, vocab_size: int) -> s
     Checked before any state changes, so a malformed batch (a bug or a hostile peer) is
     refused whole instead of failing half-way through a step: the layout
     (``ringserve.columns.check``; the top-logprob widths are per rid, so only that the two
-    top-logprob columns pair up), then ids against the vocabulary, prompt logprobs and RowInits. A RowInit's
+    top-logprob columns pair up), then ids against the vocabulary, prompt logprobs, embeddings and RowInits. A RowInit's
     prompt tail with ids outside the vocabulary is cleared in place (it is decode context only).
     """
     error = columns.check(batch, columns.TOKEN_IDS)
@@ -40,6 +40,9 @@ def check_batch(batch: detokenizer_pb2.BatchTokenIDOutput, vocab_size: int) -> s
     for p in batch.prompt_logprobs:
         if not (0 <= p.row < n and p.top_n >= 0 and len(p.top_ids) == len(p.top_vals) == p.top_n * len(p.logprobs)):
             return f"a PromptLogprobs (row {p.row} of {n}) is malformed"
+    for e in batch.embeddings:
+        if not 0 <= e.row < n:
+            return f"a PooledEmbedding names row {e.row} of {n}"
     for init in batch.inits:
         if not 0 <= init.row < n:
             return f"a RowInit names row {init.row} of {n}"

@@ -23,7 +23,7 @@ from starlette.types import Message as ASGIMessage
 from ringserve.apikeys import ApiKeys
 from ringserve.v1 import common_pb2, tokenizer_pb2
 
-from . import convert, schemas, serving_chat, serving_completions, serving_native, sse
+from . import convert, schemas, serving_chat, serving_completions, serving_embeddings, serving_native, sse
 from .backend import TokenizerClient
 from .body import BodyRoute
 from .config import GatewayConfig
@@ -274,6 +274,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.post("/v1/completions", responses=schemas.ok(schemas.CompletionResponse, stream=True))
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await serving_completions.create_completion(client_of(request), request, body)
+
+    app.include_router(serving_embeddings.router)  # POST /v1/embeddings
 
     @app.post("/generate", responses={
         200: {"description": "SGLang native result(s) or an SSE stream", "content": {"text/event-stream": {}}},

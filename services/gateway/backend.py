@@ -295,6 +295,17 @@ class TokenizerClient:
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from None
 
+    async def embed(self, request: tokenizer_pb2.EmbedRequest) -> tokenizer_pb2.EmbedResponse:
+        """The ``Embed`` RPC, under the Generate calls' deadline (``request_timeout_s``).
+
+        Raises:
+            GatewayError: the tokenizer's status (400 naming ``input`` or ``dimensions``, ...).
+        """
+        try:
+            return await self.stub.Embed(request, timeout=self._config.request_timeout_s, metadata=self._metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise self._rpc_error(exc) from None
+
     async def cluster_load(self) -> list[tokenizer_pb2.ClusterLoad]:
         """``GetClusterLoad`` of every tokenizer instance the target resolves to.
 

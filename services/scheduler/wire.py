@@ -50,6 +50,8 @@ def req_input_from_proto(msg: scheduler_pb2.TokenizedGenerateReqInput, tokenizer
         prompt_top_logprobs_num=msg.prompt_top_logprobs_num,
         grammar=grammar_from_proto(p),
         priority=msg.priority,
+        embed=msg.embed,
+        embed_dimensions=msg.embed_dimensions,
     )
 
 
@@ -64,7 +66,8 @@ def _finish_to_proto(fr: FinishReason) -> common_pb2.FinishReason:
 
 
 # The StepOutput columns that map onto BatchTokenIDOutput fields of the same name as they are.
-_COLUMNS = tuple(f.name for f in fields(StepOutput) if f.name not in ("inits", "finish_reasons", "prompt_logprobs"))
+_COLUMNS = tuple(f.name for f in fields(StepOutput)
+                 if f.name not in ("inits", "finish_reasons", "prompt_logprobs", "embeddings"))
 
 
 def step_output_to_proto(out: StepOutput) -> detokenizer_pb2.BatchTokenIDOutput:
@@ -90,6 +93,8 @@ def step_output_to_proto(out: StepOutput) -> detokenizer_pb2.BatchTokenIDOutput:
     for p in out.prompt_logprobs:
         msg.prompt_logprobs.add(row=p.row, start=p.start, logprobs=p.logprobs, top_n=p.top_n,
                                 top_ids=p.top_ids, top_vals=p.top_vals)
+    for e in out.embeddings:
+        msg.embeddings.add(row=e.row, values=e.values)
     return msg
 
 

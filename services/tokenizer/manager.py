@@ -313,16 +313,9 @@ class TokenizerManager:
         _bounded(self.bounds.check_generate, req)
         prepared = await self.workers.run(self.preparer.prepare, req)
         self.observe_tokenize(time.perf_counter() - started)
-        replica = self._choose(prepared)
-        _check_priority(req.priority, replica)
-        states = self.register(prepared)
+        states = self.dispatch(prepared, req.priority)
         reason = "the Generate call ended before the request finished"
         try:
-            for st, sub in zip(states, prepared.subs, strict=True):
-                replica.send_req(sub)  # every choice on one replica: they share the prompt's cache
-                st.dispatched = True
-                st.replica = replica
-                self.outstanding[replica] += 1
             event = states[0].event
             pending = list(states)
             while pending:
@@ -347,6 +340,29 @@ class TokenizerManager:
             raise
         finally:
             self.release(states, reason)
+
+    def dispatch(self, prepared: Prepared, priority: int = 0) -> list[ReqState]:
+        """Choose a replica, register ``prepared``'s states and send every sub-request there
+        (one replica: they share the prompt's cache). The caller releases the states
+        (``release``) when its call ends; a failed send releases them here.
+
+        Raises:
+            RequestError: UNAVAILABLE (no replica, a link down), ALREADY_EXISTS (``register``),
+                INVALID_ARGUMENT (a ``priority`` the chosen scheduler cannot honour).
+        """
+        replica = self._choose(prepared)
+        _check_priority(priority, replica)
+        states = self.register(prepared)
+        try:
+            for st, sub in zip(states, prepared.subs, strict=True):
+                replica.send_req(sub)
+                st.dispatched = True
+                st.replica = replica
+                self.outstanding[replica] += 1
+        except BaseException:
+            self.release(states, "the request could not be dispatched")
+            raise
+        return states
 
     def _choose(self, prepared: Prepared) -> Dispatcher:
         """The replica for ``prepared``. Raises RequestError (UNAVAILABLE) when none can take it."""

@@ -14,6 +14,7 @@ import grpc
 
 from ringserve.metrics import ignore_seconds
 from ringserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+from services.tokenizer.embed import Embedder
 from services.tokenizer.errors import RequestError
 from services.tokenizer.manager import TokenizerManager
 
@@ -58,6 +59,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         self.replica_loads = replica_loads
         self.readiness = readiness
         self.observe_send = ignore_seconds  # per finished Generate call: seconds its writes to the client took
+        self.embedder = Embedder(manager)
 
     # grpc.aio also serves a response stream written through context.write; the stub names only the iterator form.
     async def Generate(  # type: ignore[override]
@@ -75,6 +77,14 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
             await _fail(context, err)
         finally:
             await outputs.aclose()
+
+    async def Embed(self, request: tokenizer_pb2.EmbedRequest,
+                    context: grpc.aio.ServicerContext) -> tokenizer_pb2.EmbedResponse:
+        """One vector per input (``services.tokenizer.embed``); a cancelled call aborts the inputs."""
+        try:
+            return await self.embedder.embed(request)
+        except RequestError as err:
+            await _fail(context, err)
 
     async def Abort(self, request: tokenizer_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> tokenizer_pb2.AbortResponse:

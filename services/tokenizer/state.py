@@ -48,6 +48,7 @@ class Row:
     logprobs: list[float]
     top_logprobs: list[tokenizer_pb2.TopLogprobs]
     prompt_logprobs: common_pb2.PromptLogprobs | None = None
+    embedding: common_pb2.PooledEmbedding | None = None  # an embedding request's, on its final row
 
     @property
     def finished(self) -> bool:
@@ -64,6 +65,7 @@ def split_rows(batch: detokenizer_pb2.BatchStrOutput) -> list[Row]:
     rids = batch.rids
     fins = batch.finish_reasons
     prompt = {p.row: p for p in batch.prompt_logprobs} if batch.prompt_logprobs else {}
+    embeddings = {e.row: e for e in batch.embeddings} if batch.embeddings else {}
     if len(rids) == 1:  # one row (concurrency 1) owns every column whole
         logprobs: list[float] = []
         top: list[tokenizer_pb2.TopLogprobs] = []
@@ -72,7 +74,7 @@ def split_rows(batch: detokenizer_pb2.BatchStrOutput) -> list[Row]:
             if batch.top_logprob_ids and batch.top_logprobs_nums:
                 top = _top_logprobs(batch.top_logprob_ids, batch.top_logprob_vals, batch.top_logprobs_nums[0])
         return [Row(rids[0], batch.texts[0], list(batch.output_ids), fins[0], batch.completion_tokens[0],
-                    batch.cached_tokens[0], logprobs, top, prompt.get(0))]
+                    batch.cached_tokens[0], logprobs, top, prompt.get(0), embeddings.get(0))]
     n = len(rids)
     ids = columns.split(batch.output_ids, batch.new_token_counts)
     row_logprobs = tops = None
@@ -85,9 +87,9 @@ def split_rows(batch: detokenizer_pb2.BatchStrOutput) -> list[Row]:
                             columns.split(batch.top_logprob_vals, lp_counts, widths), widths))
     row_logprobs = row_logprobs or [[] for _ in range(n)]
     tops = tops or [[] for _ in range(n)]
-    if prompt:
+    if prompt or embeddings:
         # typeshed types zip of at most 6 iterables, so mypy cannot count the 8 columns here.
-        return [Row(*cols, prompt.get(i)) for i, cols in enumerate(zip(  # type: ignore[call-arg]
+        return [Row(*cols, prompt.get(i), embeddings.get(i)) for i, cols in enumerate(zip(  # type: ignore[call-arg]
             rids, batch.texts, ids, fins, batch.completion_tokens, batch.cached_tokens, row_logprobs, tops,
             strict=True))]
     return list(map(Row, rids, batch.texts, ids, fins, batch.completion_tokens, batch.cached_tokens, row_logprobs,

@@ -98,3 +98,27 @@ def test_grouping_per_tokenizer_with_errors_and_dropped_rows():
         ["d"], [30], [-2.0], [30])
     assert [(p.row, list(p.logprobs)) for p in t2.prompt_logprobs] == [(0, [-7.0])]
     assert [p.row for p in b.prompt_logprobs] == [3]  # the input batch is left as it was
+
+
+def test_embeddings_pass_through_renumbered_per_tokenizer():
+    """An embedding travels with its row: whole batches keep it as it is, split batches renumber it,
+    and a row an error replaced carries none."""
+    b = batch()
+    b.embeddings.add(row=1, values=[0.5, -0.25])
+    b.embeddings.add(row=2, values=[1.0])
+    assert check_batch(b, 100) is None
+    texts = ["A", "B", "C", "D"]
+    out = group_outputs(b, list(b.rids), texts, [0, STOP, 0, 0], {}, [2, 0, 0, 1])
+    assert [(e.row, list(e.values)) for e in out["t1"].embeddings] == [(1, [1.0])]
+    assert [(e.row, list(e.values)) for e in out["t2"].embeddings] == [(0, [0.5, -0.25])]
+    error = common_pb2.FinishReason(type=common_pb2.FINISH_ABORT, message="gone", status="INTERNAL")
+    out = group_outputs(b, list(b.rids), texts, [0, STOP, 0, 0], {2: error}, [2, 0, 0, 1])
+    assert not out["t1"].embeddings
+    one = detokenizer_pb2.BatchTokenIDOutput(rids=["e"], tokenizer_ids=["t1"], new_token_counts=[0],
+                                             prompt_tokens=[3], completion_tokens=[0], cached_tokens=[0])
+    one.finish_reasons.add(type=common_pb2.FINISH_LENGTH)
+    one.embeddings.add(row=0, values=[0.125])
+    whole = group_outputs(one, ["e"], [""], [common_pb2.FINISH_LENGTH], {}, None)["t1"]
+    assert [(e.row, list(e.values)) for e in whole.embeddings] == [(0, [0.125])]
+    b.embeddings.add(row=4, values=[])
+    assert check_batch(b, 100) == "a PooledEmbedding names row 4 of 4"

@@ -57,6 +57,7 @@ def _raw(stack, method: str, payload: bytes, response) -> grpc.RpcError:
     ("Generate", tokenizer_pb2.GenerateReqInput(rid="bad-utf8", text="ab"), tokenizer_pb2.GenerateOutput),
     ("Tokenize", tokenizer_pb2.TokenizeRequest(text="ab"), tokenizer_pb2.TokenizeResponse),
     ("Abort", tokenizer_pb2.AbortRequest(rid="ab"), tokenizer_pb2.AbortResponse),
+    ("Embed", tokenizer_pb2.EmbedRequest(inputs=[tokenizer_pb2.EmbedInput(text="ab")]), tokenizer_pb2.EmbedResponse),
 ])
 def test_grpc_string_not_utf8_is_invalid_argument(stack, method, msg, response):
     payload = msg.SerializeToString().replace(b"ab", b"\xed\xbf")  # a surrogate's bytes: not UTF-8

@@ -60,6 +60,7 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
         self.pieces_requests: list[list[int]] = []
         self.authorizations: list[str | None] = []  # each Generate call's authorization metadata
         self.readiness = tokenizer_pb2.Readiness(ready=True, replicas=1)  # what GetReadiness answers
+        self.embed_requests: list[tokenizer_pb2.EmbedRequest] = []
 
     def reset(self, *steps) -> None:
         self.script = list(steps)
@@ -80,6 +81,25 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
         except asyncio.CancelledError:
             self.cancelled.set()
             raise
+
+    async def Embed(self, request, context):
+        """Each input's vector is [its index, 0.5, -its length]; a scripted Fail or Hang applies first."""
+        self.embed_requests.append(request)
+        for step in self.script:
+            if isinstance(step, Fail):
+                await context.abort(step.code, step.details, trailing_metadata=step.metadata)
+            elif isinstance(step, Hang):
+                try:
+                    await asyncio.sleep(3600)
+                except asyncio.CancelledError:
+                    self.cancelled.set()
+                    raise
+        resp = tokenizer_pb2.EmbedResponse()
+        for i, item in enumerate(request.inputs):
+            n = len(item.text) if item.WhichOneof("input") == "text" else len(item.input_ids.ids)
+            resp.embeddings.add(values=[float(i), 0.5, -float(n)], prompt_tokens=n)
+        resp.prompt_tokens = sum(e.prompt_tokens for e in resp.embeddings)
+        return resp
 
     async def GetModelInfo(self, request, context):
         return tokenizer_pb2.ModelInfo(

@@ -26,6 +26,7 @@ class Result:
     prompt_logprobs: list[float] = field(default_factory=list)
     prompt_top_ids: list[int] = field(default_factory=list)
     prompt_top_vals: list[float] = field(default_factory=list)
+    embedding: list[float] | None = None  # an embedding request's vector, once per rid
 
 
 def collect(out, results: dict[str, Result], step: int = 0) -> None:
@@ -60,6 +61,11 @@ def collect(out, results: dict[str, Result], step: int = 0) -> None:
         assert len(p.top_ids) == len(p.top_vals) == p.top_n * len(p.logprobs)
         res.prompt_start = p.start
         res.prompt_logprobs, res.prompt_top_ids, res.prompt_top_vals = p.logprobs, p.top_ids, p.top_vals
+    for e in out.embeddings:
+        res = results[out.rids[e.row]]
+        assert res.embedding is None, "an embedding is sent once"
+        assert out.finish_reasons[e.row] is not None, "an embedding comes with its request's final row"
+        res.embedding = e.values
 
 
 def greedy(rid: str, ids: list[int], max_new_tokens: int = 16, **kw) -> ReqInput:

@@ -24,6 +24,7 @@ BASES: dict[str, dict] = {
     "/v1/tokenize": {"prompt": "hi"},
     "/v1/detokenize": {"tokens": [1]},
     "/abort_request": {"rid": "r"},
+    "/v1/embeddings": {"input": "hi"},
 }
 
 KEY = "<key>"  # path segment: a free-form object's key

@@ -8,7 +8,9 @@ shape, device-to-host answers a fixed token (so the scheduler's host side -- sto
 lengths, the prefix cache -- runs for real). A whole step sequence must run through:
 batched prefill, chunked prefill mixed with decodes, a prefix-cache hit, decodes,
 retraction, an abort, a stop token, prompt logprobs (the LM head over a chunk's scored rows,
-their targets copied in and the results out through the runtime), for the torch backend
+their targets copied in and the results out through the runtime), a mean-pooled embedding
+prefilled in chunks beside the decodes (its rows summed on the device, one copy out when it
+ends), for the torch backend
 and the Triton backend (its
 kernel launches replaced by a check that every argument is on the device), eagerly and
 through the CUDA-graph runner's static buffers, with overlap scheduling (the default on
@@ -115,7 +117,7 @@ def test_step_sequence_on_fake_cuda_tensors(smollm2_dir, tokenizer, backend, gra
     runtime = FakeCudaRuntime(mode, token)
     cfg = EngineConfig(model=smollm2_dir, max_running_requests=8, max_total_tokens=128, chunked_prefill_size=32,
                        max_prefill_tokens=64, attention_backend=backend, disable_cuda_graph=True,
-                       overlap_schedule=overlap)
+                       overlap_schedule=overlap, embedding_pooling="mean")
     # SmolLM2's shapes with 2 of its 30 layers: every layer runs the same code, and the fake
     # tensors' per-op bookkeeping makes each layer cost about a second a step sequence.
     hf = {**json.loads((smollm2_dir / "config.json").read_text()), "num_hidden_layers": 2}
@@ -151,6 +153,7 @@ def test_step_sequence_on_fake_cuda_tensors(smollm2_dir, tokenizer, backend, gra
 
         engine.runner.forward = scoring_forward
         prompt_logprobs: dict[str, tuple[int, int, int]] = {}
+        embeddings: dict[str, int] = {}
 
         def step():
             out = engine.step()
@@ -161,6 +164,8 @@ def test_step_sequence_on_fake_cuda_tensors(smollm2_dir, tokenizer, backend, gra
                 cached[rid] = out.cached_tokens[i]
             for p in out.prompt_logprobs:
                 prompt_logprobs[out.rids[p.row]] = (p.start, len(p.logprobs), len(p.top_ids))
+            for e in out.embeddings:
+                embeddings[out.rids[e.row]] = len(e.values)
 
         def drain():
             while engine.has_work:
@@ -176,6 +181,9 @@ def test_step_sequence_on_fake_cuda_tensors(smollm2_dir, tokenizer, backend, gra
         # A 45-token prompt prefilled in chunks of 32 beside the running decodes.
         engine.add_request(_req("c", (prompt * 4)[:45], 60, ignore_eos=True))
         step()
+        # An embedding prefilled in chunks beside them: samples nothing, pools every row.
+        engine.add_request(ReqInput(rid="m", input_ids=(prompt * 3)[:40], sampling=SamplingParams(max_new_tokens=0),
+                                    embed=True))
         step()
         while "a" in engine.reqs:
             step()
@@ -203,8 +211,11 @@ def test_step_sequence_on_fake_cuda_tensors(smollm2_dir, tokenizer, backend, gra
     assert load.kv_cached_tokens + engine.kv_pool.available == 128
     assert prompt_logprobs == {"s": (1, len(prompt) - 1, 2 * (len(prompt) - 1))}
     assert results["s"][-1].type == FinishType.LENGTH and sum(scored) >= 1
-    # One device-to-host copy per step that samples, and three per step that scores a prompt
-    # (chosen logprobs, top values, top ids).
-    assert runtime.d2h == len(samples) + 3 * sum(scored) and len(samples) > 10
+    hidden_size = (GEMMA3 if arch == "gemma3" else hf)["hidden_size"]
+    assert results["m"] == [results["m"][-1]] and results["m"][-1].type == FinishType.LENGTH
+    assert embeddings == {"m": hidden_size}
+    # One device-to-host copy per step that samples, three per step that scores a prompt
+    # (chosen logprobs, top values, top ids), and one for the step that ends the embedding.
+    assert runtime.d2h == len(samples) + 3 * sum(scored) + 1 and len(samples) > 10
     if kernels is not None:
         assert kernels.calls["extend_attention"] > 0 and kernels.calls["decode_attention"] > 0

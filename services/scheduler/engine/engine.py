@@ -9,17 +9,19 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
 
+from ringserve.modelfacts import embedding_facts
 from services.scheduler.config import EngineConfig
 from services.scheduler.engine.observer import EngineObserver
 from services.scheduler.executor.build import build_stack, load_engine_model, size_pools
 from services.scheduler.executor.device import DeviceRuntime, create_runtime
 from services.scheduler.executor.model_runner import FutureIds
+from services.scheduler.executor.pooling import accumulate, finish_embeddings, plan_pool_rows, pool_from
 from services.scheduler.executor.prompt_logprobs import plan_logprob_rows, score_prompts
 from services.scheduler.executor.sampling import HostSample, Sampler
 from services.scheduler.layers.parallel import TensorParallel
@@ -86,6 +88,10 @@ class Engine:
         self.sampler = Sampler(self.runtime, cfg.seed, eos_ids)
         self.stops = StopChecker(tokenizer, eos_ids, self.context_length)
         self.grammars = GrammarManager(lambda: self._grammar_backend(eos_ids), cfg.grammar_compile_timeout_s)
+        embedding = embedding_facts(Path(cfg.model))
+        self.pooling, self.normalize = embedding.resolve(cfg.embedding_pooling, cfg.embedding_normalize)
+        # A sentence-transformers pipeline it cannot pool refuses embeddings, unless the flag says how.
+        self.embed_refusal = embedding.refusal if cfg.embedding_pooling is None else None
         self.reqs: dict[str, Req] = {}  # rid -> in-flight request (compiling, waiting or running)
         self._out = StepOutput()
         self.num_decode_steps = 0
@@ -129,12 +135,16 @@ class Engine:
             self._emit_abort(dup, f"rid {spec.rid!r} is already in flight", "ALREADY_EXISTS")
             return
         error = validate(spec, self.vocab_size, self.context_length, self.max_total_tokens, self.policy.policy)
+        if error is None and spec.embed and self.embed_refusal is not None:
+            error = f"this model's embeddings cannot be served: {self.embed_refusal} (--embedding-pooling overrides)"
         req = Req(spec)
         if error is not None:
             self._emit_abort(req, error, "INVALID_ARGUMENT")
             return
         if spec.sampling.seed is not None:
             req.generator = self.sampler.generator_for(spec.sampling.seed)
+        if req.embed:
+            req.pool_from = pool_from(req, self.pooling)
         self.reqs[req.rid] = req
         self.observer.on_queued(req)
         if spec.grammar is not None:
@@ -215,11 +225,13 @@ class Engine:
         launched = None
         if plan is not None:
             scored = plan_logprob_rows(plan)
-            if inflight is None:
+            plan_pool_rows(plan, self.pooling)
+            if inflight is None or inflight.next_ids is None:
                 logits = self.runner.forward(plan)
             else:
                 logits = self.runner.forward(plan, FutureIds(inflight.next_ids, inflight.rows))
             score_prompts(self.runner.model, self.runtime, plan, scored)
+            accumulate(plan, self.pooling)
             self.observer.on_step(plan, started)
             launched = self._launch(plan, logits)
         if inflight is not None:
@@ -233,38 +245,50 @@ class Engine:
 
     def _launch(self, plan: Plan, logits: torch.Tensor) -> _InFlight | None:
         """Advance the plan's requests' KV lengths, sample on the device and start the copy
-        of the sampled ids to the host; None when no row samples."""
+        of the sampled ids (and of the embeddings that ended) to the host; None when no row
+        samples and no embedding ended."""
         for req, n in zip(plan.reqs, plan.extend_lens, strict=True):
             req.kv_len += n
         num_decode = len(plan.reqs) - plan.num_extend
         if num_decode:
             self.num_decode_steps += 1
             self.peak_decode_batch_size = max(self.peak_decode_batch_size, num_decode)
-        reqs = plan.reqs
+        # A chunk short of the prompt's end samples nothing, nor does a request that only scores
+        # or embeds its prompt (it ends here).
         partial = self.policy.chunked
-        if partial is not None and partial in reqs[: plan.num_extend]:
-            # A chunk short of the prompt's end samples nothing.
-            i = reqs.index(partial)
-            reqs = reqs[:i] + reqs[i + 1 :]
-            if not reqs:
-                return None
-            keep = list(range(i)) + list(range(i + 1, len(plan.reqs)))
+        keep = [i for i, r in enumerate(plan.reqs) if r is not partial and r.sampling.max_new_tokens > 0]
+        reqs = [plan.reqs[i] for i in keep]
+        ended = [r for r in plan.reqs[: plan.num_extend] if r is not partial and r.sampling.max_new_tokens == 0]
+        embedded = [r for r in ended if r.embed]
+        for req in ended:
+            if not req.embed:
+                self._finish_scored(req)
+        pooled = None
+        if embedded:
+            pooled = finish_embeddings(embedded, self.normalize, self.runtime)
+            for req in embedded:  # their KV and slot go now; their rows when the copy is in
+                self.policy.remove(req)
+        if not reqs:
+            return _InFlight([], None, {}, None, embedded, pooled) if embedded else None
+        if len(reqs) < len(plan.reqs):
             logits = logits.index_select(0, self.runtime.to_device(torch.tensor(keep, dtype=torch.int64)))
-        if any(r.sampling.max_new_tokens == 0 for r in reqs):
-            reqs, logits = self._finish_scored(reqs, logits)
-            if not reqs:
-                return None
         failed = apply_grammar_masks(logits, reqs, self.runtime.to_device)
         result = self.sampler.sample(logits, reqs)
         for req, message in failed:  # their rows were sampled unmasked and are dropped in _finish
             self.abort(req.rid, message=message, status="INVALID_ARGUMENT")
         # The step's one device-to-host copy: the sampled ids (and logprobs where asked).
-        return _InFlight(reqs, result.next_ids, {r: i for i, r in enumerate(reqs)}, result.start_copy(self.runtime))
+        return _InFlight(reqs, result.next_ids, {r: i for i, r in enumerate(reqs)}, result.start_copy(self.runtime),
+                         embedded, pooled)
 
     def _finish(self, step: _InFlight) -> None:
-        """Wait for a launched step's sampled ids; append, check stops, advance grammars,
-        free finished requests and record their rows. Rows of requests that ended meanwhile
-        (a stop found in the step before, an abort) are dropped."""
+        """Record the rows of a launched step's embeddings (waiting for their copy); wait for
+        its sampled ids; append, check stops, advance grammars, free finished requests and
+        record their rows. Rows of requests that ended meanwhile (a stop found in the step
+        before, an abort) are dropped."""
+        if step.pooled is not None:
+            self._finish_embedded(step.embedded, step.pooled())
+        if step.wait is None:
+            return
         result = step.wait()
         live = [(i, r) for i, r in enumerate(step.reqs) if not r.finished and self.reqs.get(r.rid) is r]
         for i, req in live:
@@ -304,18 +328,23 @@ class Engine:
             del self.reqs[req.rid]
             self._emit_abort(req, message, status)
 
-    def _finish_scored(self, reqs: list[Req], logits: torch.Tensor) -> tuple[list[Req], torch.Tensor]:
-        """Requests with max_new_tokens 0 (score the prompt only) end here, their prefill
-        done, with their prompt logprobs and no token; the rest go on to sampling."""
-        keep = [i for i, r in enumerate(reqs) if r.sampling.max_new_tokens > 0]
-        for req in reqs:
-            if req.sampling.max_new_tokens == 0:
-                req.finish_reason = FinishReason(FinishType.LENGTH)
-                self._out.add_row(req, [])
-                self._out.add_prompt_logprobs(req)
-                self._release(req)
-        rows = self.runtime.to_device(torch.tensor(keep, dtype=torch.int64))
-        return [reqs[i] for i in keep], logits.index_select(0, rows)
+    def _finish_scored(self, req: Req) -> None:
+        """A request with max_new_tokens 0 that scores its prompt ends here, its prefill done,
+        with its prompt logprobs and no token."""
+        req.finish_reason = FinishReason(FinishType.LENGTH)
+        self._out.add_row(req, [])
+        self._out.add_prompt_logprobs(req)
+        self._release(req)
+
+    def _finish_embedded(self, reqs: list[Req], vectors: list[list[float]]) -> None:
+        """Embeddings whose prefill ended (KV freed) end with their vector; one aborted meanwhile is skipped."""
+        for req, vec in zip(reqs, vectors, strict=True):
+            if self.reqs.get(req.rid) is not req:
+                continue
+            req.finish_reason = FinishReason(FinishType.LENGTH)
+            self._out.add_row(req, [])
+            self._out.add_embedding(vec)
+            self._release(req)
 
     def _release(self, req: Req) -> None:
         self.policy.remove(req)
@@ -354,12 +383,14 @@ class Engine:
 @dataclass
 class _InFlight:
     """A launched step: the rows that sampled, their ids on the device, and the wait for
-    the ids' copy to the host."""
+    the ids' copy to the host; the embeddings it ended and the wait for their copy."""
 
     reqs: list[Req]
-    next_ids: torch.Tensor  # int64 [len(reqs)], device
+    next_ids: torch.Tensor | None  # int64 [len(reqs)], device; None when no row samples
     rows: dict[Req, int]
-    wait: Callable[[], HostSample]
+    wait: Callable[[], HostSample] | None
+    embedded: list[Req] = field(default_factory=list)  # embeddings whose prefill ended
+    pooled: Callable[[], list[list[float]]] | None = None  # waits for their vectors' copy
 
 
 def _reads_output_history(req: Req) -> bool:

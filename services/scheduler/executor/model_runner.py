@@ -17,11 +17,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from services.scheduler.attention.paged import AttnMetadata, DecodeLayout, ExtendLayout
 from services.scheduler.executor.device import DeviceRuntime
+from services.scheduler.executor.pooling import pool_rows
 from services.scheduler.models.base import CausalLM
 from services.scheduler.policy.kv_pool import ReqToTokenPool, TokenToKVPool
 from services.scheduler.policy.req import Req
@@ -71,16 +73,21 @@ class ModelRunner:
         ne, nd = plan.num_extend, len(plan.reqs) - plan.num_extend
         ext = inputs.add_extend(plan, self.batch_invariant) if ne else None
         dec = inputs.add_decode(plan.reqs[ne:], plan.prefix_lens[ne:]) if nd else None
+        if plan.pool is not None:  # embeddings: their rows ride in the step's one copy
+            inputs.add("pool_rows", plan.pool.rows)
+            inputs.add("pool_index", plan.pool.index)
         names, sizes, host = inputs.pack(plan.out_cache_loc)
-        batch = StepBatch(names, sizes, host, inputs.num_extend_tokens, ext, dec, plan.logprob_rows)
+        batch = StepBatch(names, sizes, host, inputs.num_extend_tokens, ext, dec, plan.logprob_rows,
+                          len(plan.pool.spans) if plan.pool is not None else 0)
         if self.broadcast is not None:
             self.broadcast(batch)
-        logits, plan.logprob_hidden = self.execute(batch, future)
+        logits, plan.logprob_hidden, plan.pooled = self.execute(batch, future)
         return logits
 
-    def execute(self, batch: StepBatch, future: FutureIds | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def execute(self, batch: StepBatch, future: FutureIds | None = None) -> StepResult:
         """Run one packed step -> (float32 logits [B, vocab] of the rows that sample, the
-        hidden states [R, hidden] of ``batch.logprob_rows`` or None).
+        hidden states [R, hidden] of ``batch.logprob_rows`` or None, the pooled sums
+        float32 [E, hidden] of the embeddings' rows or None: ``executor.pooling``).
 
         Raises:
             layers.parallel.RankFailure: under tensor parallelism, a collective failed.
@@ -96,12 +103,22 @@ class ModelRunner:
         if batch.decode is not None:
             meta.decode = DecodeLayout(dev["dec_slots"], dev["seq_lens"], **batch.decode)
         hidden = self.model(dev["input_ids"], dev["positions"], meta, self.kv_pool)
-        logprob_hidden = None
+        logprob_hidden = pooled = None
         if batch.logprob_rows is not None:  # prompt logprobs: at most a chunk of rows
             logprob_hidden = hidden.index_select(0, self.runtime.to_device(batch.logprob_rows))
+        if batch.num_pooled:
+            pooled = pool_rows(self.model, hidden, dev["pool_rows"], dev["pool_index"], batch.num_pooled)
         if "sample_index" in dev:
             hidden = hidden.index_select(0, dev["sample_index"])
-        return self.model.compute_logits(hidden), logprob_hidden
+        return StepResult(self.model.compute_logits(hidden), logprob_hidden, pooled)
+
+
+class StepResult(NamedTuple):
+    """What one step's forward leaves on the device (``ModelRunner.execute``)."""
+
+    logits: torch.Tensor  # float32 [B, vocab], the rows that sample
+    logprob_hidden: torch.Tensor | None  # [R, hidden], the rows prompt logprobs score
+    pooled: torch.Tensor | None  # float32 [E, hidden], the embeddings' pooled sums
 
 
 @dataclass
@@ -115,6 +132,8 @@ class StepBatch:
         extend, decode: the host fields of ``ExtendLayout`` / ``DecodeLayout`` (None: no such part).
         logprob_rows: int64 [R] host, packed token indices whose hidden states prompt logprobs
             score, or None.
+        num_pooled: embeddings pooled this step (the segments ``pool_rows`` / ``pool_index``
+            of ``host`` name their rows; ``executor.pooling``).
     """
 
     names: list[str]
@@ -124,6 +143,7 @@ class StepBatch:
     extend: dict | None
     decode: dict | None
     logprob_rows: torch.Tensor | None = None
+    num_pooled: int = 0
 
 
 @dataclass

@@ -199,7 +199,7 @@ def worker_main(rank: int, cfg: SchedulerConfig) -> None:
 def run_step(runner: ModelRunner, batch: StepBatch) -> None:
     """A rank > 0's part of one step: the forward, the logits' gather and, when the step
     scores prompt tokens, the same LM-head slices as rank 0's ``score_prompts``."""
-    _, hidden = runner.execute(batch)
+    hidden = runner.execute(batch).logprob_hidden
     if hidden is not None:
         n = hidden.shape[0]
         for a in range(0, n, LOGITS_SLICE):

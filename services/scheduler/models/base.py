@@ -59,6 +59,10 @@ class CausalLM(Protocol):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab], gathered over the ranks (every rank calls it)."""
 
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> the final norm of each row, [N, hidden] in the weights' dtype: the
+        last hidden state transformers reports (what embeddings pool). No collective."""
+
     def kv_shape(self) -> KVShape:
         """The per-layer KV cache this rank's shard reads and writes."""
 

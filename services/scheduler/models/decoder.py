@@ -104,6 +104,10 @@ class DecoderForCausalLM(torch.nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> the final norm of each row (``CausalLM.final_norm``)."""
+        return self.norm(hidden)
+
     def map_checkpoint(self, name: str, tensor: torch.Tensor) -> tuple[str, object, torch.Tensor] | None:
         """A checkpoint tensor (HF name) -> (this module's parameter name, the part it fills, the
         tensor), or None for one that is not loaded (rotary caches; a tied LM head's copy)."""

@@ -36,6 +36,14 @@ class PromptLogprobsRow:
     top_vals: list[float]
 
 
+@dataclass(frozen=True)
+class EmbeddingRow:
+    """A rid's embedding (the wire's PooledEmbedding), sent once with its final row."""
+
+    row: int
+    values: list[float]
+
+
 @dataclass
 class StepOutput:
     """Every row that produced tokens or finished in one step: the scheduler's writer of the
@@ -61,6 +69,7 @@ class StepOutput:
     top_logprob_ids: list[int] = field(default_factory=list)
     top_logprob_vals: list[float] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprobsRow] = field(default_factory=list)
+    embeddings: list[EmbeddingRow] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.rids)
@@ -98,3 +107,7 @@ class StepOutput:
         self.prompt_logprobs.append(PromptLogprobsRow(
             len(self.rids) - 1, start, req.prompt_logprobs, req.prompt_top_logprobs_num,
             req.prompt_top_ids, req.prompt_top_vals))
+
+    def add_embedding(self, values: list[float]) -> None:
+        """Attach an embedding request's vector (its prefill done) to the row added last."""
+        self.embeddings.append(EmbeddingRow(len(self.rids) - 1, values))

@@ -81,6 +81,8 @@ class ReqInput:
     prompt_top_logprobs_num: int = 0
     grammar: GrammarSpec | None = None  # constrained decoding (structured outputs)
     priority: int = 0  # lower runs first under the priority policy (ringserve.priority)
+    embed: bool = False  # prefill only, then the pooled final hidden states (executor/pooling.py)
+    embed_dimensions: int = 0  # with embed: the first this many dimensions (0 = all)
 
 
 class TokenView(Sequence[int]):
@@ -123,6 +125,13 @@ class Req:
             only the positions before ``prompt_logprob_pos - 1``.
         prompt_logprobs / prompt_top_ids / prompt_top_vals: those computed so far, from
             position ``max(1, logprob_start_len)`` on, sent with the first sampled token.
+        embed / embed_dimensions: an embedding request (``executor.pooling``): it samples
+            nothing and ends when its prefill does, with its pooled hidden states.
+        pool_from: with embed, the first prompt position whose hidden state the pooling reads
+            (set by the engine: 0 for mean and cls pooling, the last for last-token pooling);
+            the prefix cache supplies only the positions before it.
+        pool_sum: with embed, the pooling so far (float32 [hidden] on the device): the sum
+            over the chunks prefilled of their rows' share (``executor.pooling``).
         grammar: the constraint's matcher once compiled (None when unconstrained); it
             advances with every output token and survives retraction with them.
         gate: where the grammar applies (``policy.grammar_gate``); grammar_param the
@@ -162,6 +171,10 @@ class Req:
         self.prompt_top_vals: list[float] = []
         self.priority = spec.priority
         self.arrival: int | None = None
+        self.embed = spec.embed
+        self.embed_dimensions = spec.embed_dimensions
+        self.pool_from: int | None = None
+        self.pool_sum: torch.Tensor | None = None
 
     @property
     def origin_input_ids(self) -> TokenView:

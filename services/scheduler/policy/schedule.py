@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -49,6 +50,9 @@ from services.scheduler.policy.req import Req
 from services.scheduler.policy.waiting import WaitingQueue
 
 log = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    from services.scheduler.executor.pooling import PoolRows
 
 # Beyond this many waiting requests lpm orders first-come-first-served: matching every
 # waiting prompt each step would cost more than it saves (SGLang uses the same cut-off).
@@ -68,6 +72,8 @@ class Plan:
         logprob_rows: int64 [R], packed extend token indices whose hidden states the model
             runner keeps in ``logprob_hidden`` ([R, hidden]) for prompt logprobs
             (executor/prompt_logprobs.py); None when no request asks.
+        pool: the extend rows embedding requests pool (executor/pooling.py), whose pooled
+            sums the model runner leaves in ``pooled`` (float32 [E, hidden]); None: none.
     """
 
     reqs: list[Req]
@@ -77,6 +83,8 @@ class Plan:
     num_extend: int
     logprob_rows: torch.Tensor | None = None
     logprob_hidden: torch.Tensor | None = None
+    pool: PoolRows | None = None
+    pooled: torch.Tensor | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -263,7 +271,8 @@ class SchedulePolicy:
         """Cached prefix of prompt + output except the last token -> (KV rows, tree node).
 
         A request that still needs prompt logprobs takes from the cache only the positions
-        before the first one it scores (executor/prompt_logprobs.py): those are recomputed.
+        before the first one it scores (executor/prompt_logprobs.py), and an embedding only
+        those before the first one it pools (executor/pooling.py): those are recomputed.
         """
         if self.tree is None:
             return torch.empty(0, dtype=torch.int64), None
@@ -271,6 +280,8 @@ class SchedulePolicy:
         end = len(ids) - 1
         if req.prompt_logprob_pos < req.prompt_len:
             end = min(end, req.prompt_logprob_pos - 1)
+        if req.pool_from is not None:  # an embedding pools the hidden states from there on
+            end = min(end, req.pool_from)
         return self.tree.match_prefix(ids[:end])
 
     # ---- releasing memory ----------------------------------------------------------------

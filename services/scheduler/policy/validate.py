@@ -13,7 +13,7 @@ from ringserve import priority
 from ringserve import sampling_params as table
 from services.scheduler.policy.req import ReqInput
 
-# Checked below against what the engine can do (0 new tokens only to score the prompt).
+# Checked below against what the engine can do (0 new tokens only to score or embed the prompt).
 _OWN_CHECKS = frozenset({"max_new_tokens", "min_new_tokens"})
 
 
@@ -35,7 +35,12 @@ def validate(spec: ReqInput, vocab_size: int, context_length: int, max_total_tok
         return "input_ids is empty"
     if min(ids) < 0 or max(ids) >= vocab_size:
         return f"input_ids hold ids outside [0, {vocab_size})"
-    if p.max_new_tokens < 0 or (p.max_new_tokens == 0 and spec.logprob_start_len is None):
+    if spec.embed:
+        if p.max_new_tokens != 0:
+            return f"an embedding request samples nothing: max_new_tokens must be 0, got {p.max_new_tokens}"
+        if spec.embed_dimensions < 0:
+            return f"embed_dimensions must not be negative, got {spec.embed_dimensions}"
+    elif p.max_new_tokens < 0 or (p.max_new_tokens == 0 and spec.logprob_start_len is None):
         return f"max_new_tokens must be positive (0 only to score the prompt), got {p.max_new_tokens}"
     total = len(ids) + p.max_new_tokens
     if total > context_length:
