@@ -4,8 +4,9 @@ The chat parsers (``chat_output.ChoiceParser``: reasoning, then tool calls, then
 split each chunk; each kind of piece goes to its output item, opened the first time that
 kind appears: a ``reasoning`` item (closed when the content or a call starts), one
 ``message`` with one ``output_text`` part, and one ``function_call`` item per call, in the
-order they open (``output_index``). Text of only blanks beside function calls is no message
-(a plain answer always has one, even an empty one). The events are the Responses API's,
+order they open (``output_index``). Text of only blanks beside function calls is no message;
+an answer with no call has one (even an empty one), unless it was cut off inside its
+reasoning. The events are the Responses API's,
 numbered by ``sequence_number`` from 0; a non-streamed response is built by the same code
 from the same chunks (the tokenizer streams both), so it equals the streamed one's final
 response.
@@ -229,7 +230,7 @@ class ResponseBuilder:
             self.status, self._error = "failed", {"code": "server_error", "message": "the request was aborted"}
         item_status = "completed" if self.status == "completed" else "incomplete"
         events = self._end_reasoning(item_status)
-        if self._message is None and not self._calls:
+        if self._message is None and not self._calls and (self.status == "completed" or not self._items):
             self._message, opened = self._open("message", "msg")
             events += opened + self._add(self._message, self._blank)
         for item in self._items:

@@ -106,8 +106,16 @@ class ReasoningItem(Strict):
     id: str | None = None
     summary: list[SummaryText] = Field(default_factory=list)
     content: list[ReasoningText] | None = None
-    encrypted_content: None = None  # this server never encrypts reasoning
+    encrypted_content: str | None = None
     status: ItemStatus | None = None
+
+    @field_validator("encrypted_content")
+    @classmethod
+    def _not_encrypted(cls, value: str | None) -> None:
+        if value is not None:
+            raise PydanticCustomError("unsupported_value", "encrypted reasoning cannot be read here (this server "
+                                      "never encrypts it): send the reasoning item's content", {})
+        return value
 
 
 def _item_tag(value: Any) -> str | None:

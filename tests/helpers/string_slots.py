@@ -24,6 +24,7 @@ BASES: dict[str, dict] = {
     "/v1/tokenize": {"prompt": "hi"},
     "/v1/detokenize": {"tokens": [1]},
     "/abort_request": {"rid": "r"},
+    "/v1/responses": {"input": "hi", "max_output_tokens": 2},
 }
 
 KEY = "<key>"  # path segment: a free-form object's key
