@@ -17,7 +17,7 @@ import openai
 import pytest
 from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
 
-from tests.helpers.responses import WEATHER, normalized
+from tests.helpers.responses_events import WEATHER, normalized
 
 QUESTION = "What is the weather in Paris?"
 

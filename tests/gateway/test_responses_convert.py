@@ -10,7 +10,7 @@ import pytest
 from google.protobuf.json_format import MessageToDict
 
 from tests.helpers.gateway_requests import assert_error
-from tests.helpers.responses import RESPONSES, WEATHER
+from tests.helpers.responses_events import RESPONSES, WEATHER
 
 CHAT = "/v1/chat/completions"
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}

@@ -7,7 +7,7 @@ from __future__ import annotations
 from services.gateway.responses_protocol import MessageItem
 from services.gateway.responses_store import ResponseStore, Stored, items_bytes
 from tests.helpers.gateway_requests import assert_error
-from tests.helpers.responses import RESPONSES, WEATHER, events
+from tests.helpers.responses_events import RESPONSES, WEATHER, events
 
 
 async def _create(stack, *steps, **body) -> dict:

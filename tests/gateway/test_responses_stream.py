@@ -12,7 +12,7 @@ import grpc
 import openai
 import pytest
 
-from tests.helpers.responses import RESPONSES, WEATHER, events, normalized
+from tests.helpers.responses_events import RESPONSES, WEATHER, events, normalized
 
 WEATHER_CALL = ['[{"name": "get_weather", "arguments": {"ci', 'ty": "Paris"}}]']
 
