@@ -148,7 +148,10 @@ def chat_messages(items: Sequence[InputItem], instructions: str | None) -> list[
         elif isinstance(item, FunctionCallItem):
             call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
             if joinable:
-                messages[-1].tool_calls = [*(messages[-1].tool_calls or ()), call]
+                last = messages[-1]
+                last.tool_calls = [*(last.tool_calls or ()), call]
+                if reasoning is not None and last.reasoning_content is None:
+                    last.reasoning_content, reasoning = reasoning, None  # the turn's reasoning, before its call
                 continue
             msg, joinable = ChatMessage(role="assistant", tool_calls=[call]), True
         elif isinstance(item, FunctionCallOutputItem):

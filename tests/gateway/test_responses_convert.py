@@ -9,6 +9,7 @@ import grpc
 import pytest
 from google.protobuf.json_format import MessageToDict
 
+from services.gateway.responses_convert import ITEMS, chat_messages
 from tests.helpers.gateway_requests import assert_error
 from tests.helpers.responses_events import RESPONSES, WEATHER
 
@@ -72,6 +73,18 @@ async def test_a_conversation_of_items_is_the_chat_request_it_means(stack):
                                                              "tool", "user"]
     assert sent["samplingParams"] == {"maxNewTokens": 9, "temperature": 0.5, "topP": 0.9}
     assert sent["stream"] is True  # the tokenizer streams every response (see responses_output)
+
+
+def test_reasoning_goes_to_the_assistant_turn_after_it():
+    items = ITEMS.validate_python([
+        {"role": "user", "content": "q"}, {"role": "assistant", "content": "Checking."},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "Call it."}]},
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+        {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "Unused."}]},
+    ])
+    messages = chat_messages(items, None)
+    assert [(m.role, m.reasoning_content, len(m.tool_calls or ())) for m in messages] == [
+        ("user", None, 0), ("assistant", "Call it.", 1)]  # the last one has no turn after it: dropped
 
 
 async def test_a_string_input_is_one_user_message(stack):
