@@ -9,7 +9,7 @@ from ringserve.apikeys import ApiKeys
 from ringserve.grpcutil import Transport
 from ringserve.options import names
 from ringserve.options.common import BY_CHART, HOST, TRANSPORT, api_keys
-from ringserve.options.spec import Above, option
+from ringserve.options.spec import Above, AtLeast, option
 
 
 def _deadline(seconds: float) -> float | None:
@@ -71,5 +71,17 @@ class GatewayOptions:
         chart="config.gateway.reasoningParser",
         help="split <think>...</think> into reasoning_content: deepseek_r1 (the opening tag may be in the prompt) "
              "or qwen3 (default: off)")
+    # The store of finished /v1/responses for GET/DELETE and previous_response_id: an LRU in each
+    # gateway process (replicas do not share it), bounded by count and by JSON bytes.
+    responses_store_max: int = option(
+        "--responses-store-max", 1000, check=AtLeast(0), launch=True, chart="config.gateway.responsesStoreMax",
+        help="most finished /v1/responses kept in this gateway's memory for GET, DELETE and previous_response_id "
+             "(least recently used go first); 0: none are stored, and store: true or previous_response_id is "
+             "refused")
+    responses_store_max_bytes: int = option(
+        "--responses-store-max-bytes", 256 * 1024 * 1024, check=Above(0), launch=True,
+        chart="config.gateway.responsesStoreMaxBytes",
+        help="most bytes of JSON the stored /v1/responses may hold (each counts its response and whole "
+             "conversation); least recently used go first")
     transport: Transport = TRANSPORT.field()
     http_timeouts: HttpTimeoutOptions = HttpTimeoutOptions()

@@ -23,7 +23,16 @@ from starlette.types import Message as ASGIMessage
 from ringserve.apikeys import ApiKeys
 from ringserve.v1 import common_pb2, tokenizer_pb2
 
-from . import convert, schemas, serving_chat, serving_completions, serving_embeddings, serving_native, sse
+from . import (
+    convert,
+    schemas,
+    serving_chat,
+    serving_completions,
+    serving_embeddings,
+    serving_native,
+    serving_responses,
+    sse,
+)
 from .backend import TokenizerClient
 from .body import BodyRoute
 from .config import GatewayConfig
@@ -270,6 +279,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.post("/v1/chat/completions", responses=schemas.ok(schemas.ChatCompletionResponse, stream=True))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await serving_chat.create_chat_completion(client_of(request), request, body, config)
+
+    app.include_router(serving_responses.router(config))
 
     @app.post("/v1/completions", responses=schemas.ok(schemas.CompletionResponse, stream=True))
     async def completions(body: CompletionRequest, request: Request) -> Response:

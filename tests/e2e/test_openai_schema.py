@@ -68,8 +68,9 @@ MAX_NEW_TOKENS = 4
 MAX_N = 2
 VOCAB = 49152  # SmolLM2
 _CLAMPS = {"max_tokens": MAX_NEW_TOKENS, "max_completion_tokens": MAX_NEW_TOKENS, "max_new_tokens": MAX_NEW_TOKENS,
+           "max_output_tokens": MAX_NEW_TOKENS,
            "min_tokens": MAX_NEW_TOKENS, "min_new_tokens": MAX_NEW_TOKENS, "n": MAX_N}
-GENERATION_PATHS = {"/v1/chat/completions", "/v1/completions", "/generate"}
+GENERATION_PATHS = {"/v1/chat/completions", "/v1/completions", "/generate", "/v1/responses"}
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
           response_schema_conformance, negative_data_rejection]
 
@@ -169,7 +170,10 @@ def _bound(case, model: str) -> None:
                     del body["input_ids"]
         return
     _clamp(body)
-    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+    if path == "/v1/responses":
+        if body.get("max_output_tokens") is None:
+            body["max_output_tokens"] = MAX_NEW_TOKENS
+    elif body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_tokens"] = MAX_NEW_TOKENS
     if positive:
         _repair_sampling(body, model)

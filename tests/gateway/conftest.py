@@ -206,6 +206,15 @@ async def thinking(tokenizer_server) -> AsyncIterator[Stack]:
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def qwen3_no_store(tokenizer_server) -> AsyncIterator[Stack]:
+    """A gateway started with --reasoning-parser qwen3 --responses-store-max 0, in front of the fake."""
+    fake, server = tokenizer_server
+    config = GatewayConfig(tokenizer=f"127.0.0.1:{server.port}", reasoning_parser="qwen3", responses_store_max=0)
+    async for client in _gateway(config):
+        yield Stack(fake, server, client)
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def quick_probe(tokenizer_server) -> AsyncIterator[httpx.AsyncClient]:
     """A gateway whose /health_generate gives up after 0.3 s."""
     _, server = tokenizer_server

@@ -25,6 +25,7 @@ BASES: dict[str, dict] = {
     "/v1/detokenize": {"tokens": [1]},
     "/abort_request": {"rid": "r"},
     "/v1/embeddings": {"input": "hi"},
+    "/v1/responses": {"input": "hi", "max_output_tokens": 2},
 }
 
 KEY = "<key>"  # path segment: a free-form object's key
