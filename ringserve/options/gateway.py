@@ -9,7 +9,7 @@ from ringserve.apikeys import ApiKeys
 from ringserve.grpcutil import Transport
 from ringserve.options import names
 from ringserve.options.common import BY_CHART, HOST, TRANSPORT, api_keys
-from ringserve.options.spec import Above, option
+from ringserve.options.spec import Above, AtLeast, option
 
 
 def _deadline(seconds: float) -> float | None:
@@ -71,5 +71,12 @@ class GatewayOptions:
         chart="config.gateway.reasoningParser",
         help="split <think>...</think> into reasoning_content: deepseek_r1 (the opening tag may be in the prompt) "
              "or qwen3 (default: off)")
+    # Below the idle timeouts of the proxies in front (nginx's proxy_read_timeout and an AWS
+    # ALB's idle timeout are 60 s, many others 30-60 s), so a stream waiting in the queue or
+    # in a long prefill is never cut for silence.
+    sse_keepalive_s: float = option(
+        "--sse-keepalive-s", 15.0, check=AtLeast(0), launch=True, chart="config.gateway.sseKeepalive",
+        help="seconds a stream may stay silent before an SSE comment (': keepalive') is sent, also while it "
+             "waits for its first token; 0: never")
     transport: Transport = TRANSPORT.field()
     http_timeouts: HttpTimeoutOptions = HttpTimeoutOptions()

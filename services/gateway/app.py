@@ -254,6 +254,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             await app.state.client.close()
 
     app = FastAPI(title="ringserve gateway", version="1", lifespan=lifespan, strict_content_type=False)
+    app.state.sse_keepalive_s = config.sse_keepalive_s  # read by every SSE response (sse.py)
     app.router.route_class = BodyRoute  # bounded JSON decoding before validation (body.py)
     app.openapi = lambda: schemas.openapi_schema(app)  # type: ignore[method-assign]
     for exc_type, handler in HANDLERS.items():
