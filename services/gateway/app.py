@@ -306,6 +306,15 @@ def create_app(config: GatewayConfig) -> FastAPI:
         info = _proto_dict(card.info)
         return sse.json_response({**info, "served_model_name": card.served_model_name, "is_generation": True})
 
+    # SGLang's clients POST it without a body; the schema declares the GET (a POST here has a body).
+    @app.post("/flush_cache", include_in_schema=False)
+    @app.get("/flush_cache", responses={200: {"description": "Every replica's prefix cache is empty"},
+                                        **schemas.ERRORS})
+    async def flush_cache(request: Request) -> Response:
+        """SGLang's /flush_cache: 400 ``failed_precondition`` while requests are in flight."""
+        await client_of(request).unary("FlushCache", common_pb2.Empty())
+        return sse.json_response({"flushed": True})
+
     @app.get("/get_load", responses=schemas.ERRORS)
     async def get_load(request: Request) -> Response:
         return sse.json_response(cluster_load_json(await client_of(request).cluster_load()))
