@@ -134,6 +134,16 @@ async def test_kv_events_replay_resume_and_flush_through_the_public_api(stack):
         follower.cancel()
         await asyncio.gather(follower, return_exceptions=True)
 
+        # A replica the tokenizer does not have is refused, naming the ones it has.
+        call = stub.SubscribeKvEvents(kv_events_pb2.SubscribeKvEventsRequest(replica="10.0.0.1:1"),
+                                      metadata=stack.grpc_metadata)
+        try:
+            await call.read()
+            raise AssertionError("no error")
+        except grpc.aio.AioRpcError as exc:
+            assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert exc.details() == f"no replica '10.0.0.1:1': this tokenizer's replicas are {stack.scheduler}"
+
         # A sequence the buffer never held is refused with the range it holds.
         call = stub.SubscribeKvEvents(kv_events_pb2.SubscribeKvEventsRequest(start_sequence=10**9),
                                       metadata=stack.grpc_metadata)
