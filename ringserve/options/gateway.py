@@ -83,5 +83,12 @@ class GatewayOptions:
         chart="config.gateway.responsesStoreMaxBytes",
         help="most bytes of JSON the stored /v1/responses may hold (each counts its response and whole "
              "conversation); least recently used go first")
+    # Below the idle timeouts of the proxies in front (nginx's proxy_read_timeout and an AWS
+    # ALB's idle timeout are 60 s, many others 30-60 s), so a stream waiting in the queue or
+    # in a long prefill is never cut for silence.
+    sse_keepalive_s: float = option(
+        "--sse-keepalive-s", 15.0, check=AtLeast(0), launch=True, chart="config.gateway.sseKeepalive",
+        help="seconds a stream may stay silent before an SSE comment (': keepalive') is sent, also while it "
+             "waits for its first token; 0: never")
     transport: Transport = TRANSPORT.field()
     http_timeouts: HttpTimeoutOptions = HttpTimeoutOptions()

@@ -263,6 +263,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             await app.state.client.close()
 
     app = FastAPI(title="ringserve gateway", version="1", lifespan=lifespan, strict_content_type=False)
+    app.state.sse_keepalive_s = config.sse_keepalive_s  # read by every SSE response (sse.py)
     app.router.route_class = BodyRoute  # bounded JSON decoding before validation (body.py)
     app.openapi = lambda: schemas.openapi_schema(app)  # type: ignore[method-assign]
     for exc_type, handler in HANDLERS.items():
@@ -317,6 +318,15 @@ def create_app(config: GatewayConfig) -> FastAPI:
         card = await client_of(request).model_card()
         info = _proto_dict(card.info)
         return sse.json_response({**info, "served_model_name": card.served_model_name, "is_generation": True})
+
+    # SGLang's clients POST it without a body; the schema declares the GET (a POST here has a body).
+    @app.post("/flush_cache", include_in_schema=False)
+    @app.get("/flush_cache", responses={200: {"description": "Every replica's prefix cache is empty"},
+                                        **schemas.ERRORS})
+    async def flush_cache(request: Request) -> Response:
+        """SGLang's /flush_cache: 400 ``failed_precondition`` while requests are in flight."""
+        await client_of(request).unary("FlushCache", common_pb2.Empty())
+        return sse.json_response({"flushed": True})
 
     @app.get("/get_load", responses=schemas.ERRORS)
     async def get_load(request: Request) -> Response:

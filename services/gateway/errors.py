@@ -75,6 +75,7 @@ _GRPC_STATUS: dict[grpc.StatusCode, tuple[int, str, str | None, bool]] = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None, False),
     grpc.StatusCode.ALREADY_EXISTS: (400, "invalid_request_error", "duplicate_request_id", False),
     grpc.StatusCode.NOT_FOUND: (404, "not_found_error", "not_found", False),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error", "failed_precondition", False),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "server_overloaded", True),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error", "service_unavailable", True),
     grpc.StatusCode.CANCELLED: (503, "service_unavailable_error", "service_unavailable", True),

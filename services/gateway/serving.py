@@ -50,15 +50,17 @@ async def respond(
         body_extra: the finished choices -> more top-level fields of the body.
 
     Raises:
-        GatewayError: anything the tokenizer reports before the first output.
+        GatewayError: anything the tokenizer reports before the first output (a stream:
+            within the first keepalive interval, see ``sse.open_and_stream``).
         ClientDisconnected: the client went away before the response started.
     """
     usage = Usage()
     body_object, chunk_object = objects
     if pbs[0].stream:
-        streams = await sse.unless_disconnected(request, client.open_streams(pbs))
         chunk_head = {**head, "object": chunk_object}
-        return sse.response(sse_chunks(streams, chunk_head, n, usage, choice_of, stream_options))
+        return await sse.open_and_stream(
+            request, client.open_streams(pbs),
+            lambda streams: sse_chunks(streams, chunk_head, n, usage, choice_of, stream_options))
 
     async def run() -> list[FinalChoice]:
         return await collect(await client.open_streams(pbs), n, usage)

@@ -69,13 +69,12 @@ async def generate(client: TokenizerClient, request: Request, req: GenerateReque
     n = req.sampling_params.n or 1
     usage = Usage()
     if req.stream:
-        stream = await sse.unless_disconnected(request, client.open_stream(pb))
-
         async def event_of(u: ChoiceUpdate) -> dict:
             finish = _finish(u.finish_reason, u.matched_stop, u.out)
             return _result(rid, u.index, u.text, finish, u.out)
 
-        return sse.response(sse_events([stream], n, usage, event_of))
+        return await sse.open_and_stream(request, client.open_stream(pb),
+                                         lambda stream: sse_events([stream], n, usage, event_of))
 
     async def run() -> list[FinalChoice]:
         return await collect(await client.open_streams([pb]), n, usage)

@@ -115,10 +115,19 @@ async def create_response(
             size = previous_bytes + items_bytes(new_items) + items_bytes(outputs)
             store.put(Stored(response, (*items, *outputs), size))
 
-    with responses_names():
-        streams = await sse.unless_disconnected(request, client.open_streams([pb]))
+    async def opening() -> list[GenerateStream]:
+        with responses_names():
+            return await client.open_streams([pb])
+
     if req.stream:
-        return sse.response(_events(streams, builder, usage, keep))
+        # Keepalive comments while the request waits for its first output (sse.open_and_stream);
+        # an error reported after the response started is the spec's response.failed.
+        def failed(exc: GatewayError) -> list[bytes]:
+            return [frame(e) for e in (*builder.start(), *builder.fail(renamed(exc)))]
+
+        return await sse.open_and_stream(
+            request, opening(), lambda streams: _events(streams, builder, usage, keep), failed)
+    streams = await sse.unless_disconnected(request, opening())
 
     async def run() -> None:
         reason = None

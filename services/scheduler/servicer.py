@@ -1,4 +1,4 @@
-"""gRPC adapter over the engine loop: ``Scheduler.Connect`` and ``Scheduler.GetLoad``."""
+"""gRPC adapter over the engine loop: ``Scheduler.Connect``, ``GetLoad``, ``SubscribeKvEvents``, ``FlushCache``."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ import logging
 
 import grpc
 
-from ringserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from ringserve.v1 import common_pb2, kv_events_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.engine.loop import EngineLoop
+from services.scheduler.kv_feed import KvEventFeed
+from services.scheduler.policy.kv_events import EventsDropped
 from services.scheduler.wire import load_to_proto, req_input_from_proto
 
 log = logging.getLogger(__name__)
@@ -28,6 +30,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self.tp_size = tp_size
         self.load_report_interval_s = load_report_interval_s
         self.connected: set[str] = set()  # tokenizer ids with a live Connect stream
+        self._kv_feed: KvEventFeed | None = None  # made by the first subscriber, in the event loop
 
     def _load_event(self) -> scheduler_pb2.SchedulerEvent:
         return scheduler_pb2.SchedulerEvent(load=load_to_proto(self.loop.load(), self.instance_id, self.tp_size))
@@ -91,3 +94,22 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     async def GetLoad(self, request: common_pb2.Empty, context: grpc.aio.ServicerContext) -> common_pb2.LoadReport:
         return load_to_proto(self.loop.load(), self.instance_id, self.tp_size)
+
+    async def SubscribeKvEvents(self, request: kv_events_pb2.SubscribeKvEventsRequest,
+                                context: grpc.aio.ServicerContext):
+        """The prefix cache's page events (docs/kv_events.md). OUT_OF_RANGE when the start
+        sequence is no longer (or not yet) in the buffer; the message names what it holds."""
+        if self._kv_feed is None:
+            self._kv_feed = KvEventFeed(self.loop, self.instance_id)
+        try:
+            async for batch in self._kv_feed.subscribe(request):
+                yield batch
+        except EventsDropped as exc:
+            await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(exc))
+
+    async def FlushCache(self, request: common_pb2.Empty, context: grpc.aio.ServicerContext) -> common_pb2.Empty:
+        """Empty the prefix cache; FAILED_PRECONDITION while requests are in flight."""
+        if not await asyncio.wrap_future(self.loop.call(self.loop.engine.flush_cache)):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "the cache was not flushed: requests are in flight; retry when the scheduler is idle")
+        return common_pb2.Empty()

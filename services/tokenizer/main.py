@@ -43,6 +43,7 @@ from ringserve.options.parse import ConfigParser
 from ringserve.options.tokenizer import TokenizerOptions
 from ringserve.v1 import tokenizer_pb2_grpc
 from services.tokenizer.errors import unavailable
+from services.tokenizer.kv_relay import KvEventRelay
 from services.tokenizer.links import DetokenizerLink, Link, SchedulerLink
 from services.tokenizer.manager import TokenizerManager
 from services.tokenizer.metrics import install_tokenizer_metrics
@@ -157,6 +158,7 @@ class TokenizerService:
             lambda: [r.scheduler.last_load for r in self.replicas.replicas],
             lambda: asyncio.gather(*(r.loads() for r in self.replicas.replicas)),
             self.readiness.readiness,
+            KvEventRelay(self.replicas.replicas),
         )
         install_tokenizer_metrics(self.metrics, self.manager, [r.scheduler for r in self.replicas.replicas], servicer,
                                   self.readiness)

@@ -13,9 +13,10 @@ from typing import NoReturn
 import grpc
 
 from ringserve.metrics import ignore_seconds
-from ringserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+from ringserve.v1 import common_pb2, kv_events_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from services.tokenizer.embed import Embedder
-from services.tokenizer.errors import RequestError
+from services.tokenizer.errors import RequestError, unavailable
+from services.tokenizer.kv_relay import KvEventRelay
 from services.tokenizer.manager import TokenizerManager
 
 SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name
@@ -48,13 +49,16 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
             for a peer that did not answer), for GetClusterLoad.
         readiness: this instance's readiness with its reasons (``ReadinessMonitor.readiness``),
             for GetReadiness.
+        kv_relay: the replicas' KV-cache event streams and cache flush (None: UNAVAILABLE).
     """
 
     def __init__(self, manager: TokenizerManager,
                  scheduler_loads: Callable[[], Sequence[common_pb2.LoadReport | None]] = lambda: [],
                  replica_loads: ReplicaLoads = _no_replicas,
-                 readiness: Callable[[], tokenizer_pb2.Readiness] = lambda: tokenizer_pb2.Readiness(ready=True)):
+                 readiness: Callable[[], tokenizer_pb2.Readiness] = lambda: tokenizer_pb2.Readiness(ready=True),
+                 kv_relay: KvEventRelay | None = None):
         self.manager = manager
+        self.kv_relay = kv_relay
         self.scheduler_loads = scheduler_loads
         self.replica_loads = replica_loads
         self.readiness = readiness
@@ -141,3 +145,24 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
                            context: grpc.aio.ServicerContext) -> tokenizer_pb2.Readiness:
         """Whether this instance can move a token, and why not (read from state: no I/O)."""
         return self.readiness()
+
+    async def SubscribeKvEvents(self, request: kv_events_pb2.SubscribeKvEventsRequest,
+                                context: grpc.aio.ServicerContext):
+        """One replica's KV-cache events, relayed (docs/kv_events.md)."""
+        try:
+            if self.kv_relay is None:
+                raise unavailable("this tokenizer relays no KV-cache events")
+            async for batch in self.kv_relay.subscribe(request):
+                yield batch
+        except RequestError as err:
+            await _fail(context, err)
+
+    async def FlushCache(self, request: common_pb2.Empty, context: grpc.aio.ServicerContext) -> common_pb2.Empty:
+        """Empty every replica's prefix cache; FAILED_PRECONDITION while one has requests in flight."""
+        try:
+            if self.kv_relay is None:
+                raise unavailable("this tokenizer has no replica to flush")
+            await self.kv_relay.flush()
+        except RequestError as err:
+            await _fail(context, err)
+        return common_pb2.Empty()

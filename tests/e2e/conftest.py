@@ -31,14 +31,14 @@ def keyed_ring(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     """SmolLM2 in fp32 behind two API keys, one from ``--api-key``, the other from
     ``--api-key-file`` (``API_KEYS``: a rotation, both valid), with ``--log-requests``, two
     request slots, a queue of one (``--max-queued-requests 1``) and a 4096-token KV pool; the
-    ring's calls present the first key, its output goes to ``ring.log()``. For
-    test_api_keys.py and test_reliability_overload.py."""
+    ring's calls present the first key, its output goes to ``ring.log()``; SSE keepalive comments
+    every second. For test_api_keys.py, test_reliability_overload.py and test_sse_keepalive_ring.py."""
     directory = tmp_path_factory.mktemp("keyed")
     keyfile = directory / "keys"
     keyfile.write_text(f"{API_KEYS[1]}\n")
     with launched(smollm2_dir, "--api-key", API_KEYS[0], "--api-key-file", str(keyfile), "--log-requests",
                   "--max-running-requests", "2", "--max-queued-requests", "1", "--max-total-tokens", "4096",
-                  log_path=directory / "ring.log") as ring:
+                  "--sse-keepalive-s", "1", log_path=directory / "ring.log") as ring:
         ring.grpc_metadata = bearer(API_KEYS[0])
         ring.http_headers = {"Authorization": f"Bearer {API_KEYS[0]}"}
         yield ring

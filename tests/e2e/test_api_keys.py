@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from ringserve.apikeys import MISSING, WRONG
 from ringserve.client import AsyncRingserveClient, RingserveClient, chat_request
-from ringserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+from ringserve.v1 import common_pb2, kv_events_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from tests.helpers.ring_requests import API_KEYS, bearer, chat
 
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
@@ -44,6 +44,8 @@ REQUESTS = {
     "GetLoad": common_pb2.Empty(),
     "GetClusterLoad": common_pb2.Empty(),
     "GetReadiness": common_pb2.Empty(),
+    "SubscribeKvEvents": kv_events_pb2.SubscribeKvEventsRequest(snapshot=True),
+    "FlushCache": common_pb2.Empty(),
 }
 
 
@@ -55,6 +57,10 @@ def ring(keyed_ring):
 def call(stub: tokenizer_pb2_grpc.TokenizerStub, method: str, metadata) -> list:
     """Call ``method`` with its request from REQUESTS; its responses (a list: Generate streams)."""
     response = getattr(stub, method)(REQUESTS[method], timeout=60, metadata=metadata)
+    if method == "SubscribeKvEvents":  # a subscription: its first batch (the snapshot), then leave
+        first = next(response)
+        response.cancel()
+        return [first]
     return list(response) if method == "Generate" else [response]
 
 
@@ -92,6 +98,7 @@ def test_every_rpc_needs_a_valid_key(ring):
             assert out["GetLoad"][0].req_states == 0
             assert len(out["GetClusterLoad"][0].schedulers) == 1
             assert out["GetReadiness"] == [tokenizer_pb2.Readiness(ready=True, replicas=1)]
+            assert out["SubscribeKvEvents"][0].snapshot and out["FlushCache"] == [common_pb2.Empty()]
     assert tokenized_calls(ring) == tokenized + 2
     ring.wait_idle()
 

@@ -142,7 +142,9 @@ def base_request(method, steps):
     return msg
 
 
-GRPC_FIELDS = [(m, steps) for m in TOKENIZER.methods if not m.client_streaming
+# SubscribeKvEvents is a subscription that does not end by design (its bad input:
+# tests/e2e/test_kv_events_ring.py).
+GRPC_FIELDS = [(m, steps) for m in TOKENIZER.methods if not m.client_streaming and m.name != "SubscribeKvEvents"
                for steps in proto_fields(m.input_type)]
 
 

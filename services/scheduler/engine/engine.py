@@ -28,6 +28,7 @@ from services.scheduler.layers.parallel import TensorParallel
 from services.scheduler.models.base import CausalLM
 from services.scheduler.policy.grammar import GrammarManager, accept_grammar_tokens, apply_grammar_masks
 from services.scheduler.policy.grammar_backends import GrammarBackend, load_backend
+from services.scheduler.policy.kv_events import KvEventLog
 from services.scheduler.policy.output import StepOutput
 from services.scheduler.policy.radix_cache import RadixCache
 from services.scheduler.policy.req import FinishReason, FinishType, Req, ReqInput
@@ -82,7 +83,8 @@ class Engine:
         self.max_total_tokens = shape.max_total_tokens
         self.deterministic = stack.shape.deterministic
         self.kv_pool, self.req_pool, self.runner = stack.kv_pool, stack.req_pool, stack.runner
-        self.tree = None if cfg.disable_radix_cache else RadixCache(self.kv_pool)
+        self.kv_events = KvEventLog()  # the prefix cache's page events (policy/kv_events.py)
+        self.tree = None if cfg.disable_radix_cache else RadixCache(self.kv_pool, self.kv_events)
         self.policy = SchedulePolicy(self.req_pool, self.kv_pool, cfg.max_running_requests, cfg.max_prefill_tokens,
                                      cfg.chunked_prefill_size, self.tree, cfg.schedule_policy)
         self.sampler = Sampler(self.runtime, cfg.seed, eos_ids)
@@ -194,6 +196,28 @@ class Engine:
         self.grammars.clear()
         self.policy.reset()
 
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache and free its KV rows (one batch with a clear); False, and
+        nothing done, while any request is held (its rows may be the cache's)."""
+        if self.reqs or self._inflight is not None:
+            return False
+        if self.tree is not None:
+            self.tree.reset()
+            self.kv_events.seal()
+        self.kv_pool.reset()
+        return True
+
+    def kv_snapshot(self) -> int:
+        """Seal a snapshot batch (a clear, then every page the prefix cache holds); returns its sequence."""
+        self.kv_events.seal()  # what this step recorded so far comes first
+        if self.tree is not None:
+            self.tree.record_snapshot()
+        else:
+            self.kv_events.cleared()
+        sequence = self.kv_events.seal(snapshot=True)
+        assert sequence is not None
+        return sequence
+
     # ---- the loop -----------------------------------------------------------------
     @property
     def has_work(self) -> bool:
@@ -241,6 +265,7 @@ class Engine:
                 self._inflight = launched
             else:
                 self._finish(launched)
+        self.kv_events.seal()
         return self._take_output()
 
     def _launch(self, plan: Plan, logits: torch.Tensor) -> _InFlight | None:

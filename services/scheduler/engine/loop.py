@@ -25,11 +25,13 @@ gone (``RankFailure``) ends every request with UNAVAILABLE, refuses new ones and
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -39,6 +41,7 @@ from services.scheduler.policy.output import StepOutput
 from services.scheduler.policy.req import ReqInput
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class EngineLoop:
@@ -114,6 +117,19 @@ class EngineLoop:
 
     def load(self) -> LoadStats:
         return self.engine.load()
+
+    def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """Run ``fn`` in the engine thread between steps; its result (or exception) in the future."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                future.set_result(fn())
+            except Exception as exc:
+                future.set_exception(exc)
+
+        self._post(run)
+        return future
 
     def _admit(self, spec: ReqInput) -> None:
         if self._draining:
