@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, fields
 
 from ringserve.v1 import common_pb2, detokenizer_pb2, scheduler_pb2
-from services.scheduler.engine.engine import LoadStats
+from services.scheduler.engine.step_state import LoadStats
 from services.scheduler.policy.grammar_backends import GrammarSpec
 from services.scheduler.policy.output import StepOutput
 from services.scheduler.policy.req import FinishReason, ReqInput, SamplingParams

@@ -3,7 +3,7 @@
 - ``SchedulerLink``: one bidirectional ``Scheduler.Connect`` stream. The first
   message is the hello (an AbortReq with an empty rid naming this instance's
   tokenizer_id); TokenizedGenerateReqInput and AbortReq follow, in order, from a
-  queue filled synchronously by the manager (it is the manager's ``Dispatcher``).
+  queue filled synchronously by the manager (it is a ``services.tokenizer.dispatch.Dispatcher``).
 - ``DetokenizerLink``: one ``Detokenizer.Subscribe(tokenizer_id)`` stream whose
   BatchStrOutput messages go to the manager's ``handle_batch``.
 
@@ -131,7 +131,7 @@ class Link(ABC):
 
 
 class SchedulerLink(Link):
-    """The scheduler stream; also the manager's Dispatcher (``send_req``, ``send_abort``)."""
+    """The scheduler stream; also a ``Dispatcher`` (services/tokenizer/dispatch.py: ``send_req``, ``send_abort``)."""
 
     def __init__(self, target: str, instance_id: str, on_change: Callable[[Link, bool], None],
                  metadata: Sequence[tuple[str, str]] = ()):

@@ -30,8 +30,8 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import AsyncGenerator, Callable
+from typing import Any
 
 import grpc
 
@@ -40,6 +40,7 @@ from ringserve.metrics import ignore_seconds
 from ringserve.prompt_bounds import BoundExceeded
 from ringserve.v1 import common_pb2, detokenizer_pb2, scheduler_pb2, tokenizer_pb2
 from services.tokenizer.bounds import InputBounds
+from services.tokenizer.dispatch import Balancer, Dispatcher
 from services.tokenizer.errors import DUPLICATE_REQUEST_ID, RequestError, invalid, unavailable
 from services.tokenizer.model import ModelFacts
 from services.tokenizer.prepare import Prepared, Preparer
@@ -47,35 +48,6 @@ from services.tokenizer.state import ERROR_STATUS_CODES, ReqState, absorb, split
 from services.tokenizer.workers import Workers
 
 logger = logging.getLogger(__name__)
-
-
-class Dispatcher(Protocol):
-    """The tokenizer's side of the scheduler stream. Both methods are synchronous (queue puts).
-
-    Raises:
-        RequestError: UNAVAILABLE when the scheduler stream is down.
-    """
-
-    def send_req(self, req: scheduler_pb2.TokenizedGenerateReqInput) -> None: ...
-
-    def send_abort(self, abort: scheduler_pb2.AbortReq) -> None: ...
-
-    @property
-    def schedule_policy(self) -> str | None:
-        """The scheduler's --schedule-policy as it last reported it; None while unknown."""
-        ...
-
-
-class Balancer(Protocol):
-    """Picks the replica (a Dispatcher) for a request among several (see ``services.tokenizer.replicas``)."""
-
-    def pick(self, input_ids: Sequence[int], outstanding: Mapping[Dispatcher, int]) -> Dispatcher:
-        """The replica for a prompt, given this instance's in-flight requests per replica.
-
-        Raises:
-            RequestError: UNAVAILABLE when no replica has both links up.
-        """
-        ...
 
 
 def _bounded(check: Callable[[Any], None], req: Any) -> None:

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from ringserve.v1 import scheduler_pb2
-from services.scheduler.engine.engine import LoadStats
+from services.scheduler.engine.step_state import LoadStats
 from services.scheduler.policy.req import ReqInput, SamplingParams
 from services.scheduler.servicer import SchedulerServicer
 

@@ -13,7 +13,7 @@ import logging
 import pytest
 
 from ringserve.v1 import scheduler_pb2
-from services.scheduler.engine.engine import LoadStats
+from services.scheduler.engine.step_state import LoadStats
 from services.scheduler.wire import load_to_proto, req_input_from_proto
 from tests.helpers.fake_runner import FakeRunner, create_policy, make_req
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -18,12 +16,13 @@ from tokenizers import Tokenizer
 from ringserve.modelfacts import embedding_facts
 from services.scheduler.config import EngineConfig
 from services.scheduler.engine.observer import EngineObserver
+from services.scheduler.engine.step_state import InFlight, LoadStats, reads_output_history
 from services.scheduler.executor.build import build_stack, load_engine_model, size_pools
 from services.scheduler.executor.device import DeviceRuntime, create_runtime
 from services.scheduler.executor.model_runner import FutureIds
 from services.scheduler.executor.pooling import accumulate, finish_embeddings, plan_pool_rows, pool_from
 from services.scheduler.executor.prompt_logprobs import plan_logprob_rows, score_prompts
-from services.scheduler.executor.sampling import HostSample, Sampler
+from services.scheduler.executor.sampling import Sampler
 from services.scheduler.layers.parallel import TensorParallel
 from services.scheduler.models.base import CausalLM
 from services.scheduler.policy.grammar import GrammarManager, accept_grammar_tokens, apply_grammar_masks
@@ -37,23 +36,6 @@ from services.scheduler.policy.stops import StopChecker, load_eos_ids
 from services.scheduler.policy.validate import validate
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class LoadStats:
-    """A snapshot of the engine's occupancy and counters since start (the wire's LoadReport)."""
-
-    num_running_reqs: int
-    num_waiting_reqs: int
-    req_slots_used: int
-    kv_used_tokens: int  # held by requests (a cached prefix they lock included)
-    kv_cached_tokens: int  # held only by the prefix cache: evictable, free for the taking
-    kv_total_tokens: int
-    num_decode_steps: int
-    peak_decode_batch_size: int
-    num_aborted_reqs: int
-    num_finished_reqs: int
-    schedule_policy: str = "fcfs"  # --schedule-policy: the tokenizer refuses a priority it cannot honour
 
 
 class Engine:
@@ -104,7 +86,7 @@ class Engine:
         # Overlap scheduling: by default where the device runs the forward while the host plans.
         self.overlap = cfg.overlap_schedule if cfg.overlap_schedule is not None else runtime.overlap_default
         self.overlap = self.overlap and self.tp.size == 1  # the other ranks never see the sampled ids
-        self._inflight: _InFlight | None = None
+        self._inflight: InFlight | None = None
 
     @classmethod
     def from_config(cls, cfg: EngineConfig, tp: TensorParallel | None = None) -> Engine:
@@ -268,7 +250,7 @@ class Engine:
         self.kv_events.seal()
         return self._take_output()
 
-    def _launch(self, plan: Plan, logits: torch.Tensor) -> _InFlight | None:
+    def _launch(self, plan: Plan, logits: torch.Tensor) -> InFlight | None:
         """Advance the plan's requests' KV lengths, sample on the device and start the copy
         of the sampled ids (and of the embeddings that ended) to the host; None when no row
         samples and no embedding ended."""
@@ -294,7 +276,7 @@ class Engine:
             for req in embedded:  # their KV and slot go now; their rows when the copy is in
                 self.policy.remove(req)
         if not reqs:
-            return _InFlight([], None, {}, None, embedded, pooled) if embedded else None
+            return InFlight([], None, {}, None, embedded, pooled) if embedded else None
         if len(reqs) < len(plan.reqs):
             logits = logits.index_select(0, self.runtime.to_device(torch.tensor(keep, dtype=torch.int64)))
         failed = apply_grammar_masks(logits, reqs, self.runtime.to_device)
@@ -302,10 +284,10 @@ class Engine:
         for req, message in failed:  # their rows were sampled unmasked and are dropped in _finish
             self.abort(req.rid, message=message, status="INVALID_ARGUMENT")
         # The step's one device-to-host copy: the sampled ids (and logprobs where asked).
-        return _InFlight(reqs, result.next_ids, {r: i for i, r in enumerate(reqs)}, result.start_copy(self.runtime),
+        return InFlight(reqs, result.next_ids, {r: i for i, r in enumerate(reqs)}, result.start_copy(self.runtime),
                          embedded, pooled)
 
-    def _finish(self, step: _InFlight) -> None:
+    def _finish(self, step: InFlight) -> None:
         """Record the rows of a launched step's embeddings (waiting for their copy); wait for
         its sampled ids; append, check stops, advance grammars, free finished requests and
         record their rows. Rows of requests that ended meanwhile (a stop found in the step
@@ -336,9 +318,9 @@ class Engine:
         p = self.policy
         if p.waiting or p.chunked is not None or len(p.running) > p.kv_room:
             return False
-        return not any(_reads_output_history(r) for r in p.running)
+        return not any(reads_output_history(r) for r in p.running)
 
-    def _ending_by_length(self, inflight: _InFlight | None) -> frozenset[Req]:
+    def _ending_by_length(self, inflight: InFlight | None) -> frozenset[Req]:
         """Requests whose in-flight token is their last by length: not decoded again."""
         if inflight is None:
             return frozenset()
@@ -403,24 +385,3 @@ class Engine:
             num_finished_reqs=self.num_finished_reqs,
             schedule_policy=self.policy.policy,
         )
-
-
-@dataclass
-class _InFlight:
-    """A launched step: the rows that sampled, their ids on the device, and the wait for
-    the ids' copy to the host; the embeddings it ended and the wait for their copy."""
-
-    reqs: list[Req]
-    next_ids: torch.Tensor | None  # int64 [len(reqs)], device; None when no row samples
-    rows: dict[Req, int]
-    wait: Callable[[], HostSample] | None
-    embedded: list[Req] = field(default_factory=list)  # embeddings whose prefill ended
-    pooled: Callable[[], list[list[float]]] | None = None  # waits for their vectors' copy
-
-
-def _reads_output_history(req: Req) -> bool:
-    """Sampling this request's next token reads its output so far on the host (penalties,
-    min tokens, a grammar's matcher)."""
-    p = req.sampling
-    return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
-                or len(req.output_ids) < p.min_new_tokens or req.grammar is not None)

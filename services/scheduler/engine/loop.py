@@ -35,7 +35,8 @@ from typing import TypeVar
 
 import torch
 
-from services.scheduler.engine.engine import Engine, LoadStats
+from services.scheduler.engine.engine import Engine
+from services.scheduler.engine.step_state import LoadStats
 from services.scheduler.layers.parallel import RankFailure
 from services.scheduler.policy.output import StepOutput
 from services.scheduler.policy.req import ReqInput
