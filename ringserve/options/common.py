@@ -4,12 +4,11 @@ the flag groups whose own modules parse them (gRPC transport, API keys, internal
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 from ringserve import grpcutil
 from ringserve.apikeys import ApiKeys, add_api_key_args, api_keys_from_args
 from ringserve.internal_auth import InternalAuth, add_internal_auth_args, internal_auth_from_args
-from dataclasses import dataclass
-
 from ringserve.options.spec import Fraction, Group, Option, option
 
 BY_CHART = "set by the chart"  # the start of a not_in_chart reason: the chart passes it itself

@@ -49,6 +49,7 @@ def req_input_from_proto(msg: scheduler_pb2.TokenizedGenerateReqInput, tokenizer
         logprob_start_len=msg.logprob_start_len if msg.HasField("logprob_start_len") else None,
         prompt_top_logprobs_num=msg.prompt_top_logprobs_num,
         grammar=grammar_from_proto(p),
+        traceparent=msg.traceparent,
     )
 
 
@@ -78,7 +79,7 @@ def step_output_to_proto(out: StepOutput) -> detokenizer_pb2.BatchTokenIDOutput:
         msg.inits.add(
             row=i.row, prompt_tail_ids=i.prompt_tail_ids, stop=i.stop, skip_special_tokens=i.skip_special_tokens,
             spaces_between_special_tokens=i.spaces_between_special_tokens, no_stop_trim=i.no_stop_trim,
-            top_logprobs_num=i.top_logprobs_num,
+            top_logprobs_num=i.top_logprobs_num, traceparent=i.traceparent,
         )
     fins = msg.finish_reasons
     for fr in out.finish_reasons:

@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 import grpc
 
+from ringserve import tracing
 from ringserve.metrics import ignore_seconds
 from ringserve.prompt_bounds import BoundExceeded
 from ringserve.v1 import common_pb2, detokenizer_pb2, scheduler_pb2, tokenizer_pb2
@@ -42,6 +43,7 @@ from services.tokenizer.bounds import InputBounds
 from services.tokenizer.errors import DUPLICATE_REQUEST_ID, RequestError, invalid, unavailable
 from services.tokenizer.model import ModelFacts
 from services.tokenizer.prepare import Prepared, Preparer
+from services.tokenizer.request_trace import trace_prepared
 from services.tokenizer.state import ERROR_STATUS_CODES, ReqState, absorb, split_rows
 from services.tokenizer.workers import Workers
 
@@ -298,6 +300,8 @@ class TokenizerManager:
         _bounded(self.bounds.check_generate, req)
         prepared = await self.workers.run(self.preparer.prepare, req)
         self.observe_tokenize(time.perf_counter() - started)
+        if tracing.tracer is not None:
+            trace_prepared(prepared, started)
         replica = self._choose(prepared)
         states = self.register(prepared)
         reason = "the Generate call ended before the request finished"

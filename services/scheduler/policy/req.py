@@ -80,6 +80,7 @@ class ReqInput:
     logprob_start_len: int | None = None  # prompt logprobs from this position; None = none
     prompt_top_logprobs_num: int = 0
     grammar: GrammarSpec | None = None  # constrained decoding (structured outputs)
+    traceparent: str = ""  # W3C trace context of the request's spans; "": not traced
 
 
 class TokenView(Sequence[int]):
@@ -131,6 +132,7 @@ class Req:
     def __init__(self, spec: ReqInput):
         self.rid = spec.rid
         self.tokenizer_id = spec.tokenizer_id
+        self.traceparent = spec.traceparent
         self.sampling = spec.sampling
         self.return_logprob = spec.return_logprob
         self.top_logprobs_num = spec.top_logprobs_num
