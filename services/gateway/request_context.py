@@ -8,11 +8,12 @@ uuid4 hex. A generation's rid is that id: the tokenizer refuses it while in flig
 service logs it, and every span carries it (``ringserve.rid``).
 
 With tracing on (``ringserve.tracing``) the middleware continues the request's W3C
-``traceparent`` (or starts a trace) in a SERVER span named ``{method} {route}``, current
-while the route runs, so the Generate call's metadata names it as the tokenizer's parent.
-A ``text/event-stream`` response gets a child span ``sse stream`` from its first byte to its
-last. A status of 400 or more, an error event in the stream, or a stream that ends without
-its last event (the client went away) end the spans with the error status.
+``traceparent`` (or starts a trace) in a SERVER span named ``{method} {route}`` (probes and
+``/metrics`` excepted), current while the route runs, so the Generate call's metadata names it
+as the tokenizer's parent. A ``text/event-stream`` response gets a child span ``sse stream``
+from its first byte to its last. A status of 400 or more, an error event in the stream, or
+a stream that ends without its last event (the client went away) end the spans with the
+error status.
 
 Log records written while a request is served carry ``[<rid>] `` (and ``trace=<id>`` when
 traced) through ``RequestLogFilter``, installed on the gateway's log handler.
@@ -39,6 +40,9 @@ from .errors import invalid
 
 # What ``sse.error_event`` writes first: the stream reports an error.
 ERROR_EVENT = b'data: {"error":'
+# Probes and scrapes: an orchestrator calls them every few seconds, and a trace of each would
+# bury the requests' traces (they still get X-Request-Id).
+UNTRACED_PATHS = frozenset({"/health", "/health_generate", "/metrics"})
 SSE_SPAN = "sse stream"
 
 
@@ -116,7 +120,7 @@ class RequestContextMiddleware:
                              given is not None and error is None)
         token = _CURRENT.set(ctx)
         try:
-            if tracing.tracer is None:
+            if tracing.tracer is None or scope["path"] in UNTRACED_PATHS:
                 await self._serve(ctx, error, scope, receive, send)
             else:
                 await _Traced(self, ctx, headers).serve(error, scope, receive, send)
