@@ -78,12 +78,12 @@ def otlp_endpoint(options: TracingOptions) -> str | None:
     return endpoint if "://" in endpoint else f"http://{endpoint}"
 
 
-def setup(service: str, options: TracingOptions) -> bool:
+def setup(service: str, options: TracingOptions) -> TracerProvider | None:
     """Turn tracing on for ``service`` (a key of ``SERVICE_NAMES``) when ``options`` name a
-    collector; whether it is on. Called once, from the service's ``main``."""
+    collector: its provider, or None (off). Called once, from the service's ``main``."""
     endpoint = otlp_endpoint(options)
     if endpoint is None:
-        return False
+        return None
     # The SDK is imported only when tracing is on: a service without it never loads it.
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import SERVICE_NAME, Resource
@@ -100,7 +100,7 @@ def setup(service: str, options: TracingOptions) -> bool:
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
     atexit.register(provider.force_flush, int(EXIT_FLUSH_S * 1000))
     use(provider)
-    return True
+    return provider
 
 
 def use(provider: TracerProvider | None) -> None:

@@ -1,7 +1,8 @@
-"""An OTLP/gRPC trace receiver for tests: the collector's ``TraceService/Export``, keeping every span.
+"""Spans for tests: an OTLP/gRPC receiver for launched services, and in-process recording.
 
-``otlp_receiver()`` serves it on a free loopback port; a ring launched with
-``--otlp-traces-endpoint <its address>`` exports its spans there.
+``otlp_receiver()`` serves the collector's ``TraceService/Export`` on a free loopback port,
+keeping every span; a ring launched with ``--otlp-traces-endpoint <its address>`` exports its
+spans there. ``recording()`` turns ``ringserve.tracing`` on in this process, into memory.
 """
 
 from __future__ import annotations
@@ -18,6 +19,11 @@ import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.common.v1 import common_pb2
 from opentelemetry.proto.trace.v1 import trace_pb2
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from ringserve import tracing
 
 ERROR = trace_pb2.Status.STATUS_CODE_ERROR
 
@@ -103,3 +109,18 @@ def otlp_receiver() -> Iterator[tuple[str, OtlpReceiver]]:
         yield f"127.0.0.1:{port}", receiver
     finally:
         server.stop(None)
+
+
+@contextmanager
+def recording() -> Iterator[InMemorySpanExporter]:
+    """Tracing on in this process until the block ends, every span kept by the exporter yielded
+    (``get_finished_spans()``); off again after."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.use(provider)
+    try:
+        yield exporter
+    finally:
+        tracing.use(None)
+        provider.shutdown()
