@@ -65,7 +65,8 @@ async def _until(done: Callable[[], bool]) -> None:
 
 def chat_req(rid: str = "", **sp) -> tokenizer_pb2.GenerateReqInput:
     chat = tokenizer_pb2.ChatInput(messages=[tokenizer_pb2.ChatMessage(role="user", content="Say hi.")])
-    return tokenizer_pb2.GenerateReqInput(rid=rid, chat=chat, stream=True, sampling_params=common_pb2.SamplingParams(**sp))
+    return tokenizer_pb2.GenerateReqInput(rid=rid, chat=chat, stream=True,
+                                          sampling_params=common_pb2.SamplingParams(**sp))
 
 
 async def _generate(stub, req, metadata=()) -> list[tokenizer_pb2.GenerateOutput]:
