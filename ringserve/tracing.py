@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import threading
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -98,9 +99,17 @@ def setup(service: str, options: TracingOptions) -> TracerProvider | None:
         shutdown_on_exit=False,
     )
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
-    atexit.register(provider.force_flush, int(EXIT_FLUSH_S * 1000))
+    atexit.register(_flush, provider, EXIT_FLUSH_S)
     use(provider)
     return provider
+
+
+def _flush(provider: TracerProvider, timeout_s: float) -> None:
+    """Send the spans still queued, waiting ``timeout_s`` at most: the SDK's own flush timeout
+    does not bound an export retrying a collector that refuses connections (measured: 32 s)."""
+    flusher = threading.Thread(target=provider.force_flush, name="otel-flush", daemon=True)
+    flusher.start()
+    flusher.join(timeout_s)
 
 
 def use(provider: TracerProvider | None) -> None:
