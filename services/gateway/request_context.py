@@ -43,6 +43,8 @@ ERROR_EVENT = b'data: {"error":'
 # Probes and scrapes: an orchestrator calls them every few seconds, and a trace of each would
 # bury the requests' traces (they still get X-Request-Id).
 UNTRACED_PATHS = frozenset({"/health", "/health_generate", "/metrics"})
+_UNSAMPLED = trace.NonRecordingSpan(trace.SpanContext(
+    0x4E6F74A5A3B1E2D0C0FFEE0000000001, 0x50524F4245000001, is_remote=False, trace_flags=trace.TraceFlags(0)))
 SSE_SPAN = "sse stream"
 
 
@@ -120,8 +122,15 @@ class RequestContextMiddleware:
                              given is not None and error is None)
         token = _CURRENT.set(ctx)
         try:
-            if tracing.tracer is None or scope["path"] in UNTRACED_PATHS:
+            if tracing.tracer is None:
                 await self._serve(ctx, error, scope, receive, send)
+            elif scope["path"] in UNTRACED_PATHS:
+                # The generation probe's Generate call says "not sampled": no service traces it.
+                attached = otel_context.attach(trace.set_span_in_context(_UNSAMPLED))
+                try:
+                    await self._serve(ctx, error, scope, receive, send)
+                finally:
+                    otel_context.detach(attached)
             else:
                 await _Traced(self, ctx, headers).serve(error, scope, receive, send)
         finally:

@@ -217,12 +217,16 @@ async def test_a_client_gone_mid_stream_ends_both_spans_with_the_error_status(st
     assert spans["POST /v1/chat/completions"].status.status_code == StatusCode.ERROR
 
 
-async def test_probes_are_not_traced(stack):
+async def test_probes_are_not_traced(stack, quick_probe):
+    stack.fake.reset(stack.Hang())
     with recording() as exporter:
         assert (await stack.client.get("/health")).status_code == 200
         assert (await stack.client.get("/metrics")).status_code == 200
+        assert (await quick_probe.get("/health_generate")).status_code == 503  # the fake never answers
         await asyncio.sleep(0.05)
         assert exporter.get_finished_spans() == ()
+    # The generation probe's call tells the tokenizer not to trace it either.
+    assert stack.fake.metadata[-1]["traceparent"].endswith("-00")
 
 
 async def test_off_no_span_and_no_trace_metadata(stack, monkeypatch):
