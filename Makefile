@@ -19,7 +19,7 @@ PYTEST_ARGS ?=
 PROTOS := $(wildcard protos/ringserve/v1/*.proto)
 PHASES := $(STAMPS)/phases
 
-.PHONY: setup setup-serve proto model model-all ports-free run test test-unit test-deploy lint images push-images bench bench-deterministic bench-internal-auth bench-detok bench-structured soak gpu-check clean
+.PHONY: setup setup-serve proto model model-all ports-free run test test-unit test-deploy lint images push-images bench bench-deterministic bench-internal-auth bench-tracing bench-detok bench-structured soak gpu-check clean
 
 # $(call timed,PHASE,COMMAND): run COMMAND and append "PHASE milliseconds" to $(PHASES).
 timed = @mkdir -p $(STAMPS) && t0=$$(date +%s%N) && $(2) && echo "$(1) $$(( ($$(date +%s%N) - t0) / 1000000 ))" >> $(PHASES)
@@ -149,6 +149,17 @@ AUTH_BENCH_ARGS ?= --concurrency 1,64 --input-len 128 --output-len 128
 bench-internal-auth: setup
 	$(VENV)/bin/ringserve bench compare --model $(MODEL) --skip-hf --json bench/results/internal_auth.json \
 		--ringserve-variant 'noauth:--insecure-skip-internal-auth' $(AUTH_BENCH_ARGS)
+
+# Tracing off (the baseline) against every request traced (--otlp-traces-sample-ratio 1.0) and
+# exported to a local OTLP sink that drops the spans (bench/otlp_sink.py), at concurrency 1 and
+# 64, in one run: the rs/ringserve-traced column is off / on.
+TRACING_BENCH_ARGS ?= --concurrency 1,64 --input-len 128 --output-len 128
+OTLP_SINK_PORT ?= 43170
+bench-tracing: setup
+	$(PY) bench/otlp_sink.py --port $(OTLP_SINK_PORT) & sink=$$!; trap 'kill $$sink' EXIT; \
+	$(VENV)/bin/ringserve bench compare --model $(MODEL) --skip-hf --json bench/results/tracing.json \
+		--ringserve-variant 'traced:--otlp-traces-endpoint 127.0.0.1:$(OTLP_SINK_PORT) --otlp-traces-sample-ratio 1.0' \
+		$(TRACING_BENCH_ARGS)
 
 # A bounded soak run (5 minutes, 64 streams, 20% disconnects, one scheduler kill) that
 # exits non-zero unless every accounting gauge is back to baseline and no request hung;

@@ -48,7 +48,10 @@ SOURCE_SUFFIXES = (".py", ".proto", ".c", ".h", ".md", ".jinja", ".sh", ".yaml")
 # Files a command writes, named by the pages as where to find its output.
 WRITTEN_BY_COMMANDS = {"bench/results/gpu_check.json", "bench/results/deterministic.json"}
 # Dotted words that are not Python: OpenAI object types, a Kubernetes resource field.
-NOT_CODE = {"chat.completion", "chat.completion.chunk", "limits.cpu"}
+NOT_CODE = {"chat.completion", "chat.completion.chunk", "limits.cpu",
+            # span attribute names (docs/tracing.md), not the ringserve package's
+            *(f"ringserve.{name}" for name in ("rid", "choices", "extend_tokens", "prefix_tokens", "prompt_done",
+                                                "cached_tokens", "retractions", "output_tokens"))}
 IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 DOTTED = re.compile(rf"{IDENT}(?:\.{IDENT})+")
 PATHLIKE = re.compile(r"[A-Za-z0-9_.][A-Za-z0-9_./-]*")

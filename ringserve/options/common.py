@@ -4,11 +4,12 @@ the flag groups whose own modules parse them (gRPC transport, API keys, internal
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 from ringserve import grpcutil
 from ringserve.apikeys import ApiKeys, add_api_key_args, api_keys_from_args
 from ringserve.internal_auth import InternalAuth, add_internal_auth_args, internal_auth_from_args
-from ringserve.options.spec import Group, Option
+from ringserve.options.spec import Fraction, Group, Option, option
 
 BY_CHART = "set by the chart"  # the start of a not_in_chart reason: the chart passes it itself
 
@@ -31,6 +32,27 @@ METRICS_PORT = Option("--metrics-port", None,
                       help="Prometheus GET /metrics HTTP port on --host (0 = a free port; default: no endpoint)",
                       not_in_chart=f"{BY_CHART}: ports.<service>Metrics")
 INSTANCE_ID_BY_CHART = f"{BY_CHART}: the pod's name"
+LOG_REQUESTS = Option(
+    "--log-requests", False, launch=True, chart="config.logRequests",
+    help="log each request under its rid (the X-Request-Id): the gateway its prompt and output texts, the other "
+         "services its life cycle (tokens, finish reason, aborts); by default no prompt or output is written to the "
+         "log")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TracingOptions:
+    """OpenTelemetry tracing (``ringserve.tracing``); every service has these, and the launcher passes them on."""
+
+    otlp_traces_endpoint: str | None = option(
+        "--otlp-traces-endpoint", None, launch=True, chart="config.tracing.otlpTracesEndpoint",
+        help="export trace spans over OTLP/gRPC to this collector (http://host:4317, or host:4317: plaintext; "
+             "https://host:4317: TLS); default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else tracing is off")
+    otlp_traces_sample_ratio: float | None = option(
+        "--otlp-traces-sample-ratio", None, check=Fraction(up_to_one=True), launch=True,
+        chart="config.tracing.sampleRatio",
+        help="share of the traces this service starts that are recorded; a request that arrives with a trace "
+             "context follows its sampled flag (parent-based); default: $OTEL_TRACES_SAMPLER / "
+             "$OTEL_TRACES_SAMPLER_ARG, else every trace")
 
 TRANSPORT = Group(grpcutil.add_transport_args, grpcutil.transport_from_args, grpcutil.Transport)
 INTERNAL_AUTH = Group(add_internal_auth_args, internal_auth_from_args, InternalAuth)

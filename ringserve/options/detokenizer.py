@@ -13,10 +13,12 @@ from ringserve.options.common import (
     GRACE_PERIOD,
     HOST,
     INTERNAL_AUTH,
+    LOG_REQUESTS,
     METRICS_PORT,
     MODEL,
     SERVED_MODEL_NAME,
     TRANSPORT,
+    TracingOptions,
 )
 from ringserve.options.spec import option
 
@@ -37,3 +39,5 @@ class DetokenizerOptions:
     metrics_port: int | None = METRICS_PORT.field()
     served_model_name: str | None = SERVED_MODEL_NAME.field()
     internal_auth: InternalAuth = INTERNAL_AUTH.field()
+    log_requests: bool = LOG_REQUESTS.field()
+    tracing: TracingOptions = TracingOptions()

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from ringserve.apikeys import ApiKeys
 from ringserve.grpcutil import Transport
 from ringserve.options import names
-from ringserve.options.common import BY_CHART, HOST, TRANSPORT, api_keys
+from ringserve.options.common import BY_CHART, HOST, LOG_REQUESTS, TRANSPORT, TracingOptions, api_keys
 from ringserve.options.spec import Above, AtLeast, option
 
 
@@ -56,10 +56,7 @@ class GatewayOptions:
     max_request_body_bytes: int = option(
         "--max-request-body-bytes", 16 * 1024 * 1024, check=Above(0), launch=True,
         chart="config.gateway.maxRequestBodyBytes", help="larger request bodies get HTTP 413 before parsing")
-    log_requests: bool = option(
-        "--log-requests", False, launch=True,
-        not_in_chart="prompts and outputs in the pods' logs: opt in with config.gateway.extraArgs",
-        help="log prompts and outputs; by default they are never written to the log")
+    log_requests: bool = LOG_REQUESTS.field()
     tool_call_parser: str = option(
         "--tool-call-parser", "hermes", choices=(*names.TOOL_CALL_PARSERS, "none"), launch=True,
         chart="config.gateway.toolCallParser",
@@ -92,3 +89,4 @@ class GatewayOptions:
              "waits for its first token; 0: never")
     transport: Transport = TRANSPORT.field()
     http_timeouts: HttpTimeoutOptions = HttpTimeoutOptions()
+    tracing: TracingOptions = TracingOptions()

@@ -17,10 +17,12 @@ from ringserve.options.common import (
     HOST,
     INSTANCE_ID_BY_CHART,
     INTERNAL_AUTH,
+    LOG_REQUESTS,
     METRICS_PORT,
     MODEL,
     SERVED_MODEL_NAME,
     TRANSPORT,
+    TracingOptions,
 )
 from ringserve.options.spec import Above, AtLeast, Fraction, Matches, option
 
@@ -164,6 +166,8 @@ class SchedulerOptions:
     metrics_port: int | None = METRICS_PORT.field()
     served_model_name: str | None = SERVED_MODEL_NAME.field()
     internal_auth: InternalAuth = INTERNAL_AUTH.field()
+    log_requests: bool = LOG_REQUESTS.field()
+    tracing: TracingOptions = TracingOptions()
     tp_size: int = option("--tp-size", 1, check=AtLeast(1), chart="replica.tpSize",
                           help="tensor parallelism: ranks (processes, one device each) this replica is sharded over")
     dist_init_addr: str = option("--dist-init-addr", "127.0.0.1", launch=True, not_in_chart=TP_IN_POD,

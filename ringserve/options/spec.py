@@ -68,13 +68,17 @@ class AtLeast(Check):
 
 @dataclass(frozen=True)
 class Fraction(Check):
-    """0 < value < 1."""
+    """0 < value < 1 (``up_to_one``: 0 < value <= 1)."""
+
+    up_to_one: bool = False
 
     def __call__(self, flag: str, value: Any) -> str | None:
-        return None if value is None or 0 < value < 1 else f"{flag} must be in (0, 1)"
+        if value is None or 0 < value < 1 or (self.up_to_one and value == 1):
+            return None
+        return f"{flag} must be {self.describe()}"
 
     def describe(self) -> str:
-        return "in (0, 1)"
+        return "in (0, 1]" if self.up_to_one else "in (0, 1)"
 
 
 @dataclass(frozen=True)

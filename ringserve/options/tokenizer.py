@@ -17,10 +17,12 @@ from ringserve.options.common import (
     HOST,
     INSTANCE_ID_BY_CHART,
     INTERNAL_AUTH,
+    LOG_REQUESTS,
     METRICS_PORT,
     MODEL,
     SERVED_MODEL_NAME,
     TRANSPORT,
+    TracingOptions,
     api_keys,
 )
 from ringserve.options.spec import Above, AtLeast, ExistingFile, option
@@ -83,6 +85,8 @@ class TokenizerOptions:
     api_keys: ApiKeys = api_keys("every RPC of the Tokenizer service (health and reflection stay open)").field()
     internal_auth: InternalAuth = INTERNAL_AUTH.field()
     readiness: ReadinessOptions = ReadinessOptions()
+    log_requests: bool = LOG_REQUESTS.field()
+    tracing: TracingOptions = TracingOptions()
     # None: the usable cores, at most 4 (services/tokenizer/workers.py).
     tokenize_workers: int | None = option(
         "--tokenize-workers", None, check=AtLeast(1, say_got=True), metavar="N", not_in_chart=EXTRA_ARGS,

@@ -12,7 +12,7 @@ import signal
 import socket
 from dataclasses import dataclass
 
-from ringserve import grpcutil
+from ringserve import grpcutil, tracing
 from ringserve.metrics import ServiceMetrics
 from ringserve.models.gguf import resolve_model
 from ringserve.options.detokenizer import DetokenizerOptions
@@ -20,6 +20,7 @@ from ringserve.options.parse import ConfigParser
 from ringserve.v1 import detokenizer_pb2, detokenizer_pb2_grpc
 from services.detokenizer.manager import DetokenizerManager
 from services.detokenizer.metrics import install_detokenizer_metrics
+from services.detokenizer.request_trace import RequestTracer
 from services.detokenizer.servicer import DetokenizerServicer
 
 log = logging.getLogger("ringserve.detokenizer")
@@ -53,6 +54,8 @@ async def start(config: DetokenizerConfig) -> tuple[grpcutil.ServingServer, Deto
     """
     manager = DetokenizerManager(config.model, max_decode_states=config.max_decode_states)
     servicer = DetokenizerServicer(manager, instance_id=f"detokenizer@{socket.gethostname()}:{config.port}")
+    if tracing.tracer is not None or config.log_requests:
+        servicer.requests = RequestTracer(config.log_requests)
     servicer.metrics = ServiceMetrics(config.served_model_name or config.model.resolve().name)
     install_detokenizer_metrics(servicer.metrics, servicer)
     servicer.metrics.serve(config.host, config.metrics_port)
@@ -94,6 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = parse_args(argv)
     grpcutil.configure(config.transport)
+    tracing.setup("detokenizer", config.tracing)
     asyncio.run(serve(config))
 
 

@@ -13,6 +13,7 @@ from ringserve import columns
 from ringserve.metrics import ServiceMetrics, ignore_seconds
 from ringserve.v1 import common_pb2, detokenizer_pb2, detokenizer_pb2_grpc
 from services.detokenizer.manager import DetokenizerManager
+from services.detokenizer.request_trace import RequestTracer
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,7 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServicer):
         self.streams = 0  # open scheduler streams
         self.observe_step = ignore_seconds  # seconds route() took for one step (services/detokenizer/metrics.py)
         self.metrics: ServiceMetrics | None = None  # the service's registry and endpoint (main.start)
+        self.requests: RequestTracer | None = None  # spans and log lines per request (main.start), when asked
 
     def load(self) -> common_pb2.LoadReport:
         return common_pb2.LoadReport(instance_id=self.instance_id,
@@ -129,6 +131,8 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServicer):
             if queue is not None:
                 queue.put_nowait(out)
         self.observe_step(time.perf_counter() - started)
+        if self.requests is not None:
+            self.requests.observe(batch)
 
     async def Stream(self, request_iterator: AsyncIterator[detokenizer_pb2.BatchTokenIDOutput],
                      context: grpc.aio.ServicerContext) -> AsyncIterator[detokenizer_pb2.DetokenizerEvent]:
@@ -150,6 +154,8 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServicer):
             self.streams -= 1
             if not self.streams:
                 dropped = self.manager.drop_all()
+                if self.requests is not None:
+                    self.requests.drop_all("the scheduler stream ended")
                 if dropped:
                     log.warning("scheduler stream ended; dropped %d decode states", dropped)
 

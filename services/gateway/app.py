@@ -46,6 +46,7 @@ from .protocol import (
     GenerateRequest,
     TokenizeRequest,
 )
+from .request_context import RequestContextMiddleware
 
 # Probes and Prometheus scrapes must work without the key (vLLM keys only the API routes).
 OPEN_PATHS = frozenset({"/health", "/health_generate", "/metrics"})
@@ -273,6 +274,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, limit=config.max_request_body_bytes)
     if config.api_keys:
         app.add_middleware(ApiKeyMiddleware, api_keys=config.api_keys)
+    # Outside Starlette's error middleware too: a 500 carries X-Request-Id and ends its span.
+    build_stack = app.build_middleware_stack
+    app.build_middleware_stack = lambda: RequestContextMiddleware(build_stack())  # type: ignore[method-assign]
 
     def client_of(request: Request) -> TokenizerClient:
         return request.app.state.client

@@ -35,7 +35,7 @@ from typing import Any
 import grpc
 from google.protobuf import text_format
 
-from ringserve import grpcutil
+from ringserve import grpcutil, tracing
 from ringserve.prompt_bounds import BoundExceeded, PromptBounds
 from ringserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 
@@ -159,7 +159,9 @@ class TokenizerClient:
         """
         started = time.monotonic()
         await self.check_bounds(PromptBounds.check_generate, req)
-        call = self.stub.Generate(req, timeout=self._config.request_timeout_s, metadata=self._metadata)
+        # Traced: the request's span is current here, and the tokenizer continues it.
+        call = self.stub.Generate(req, timeout=self._config.request_timeout_s,
+                                  metadata=self._metadata + tracing.grpc_metadata())
         log_output = None
         if self._config.log_requests:
             logger.info("request %s: %s", req.rid, text_format.MessageToString(req, as_one_line=True))

@@ -9,13 +9,13 @@ continue_final_message rules, content part types) raise a 400 here, before anyth
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Sequence
 
-from ringserve import limits
+from ringserve import limits, tracing
 from ringserve import sampling_params as table
 from ringserve.v1 import common_pb2, tokenizer_pb2
 
+from . import request_context
 from .constraints import forced_tool_constraint, forced_tools, native_constraint, request_constraint
 from .errors import invalid
 from .protocol import (
@@ -33,9 +33,27 @@ from .protocol import (
 MAX_BATCH_PROMPTS = 2048
 
 def new_rid(req: SamplingFields | GenerateRequest) -> str:
-    """The client's rid (``rid`` or vLLM's ``request_id``), else a fresh uuid4 hex."""
-    rid = req.rid or getattr(req, "request_id", None)
-    return rid or uuid.uuid4().hex
+    """The request's rid: its ``X-Request-Id``, else the body's (``rid`` or vLLM's ``request_id``),
+    else the fresh id its response carries (``request_context.adopt``, which also puts the
+    request's GenAI attributes on its span).
+
+    Raises:
+        GatewayError(400): ``X-Request-Id`` and the body's rid differ.
+    """
+    return request_context.adopt(req.rid or getattr(req, "request_id", None), lambda: _span_attributes(req))
+
+
+def _span_attributes(req: SamplingFields | GenerateRequest) -> dict:
+    """The OpenTelemetry GenAI request attributes of ``req`` (those it gives)."""
+    sampling = req.sampling_params if isinstance(req, GenerateRequest) else req
+    attrs = {
+        tracing.GEN_AI_OPERATION: "chat" if isinstance(req, ChatCompletionRequest) else "text_completion",
+        tracing.GEN_AI_REQUEST_MODEL: getattr(req, "model", None),
+        tracing.GEN_AI_REQUEST_MAX_TOKENS: getattr(req, "max_completion_tokens", None)
+        or getattr(sampling, "max_tokens", None) or getattr(sampling, "max_new_tokens", None),
+        tracing.GEN_AI_REQUEST_TEMPERATURE: sampling.temperature,
+    }
+    return {k: v for k, v in attrs.items() if v is not None}
 
 
 def _table_params(req: object, out: common_pb2.SamplingParams, http_names: bool, prefix: str = "") -> None:

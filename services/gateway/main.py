@@ -7,12 +7,13 @@ import logging
 
 import uvicorn
 
-from ringserve import grpcutil
+from ringserve import grpcutil, tracing
 from ringserve.options.parse import ConfigParser
 
 from .app import create_app
 from .config import GatewayConfig
 from .http_server import TimedH11Protocol
+from .request_context import RequestLogFilter
 
 
 def parse_args(argv: list[str] | None) -> GatewayConfig:
@@ -26,7 +27,10 @@ def parse_args(argv: list[str] | None) -> GatewayConfig:
 def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
     grpcutil.configure(config.transport)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s gateway: %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s gateway: %(request_tag)s%(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RequestLogFilter())
+    tracing.setup("gateway", config.tracing)
     uvicorn.run(
         create_app(config),
         host=config.host,

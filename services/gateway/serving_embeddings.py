@@ -20,9 +20,10 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 from starlette.responses import Response
 
+from ringserve import tracing
 from ringserve.v1 import tokenizer_pb2
 
-from . import schemas, sse
+from . import request_context, schemas, sse
 from .backend import TokenizerClient
 from .body import BodyRoute
 from .errors import invalid
@@ -102,7 +103,10 @@ async def create_embeddings(client: TokenizerClient, request: Request, body: Emb
         ClientDisconnected: the client went away first.
     """
     model = await client.check_model(body.model)
-    resp = await sse.unless_disconnected(request, client.embed(embed_request(body)))
+    pb = embed_request(body)
+    pb.rid = request_context.adopt(None, lambda: {tracing.GEN_AI_OPERATION: "embeddings",
+                                                  tracing.GEN_AI_REQUEST_MODEL: body.model})
+    resp = await sse.unless_disconnected(request, client.embed(pb))
     data = [{"object": "embedding", "index": i, "embedding": encode(e.values, body.encoding_format)}
             for i, e in enumerate(resp.embeddings)]
     usage = {"prompt_tokens": resp.prompt_tokens, "total_tokens": resp.prompt_tokens}

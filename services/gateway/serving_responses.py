@@ -19,7 +19,9 @@ import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from . import schemas, sse
+from ringserve import tracing
+
+from . import request_context, schemas, sse
 from .backend import GenerateStream, TokenizerClient
 from .body import BodyRoute
 from .chat_output import mark_reasoning, parser_factory
@@ -76,6 +78,14 @@ async def _events(streams: Sequence[GenerateStream], builder: ResponseBuilder, u
             stream.cancel()
 
 
+def _span_attributes(req: ResponsesRequest) -> dict:
+    """The OpenTelemetry GenAI request attributes of ``req`` (those it gives)."""
+    attrs = {tracing.GEN_AI_OPERATION: "chat", tracing.GEN_AI_REQUEST_MODEL: req.model,
+             tracing.GEN_AI_REQUEST_MAX_TOKENS: req.max_output_tokens,
+             tracing.GEN_AI_REQUEST_TEMPERATURE: req.temperature}
+    return {k: v for k, v in attrs.items() if v is not None}
+
+
 async def create_response(
     client: TokenizerClient, request: Request, req: ResponsesRequest, config: GatewayConfig, store: ResponseStore
 ) -> Response:
@@ -97,13 +107,15 @@ async def create_response(
     new_items = input_items(req)
     items = (*previous, *new_items)
     chat = chat_request(req, items)
-    rid = uuid.uuid4().hex
+    # The rid is the request's X-Request-Id (or a fresh one, request_context); the response's
+    # own id is new each time, so a client's reused X-Request-Id never names two stored responses.
+    rid = request_context.adopt(None, lambda: _span_attributes(req))
     pb = generate_request(req, chat, rid)
     mark_reasoning(pb, chat, config)
     make_parser = parser_factory(chat, config)
     model = await client.check_model(req.model)
     stored = req.store is not False and store.enabled
-    head = {"id": f"resp_{rid}", "object": "response", "created_at": int(time.time()), "model": model,
+    head = {"id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()), "model": model,
             **echo(req, stored)}
     usage = Usage()
     builder = ResponseBuilder(head, make_parser, usage)

@@ -26,7 +26,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 
-from ringserve import grpcutil
+from ringserve import grpcutil, tracing
 from ringserve.models.gguf import resolve_model
 from ringserve.options.parse import ConfigParser
 from services.scheduler.config import SchedulerConfig
@@ -118,6 +118,7 @@ async def serve(cfg: SchedulerConfig, stop: asyncio.Event | None = None,
     from services.scheduler.executor.tp import TPGroup, rank_threads
     from services.scheduler.layers.parallel import TensorParallel
     from services.scheduler.metrics import SchedulerMetrics
+    from services.scheduler.request_trace import RequestTracer
     from services.scheduler.servicer import SchedulerServicer
     from services.scheduler.wire import step_output_to_proto
 
@@ -135,6 +136,8 @@ async def serve(cfg: SchedulerConfig, stop: asyncio.Event | None = None,
         group.attach(engine)
     metrics = ServiceMetrics(cfg.model_name)
     SchedulerMetrics(engine, metrics)
+    if tracing.tracer is not None or cfg.log_requests:
+        RequestTracer(engine, cfg.log_requests)
     metrics.serve(cfg.host, cfg.metrics_port)
     aio = asyncio.get_running_loop()
     failure: list[str] = []
@@ -226,6 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     # hold up each other's barriers: with two busy processes beside the ring, PASSIVE
     # gave 159 against 66 tok/s at 16 streams. Set OMP_WAIT_POLICY=PASSIVE there.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    tracing.setup("scheduler", cfg.tracing)
     # Start-up objects (model, torch internals) out of the collector's way once serving:
     # with torch imported, full collections otherwise add ~100 ms pauses to steps.
     sys.exit(asyncio.run(serve(cfg, on_serving=lambda _port: gc.freeze())))

@@ -52,6 +52,7 @@ def req_input_from_proto(msg: scheduler_pb2.TokenizedGenerateReqInput, tokenizer
         priority=msg.priority,
         embed=msg.embed,
         embed_dimensions=msg.embed_dimensions,
+        traceparent=msg.traceparent,
     )
 
 
@@ -82,7 +83,7 @@ def step_output_to_proto(out: StepOutput) -> detokenizer_pb2.BatchTokenIDOutput:
         msg.inits.add(
             row=i.row, prompt_tail_ids=i.prompt_tail_ids, stop=i.stop, skip_special_tokens=i.skip_special_tokens,
             spaces_between_special_tokens=i.spaces_between_special_tokens, no_stop_trim=i.no_stop_trim,
-            top_logprobs_num=i.top_logprobs_num,
+            top_logprobs_num=i.top_logprobs_num, traceparent=i.traceparent,
         )
     fins = msg.finish_reasons
     for fr in out.finish_reasons:

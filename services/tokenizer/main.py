@@ -34,7 +34,7 @@ import socket
 import uuid
 from dataclasses import dataclass, field
 
-from ringserve import grpcutil
+from ringserve import grpcutil, tracing
 from ringserve.apikeys import ApiKeyInterceptor
 from ringserve.grpcutil import ServingServer, start_server
 from ringserve.metrics import ServiceMetrics
@@ -159,6 +159,7 @@ class TokenizerService:
             lambda: asyncio.gather(*(r.loads() for r in self.replicas.replicas)),
             self.readiness.readiness,
             KvEventRelay(self.replicas.replicas),
+            log_requests=self.config.log_requests,
         )
         install_tokenizer_metrics(self.metrics, self.manager, [r.scheduler for r in self.replicas.replicas], servicer,
                                   self.readiness)
@@ -227,6 +228,7 @@ def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
     grpcutil.configure(config.transport)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s tokenizer %(name)s: %(message)s")
+    tracing.setup("tokenizer", config.tracing)
     asyncio.run(serve(config))
 
 

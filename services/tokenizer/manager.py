@@ -35,7 +35,7 @@ from typing import Any
 
 import grpc
 
-from ringserve import priority
+from ringserve import priority, tracing
 from ringserve.metrics import ignore_seconds
 from ringserve.prompt_bounds import BoundExceeded
 from ringserve.v1 import common_pb2, detokenizer_pb2, scheduler_pb2, tokenizer_pb2
@@ -44,6 +44,7 @@ from services.tokenizer.dispatch import Balancer, Dispatcher
 from services.tokenizer.errors import DUPLICATE_REQUEST_ID, RequestError, invalid, unavailable
 from services.tokenizer.model import ModelFacts
 from services.tokenizer.prepare import Prepared, Preparer
+from services.tokenizer.request_trace import trace_prepared
 from services.tokenizer.state import ERROR_STATUS_CODES, ReqState, absorb, split_rows
 from services.tokenizer.workers import Workers
 
@@ -285,6 +286,8 @@ class TokenizerManager:
         _bounded(self.bounds.check_generate, req)
         prepared = await self.workers.run(self.preparer.prepare, req)
         self.observe_tokenize(time.perf_counter() - started)
+        if tracing.tracer is not None:
+            trace_prepared(prepared, started)
         states = self.dispatch(prepared, req.priority)
         reason = "the Generate call ended before the request finished"
         try:

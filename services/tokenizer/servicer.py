@@ -6,18 +6,23 @@ Every ``RequestError`` becomes a gRPC status with its message as details and
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import NoReturn
 
 import grpc
 
+from ringserve import tracing
 from ringserve.metrics import ignore_seconds
 from ringserve.v1 import common_pb2, kv_events_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from services.tokenizer.embed import Embedder
 from services.tokenizer.errors import RequestError, unavailable
 from services.tokenizer.kv_relay import KvEventRelay
 from services.tokenizer.manager import TokenizerManager
+from services.tokenizer.request_trace import GenerateRecord, request_id
 
 SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name
 
@@ -50,15 +55,17 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         readiness: this instance's readiness with its reasons (``ReadinessMonitor.readiness``),
             for GetReadiness.
         kv_relay: the replicas' KV-cache event streams and cache flush (None: UNAVAILABLE).
+        log_requests: log one line per Generate call (``--log-requests``).
     """
 
     def __init__(self, manager: TokenizerManager,
                  scheduler_loads: Callable[[], Sequence[common_pb2.LoadReport | None]] = lambda: [],
                  replica_loads: ReplicaLoads = _no_replicas,
                  readiness: Callable[[], tokenizer_pb2.Readiness] = lambda: tokenizer_pb2.Readiness(ready=True),
-                 kv_relay: KvEventRelay | None = None):
+                 kv_relay: KvEventRelay | None = None, log_requests: bool = False):
         self.manager = manager
         self.kv_relay = kv_relay
+        self.log_requests = log_requests  # --log-requests: a line per Generate call
         self.scheduler_loads = scheduler_loads
         self.replica_loads = replica_loads
         self.readiness = readiness
@@ -68,19 +75,39 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
     # grpc.aio also serves a response stream written through context.write; the stub names only the iterator form.
     async def Generate(  # type: ignore[override]
             self, request: tokenizer_pb2.GenerateReqInput, context: grpc.aio.ServicerContext) -> None:
-        """Stream GenerateOutputs; a cancelled call aborts the request (through ``aclose``)."""
-        outputs = self.manager.generate(request)
-        sending = 0.0
+        """Stream GenerateOutputs; a cancelled call aborts the request (through ``aclose``).
+        ``x-request-id`` metadata names the rid; the call's span and log line: ``GenerateRecord``."""
+        metadata = context.invocation_metadata()
+        record = None
         try:
-            async for out in outputs:
-                started = time.perf_counter()
-                await context.write(out)
-                sending += time.perf_counter() - started
-            self.observe_send(sending)
+            request_id(request, metadata)
         except RequestError as err:
             await _fail(context, err)
+        if tracing.tracer is not None or self.log_requests:
+            request.rid = request.rid or uuid.uuid4().hex  # the id the span and the log line name
+            record = GenerateRecord(request, metadata, self.manager.facts.served_model_name, self.log_requests)
+        outputs = self.manager.generate(request)
+        sending = 0.0
+        error, cancelled = None, False
+        try:
+            with record.current() if record is not None else contextlib.nullcontext():
+                async for out in outputs:
+                    if record is not None:
+                        record.output(out)
+                    started = time.perf_counter()
+                    await context.write(out)
+                    sending += time.perf_counter() - started
+            self.observe_send(sending)
+        except RequestError as err:
+            error = err
+            await _fail(context, err)
+        except asyncio.CancelledError:
+            cancelled = True
+            raise
         finally:
             await outputs.aclose()
+            if record is not None:
+                record.end(error, cancelled)
 
     async def Embed(self, request: tokenizer_pb2.EmbedRequest,
                     context: grpc.aio.ServicerContext) -> tokenizer_pb2.EmbedResponse:

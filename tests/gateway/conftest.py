@@ -59,6 +59,7 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
         self.tokenize_requests: list[tokenizer_pb2.TokenizeRequest] = []
         self.pieces_requests: list[list[int]] = []
         self.authorizations: list[str | None] = []  # each Generate call's authorization metadata
+        self.metadata: list[dict[str, str]] = []  # each Generate call's whole metadata
         self.readiness = tokenizer_pb2.Readiness(ready=True, replicas=1)  # what GetReadiness answers
         self.embed_requests: list[tokenizer_pb2.EmbedRequest] = []
 
@@ -70,6 +71,7 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
     async def Generate(self, request, context):
         self.requests.append(request)
         self.authorizations.append(dict(context.invocation_metadata()).get("authorization"))
+        self.metadata.append(dict(context.invocation_metadata()))
         try:
             for step in list(self.script):
                 if isinstance(step, Fail):

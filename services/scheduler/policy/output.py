@@ -22,6 +22,7 @@ class RowInit:
     spaces_between_special_tokens: bool
     no_stop_trim: bool
     top_logprobs_num: int
+    traceparent: str = ""  # the request's trace context, for the detokenizer's span
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ class StepOutput:
             p = req.sampling
             self.inits.append(
                 RowInit(row, list(req.origin_input_ids[-PROMPT_TAIL:]), p.stop, p.skip_special_tokens,
-                        p.spaces_between_special_tokens, p.no_stop_trim, req.top_logprobs_num)
+                        p.spaces_between_special_tokens, p.no_stop_trim, req.top_logprobs_num, req.traceparent)
             )
         self.rids.append(req.rid)
         self.tokenizer_ids.append(req.tokenizer_id)

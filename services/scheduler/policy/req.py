@@ -83,6 +83,7 @@ class ReqInput:
     priority: int = 0  # lower runs first under the priority policy (ringserve.priority)
     embed: bool = False  # prefill only, then the pooled final hidden states (executor/pooling.py)
     embed_dimensions: int = 0  # with embed: the first this many dimensions (0 = all)
+    traceparent: str = ""  # W3C trace context of the request's spans; "": not traced
 
 
 class TokenView(Sequence[int]):
@@ -144,6 +145,7 @@ class Req:
     def __init__(self, spec: ReqInput):
         self.rid = spec.rid
         self.tokenizer_id = spec.tokenizer_id
+        self.traceparent = spec.traceparent
         self.sampling = spec.sampling
         self.return_logprob = spec.return_logprob
         self.top_logprobs_num = spec.top_logprobs_num

@@ -88,6 +88,17 @@ scheduler's default tag carries its variant: <tag>-cpu or <tag>-cuda. */}}
 - --tls-ca-file={{ include "ringserve.grpcTlsDir" . }}/ca.crt
 {{- end }}
 {{- end -}}
+{{- define "ringserve.observabilityArgs" -}}
+{{- if .Values.config.logRequests }}
+- --log-requests
+{{- end }}
+{{- with .Values.config.tracing.otlpTracesEndpoint }}
+- --otlp-traces-endpoint={{ . }}
+{{- end }}
+{{- with .Values.config.tracing.sampleRatio }}
+- --otlp-traces-sample-ratio={{ . }}
+{{- end }}
+{{- end -}}
 {{- define "ringserve.grpcTlsMount" -}}
 {{- if .Values.grpcTls.enabled }}
 - name: grpc-tls
