@@ -60,12 +60,13 @@ class GatewayOptions:
         "--log-requests", False, launch=True,
         not_in_chart="prompts and outputs in the pods' logs: opt in with config.gateway.extraArgs",
         help="log prompts and outputs; by default they are never written to the log")
-    tool_call_parser: str = option(
-        "--tool-call-parser", "hermes", choices=(*names.TOOL_CALL_PARSERS, "none"), launch=True,
+    tool_call_parser: str | None = option(
+        "--tool-call-parser", None, choices=(*names.TOOL_CALL_PARSERS, "none"), launch=True,
         chart="config.gateway.toolCallParser",
         help="format of the model's own tool calls under tool_choice auto: hermes (<tool_call> JSON: Hermes, "
              "Qwen2.5/3, chatml_tools.jinja), llama3_json (Llama 3.x), mistral ([TOOL_CALLS]), pythonic "
-             "([f(a=1)]); none = leave them in content")
+             "([f(a=1)]); none = leave them in content (default: the one the tokenizer reports for the chat "
+             "template it chose, hermes for the shipped chatml_tools.jinja; else hermes)")
     reasoning_parser: str | None = option(
         "--reasoning-parser", None, choices=names.REASONING_PARSERS, launch=True,
         chart="config.gateway.reasoningParser",
