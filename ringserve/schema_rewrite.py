@@ -53,7 +53,8 @@ class SchemaRefused(ValueError):
         super().__init__(f"{keyword} at {pointer or '(root)'} {reason}")
 
 
-def _token(name: str) -> str:
+def pointer_token(name: str) -> str:
+    """``name`` as one reference token of a JSON Pointer (RFC 6901: ``~`` as ``~0``, ``/`` as ``~1``)."""
     return name.replace("~", "~0").replace("/", "~1")
 
 
@@ -104,9 +105,9 @@ def rewrite_in_place(schema: Any) -> bool:
             renamed[id(node)] = node
         children: list[tuple[Any, str]] = []
         for key, value in node.items():
-            at = f"{pointer}/{_token(key)}"
+            at = f"{pointer}/{pointer_token(key)}"
             if key in _MAP_KEYWORDS and isinstance(value, dict):
-                children.extend((sub, f"{at}/{_token(name)}") for name, sub in value.items())
+                children.extend((sub, f"{at}/{pointer_token(name)}") for name, sub in value.items())
             elif key in _LIST_KEYWORDS and isinstance(value, list):
                 children.extend((sub, f"{at}/{i}") for i, sub in enumerate(value))
             elif key in _SCHEMA_KEYWORDS:
@@ -157,5 +158,5 @@ def _renamed_ref(schema: Any, ref: Any, renamed: dict[int, dict]) -> Any:
             node[int(token)] if isinstance(node, list) and token.isdigit() and int(token) < len(node) else None
     if not moved:
         return ref
-    return "#" + urllib.parse.quote("".join("/" + _token(t) for t in tokens), safe="/~!$&'()*+,;=:@")
+    return "#" + urllib.parse.quote("".join("/" + pointer_token(t) for t in tokens), safe="/~!$&'()*+,;=:@")
 

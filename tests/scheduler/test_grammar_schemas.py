@@ -85,3 +85,16 @@ def test_a_one_of_not_provably_exclusive_is_refused_by_both_engines(backend):
     with pytest.raises(GrammarError) as info:
         backend.compile(GrammarSpec("json_schema", json.dumps(schema)))
     assert str(info.value).startswith("oneOf at /properties/n is not provably exclusive: branches 0 and 1 "), info.value
+
+
+def test_xgrammar_refuses_a_keyword_the_rewrite_did_not_reach(backend):
+    """An unreferenced ``$defs`` entry is not compiled by llguidance, so the rewrite leaves it;
+    xgrammar might compile it, so it refuses what is left anywhere, as it always did."""
+    schema = {"$defs": {"x": {"oneOf": [{"type": "integer"}, {"type": "number"}]}}, "type": "string", "maxLength": 4}
+    spec = GrammarSpec("json_schema", json.dumps(schema))
+    if backend.name == "llguidance":
+        backend.compile(spec)
+        return
+    with pytest.raises(GrammarError) as info:
+        backend.compile(spec)
+    assert str(info.value) == "oneOf at /$defs/x is not supported by the xgrammar backend"

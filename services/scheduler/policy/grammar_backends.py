@@ -28,6 +28,7 @@ alternatives or a regex counting to 300,000), which the engine checks after ever
 from __future__ import annotations
 
 import importlib.util
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +37,7 @@ from typing import Any, Protocol
 import torch
 
 from ringserve.options import names
-from ringserve.schema_rewrite import rewrite_schema
+from ringserve.schema_rewrite import REFUSED_KEYWORDS, pointer_token, rewrite_schema
 
 # Whitespace allowed between JSON tokens: enough for indented output, never an endless run.
 JSON_WHITESPACE_MAX = 16
@@ -226,8 +227,9 @@ class XGrammarBackend:
     def compile(self, spec: GrammarSpec) -> Any:
         try:
             if spec.kind == "json_schema":
-                return self.compiler.compile_json_schema(rewrite_schema(spec.text), strict_mode=False,
-                                                         any_whitespace=True,
+                text = rewrite_schema(spec.text)
+                _refuse_left_over(json.loads(text))
+                return self.compiler.compile_json_schema(text, strict_mode=False, any_whitespace=True,
                                                          max_whitespace_cnt=JSON_WHITESPACE_MAX)
             if spec.kind == "regex":
                 return self.compiler.compile_regex(spec.text)
@@ -243,6 +245,27 @@ class XGrammarBackend:
         # Stop tokens are allowed wherever the grammar may end, and accepting one ends it (its
         # terminate_without_stop_token would forbid ending "ab" under "ab(c)?", forcing the "c").
         return XGrammarMatcher(self._xgr.GrammarMatcher(compiled))
+
+
+def _refuse_left_over(schema: Any) -> None:
+    """Raise GrammarError naming a keyword xgrammar would approximate that the rewrite left in
+    place: one it does not reach (a ``$ref`` it cannot follow, an unreferenced ``$defs``
+    entry) is refused anywhere in the document, ``oneOf`` included, as xgrammar might compile it."""
+    todo: list[tuple[Any, str]] = [(schema, "")]
+    while todo:
+        node, pointer = todo.pop()
+        if isinstance(node, list):
+            todo.extend((v, f"{pointer}/{i}") for i, v in enumerate(node))
+        elif isinstance(node, dict):
+            key = next((k for k in ("oneOf", *REFUSED_KEYWORDS) if k in node), None)
+            if key is not None:
+                raise GrammarError(f"{key} at {pointer or '(root)'} is not supported by the xgrammar backend")
+            for name, value in node.items():
+                at = f"{pointer}/{pointer_token(name)}"
+                if name in ("properties", "patternProperties", "$defs", "definitions") and isinstance(value, dict):
+                    todo.extend((sub, f"{at}/{pointer_token(k)}") for k, sub in value.items())  # keys are names here
+                elif name not in ("const", "enum", "default", "examples"):  # JSON data, not schemas
+                    todo.append((value, at))
 
 
 GRAMMAR_BACKENDS: dict[str, Callable[[Path, int, frozenset[int]], GrammarBackend]] = {
