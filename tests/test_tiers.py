@@ -19,7 +19,7 @@ KNOWN = {
     "tests/scheduler/test_radix_cache.py::test_repeated_prompt_reuses_all_but_its_last_token": "model",
     "tests/scheduler/test_policy_plans.py::test_an_unknown_policy_is_refused": "unit",
     "tests/e2e/test_api_keys.py::test_gateway_passes_the_key": "ring",
-    # tools_ring, through the module's own `ring` fixture.
+    # stack, through the module's own `ring` fixture.
     "tests/e2e/test_cases_structured.py::test_abort_of_a_constrained_stream_releases_everything": "ring",
     "tests/e2e/test_launcher_orphans.py::test_kv_memory_share_is_split_over_replicas": "unit",
     "tests/e2e/test_launcher_orphans.py::test_ctrl_c_stops_a_launcher_started_with_sigint_ignored": "ring",

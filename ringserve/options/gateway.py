@@ -57,12 +57,13 @@ class GatewayOptions:
         "--max-request-body-bytes", 16 * 1024 * 1024, check=Above(0), launch=True,
         chart="config.gateway.maxRequestBodyBytes", help="larger request bodies get HTTP 413 before parsing")
     log_requests: bool = LOG_REQUESTS.field()
-    tool_call_parser: str = option(
-        "--tool-call-parser", "hermes", choices=(*names.TOOL_CALL_PARSERS, "none"), launch=True,
+    tool_call_parser: str | None = option(
+        "--tool-call-parser", None, choices=(*names.TOOL_CALL_PARSERS, "none"), launch=True,
         chart="config.gateway.toolCallParser",
         help="format of the model's own tool calls under tool_choice auto: hermes (<tool_call> JSON: Hermes, "
              "Qwen2.5/3, chatml_tools.jinja), llama3_json (Llama 3.x), mistral ([TOOL_CALLS]), pythonic "
-             "([f(a=1)]); none = leave them in content")
+             "([f(a=1)]); none = leave them in content (default: the one the tokenizer reports for the chat "
+             "template it chose, hermes for the shipped chatml_tools.jinja; else hermes)")
     reasoning_parser: str | None = option(
         "--reasoning-parser", None, choices=names.REASONING_PARSERS, launch=True,
         chart="config.gateway.reasoningParser",

@@ -3,7 +3,8 @@
 Which parsers apply is decided per request: reasoning (``--reasoning-parser``, unless
 the request turns thinking off), then tool calls: the forced array format when
 ``tool_choice`` is "required" or a named function, the model's own format
-(``--tool-call-parser``) when tools are offered under "auto", none otherwise. The
+(``--tool-call-parser``, by default the tokenizer's report) when tools are offered under
+"auto", none otherwise. The
 non-streamed message goes through the same incremental parsers in one feed, so the
 streamed deltas joined equal it.
 """
@@ -21,7 +22,14 @@ from .protocol import ChatCompletionRequest
 from .reasoning import CLOSE as REASONING_END
 from .reasoning import OPEN as REASONING_START
 from .reasoning import REASONING_PARSERS, ReasoningParser, make_reasoning_parser
-from .tool_parsers import TOOL_CALL_PARSERS, ToolCallDelta, ToolParser, forced_parser, join_deltas
+from .tool_parsers import (
+    DEFAULT_TOOL_CALL_PARSER,
+    TOOL_CALL_PARSERS,
+    ToolCallDelta,
+    ToolParser,
+    forced_parser,
+    join_deltas,
+)
 
 
 @dataclass
@@ -75,18 +83,29 @@ def mark_reasoning(pb: tokenizer_pb2.GenerateReqInput, req: ChatCompletionReques
         pb.chat.reasoning_start = REASONING_START
 
 
-def parser_factory(req: ChatCompletionRequest, config: GatewayConfig) -> Callable[[bool], ChoiceParser] | None:
+def tool_call_parser_name(config: GatewayConfig, reported: str = "") -> str:
+    """The tool-call parser in use: ``--tool-call-parser`` when given, else the one the
+    tokenizer reports for the chat template it chose (``ModelInfo.tool_call_parser``), else
+    ``DEFAULT_TOOL_CALL_PARSER``."""
+    return config.tool_call_parser or reported or DEFAULT_TOOL_CALL_PARSER
+
+
+def parser_factory(req: ChatCompletionRequest, config: GatewayConfig,
+                   reported_parser: str = "") -> Callable[[bool], ChoiceParser] | None:
     """A maker of per-choice parsers for ``req``, or None when its text is plain content; it
     takes whether the prompt opened the reasoning (``GenerateOutput.reasoning_open``).
+    ``reported_parser``: the tokenizer's ``ModelInfo.tool_call_parser`` (see
+    ``tool_call_parser_name``).
 
     An output constraint on a thinking request applies where the reasoning parser sees no
     reasoning (``mark_reasoning``).
     """
     reasoning = config.reasoning_parser
+    name = tool_call_parser_name(config, reported_parser)
     if forced_tools(req) is not None:
         tools: Callable[[], ToolParser] | None = forced_parser
-    elif req.tools and req.tool_choice != "none" and config.tool_call_parser != "none":
-        tools = TOOL_CALL_PARSERS[config.tool_call_parser]
+    elif req.tools and req.tool_choice != "none" and name != "none":
+        tools = TOOL_CALL_PARSERS[name]
     else:
         tools = None
     if reasoning is None and tools is None:

@@ -87,7 +87,8 @@ async def create_chat_completion(
     rid = convert.new_rid(req)
     pb = convert.chat_request(req, rid)
     mark_reasoning(pb, req, config)
-    make_parser = parser_factory(req, config)
+    reported = (await client.model_card()).info.tool_call_parser if req.tools and not config.tool_call_parser else ""
+    make_parser = parser_factory(req, config, reported)
     model = await client.check_model(req.model)
     echo = _echo_text(req)
 

@@ -12,7 +12,8 @@ Formats (``--tool-call-parser``):
 
 - ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks anywhere
   in the text, the rest is content (NousResearch Hermes 2/3, Qwen2.5, Qwen3, and
-  ringserve/templates/chatml_tools.jinja for ChatML models such as SmolLM2).
+  ringserve/templates/chatml_tools.jinja, which the tokenizer renders with for a ChatML
+  model whose own template renders no tools, such as SmolLM2).
 - ``llama3_json``: the whole output is ``{"name": ..., "parameters": {...}}`` (optionally
   after ``<|python_tag|>``), several separated by ``;`` (Llama 3.1/3.2/3.3).
 - ``mistral``: ``[TOOL_CALLS]`` then a JSON array of ``{"name", "arguments"}`` objects
@@ -275,6 +276,8 @@ TOOL_CALL_PARSERS = {
     "pythonic": PythonicToolParser,
 }
 names.check_registry("tool-call parser", TOOL_CALL_PARSERS, names.TOOL_CALL_PARSERS)
+# Without --tool-call-parser and without one reported by the tokenizer: the most common format.
+DEFAULT_TOOL_CALL_PARSER = "hermes"
 
 
 def forced_parser() -> ToolParser:

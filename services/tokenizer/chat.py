@@ -204,8 +204,8 @@ def render_chat(tokenizer: Any, chat: tokenizer_pb2.ChatInput) -> str:
         if tools and prompt == render(None):
             raise invalid(
                 "this model's chat template does not render tools, so the model would never see them; "
-                "start it with --chat-template FILE (ringserve launch or the tokenizer; "
-                "ringserve/templates/chatml_tools.jinja fits ChatML models such as SmolLM2)",
+                "start it with --chat-template FILE, a template that renders them (ringserve launch or the "
+                "tokenizer; a ChatML model gets ringserve/templates/chatml_tools.jinja by default)",
                 "tools",
                 INVALID_REQUEST,
             )

@@ -1,13 +1,15 @@
 """Check a request's output constraint and put it in the form the scheduler compiles.
 
-The scheduler's grammar backend is the authority on what compiles (an unknown ``$ref``, a
-regex its engine rejects, an unenforceable keyword: FINISH_ABORT / INVALID_ARGUMENT from
-there); here go the checks that need no grammar engine, so that most mistakes are a 400
+The scheduler's grammar backend is the authority on what compiles (a ``$ref`` that is not a
+local JSON Pointer, a regex its engine rejects, a limit of its parser: FINISH_ABORT /
+INVALID_ARGUMENT from there); here go the checks that need no grammar engine, so that most mistakes are a 400
 before dispatch: a schema that is not JSON or fails the JSON Schema 2020-12 meta-schema,
 an empty regex, grammar or choice list, a constraint over the limits of ``ringserve.limits``, a
 choice list longer than ``MAX_CHOICES``, a regex (or schema pattern) that counts further
-than ``regex_repeats.MAX_REPEAT``. A choice list becomes a GBNF grammar of string literals
-and ``json_object`` the schema ``{"type": "object"}``: the scheduler sees only json_schema,
+than ``regex_repeats.MAX_REPEAT``, a schema keyword no engine enforces or a ``oneOf`` not
+provably exclusive (``ringserve.schema_rewrite``, which also puts the schema in the form the
+scheduler compiles). A choice list becomes a GBNF grammar of string literals and
+``json_object`` the schema ``{"type": "object"}``: the scheduler sees only json_schema,
 regex and ebnf.
 """
 
@@ -19,6 +21,7 @@ from collections.abc import Callable
 import jsonschema
 
 from ringserve import limits
+from ringserve.schema_rewrite import SchemaRefused, rewrite_in_place
 from ringserve.v1 import common_pb2
 from services.tokenizer.errors import invalid, over_limit
 from services.tokenizer.regex_repeats import MAX_REPEAT, max_repeat
@@ -92,7 +95,11 @@ def _check_schema(text: str, param: str) -> str:
         raise invalid(f"{param}: not a valid JSON Schema at {where}: {exc.message}", param) from None
     for pattern in _schema_patterns(schema):
         _check_repeats(pattern, param, f"the schema pattern {pattern[:40]!r}")
-    return text
+    try:
+        changed = rewrite_in_place(schema)
+    except SchemaRefused as exc:
+        raise invalid(f"{param}: {exc}", param) from None
+    return json.dumps(schema) if changed else text
 
 
 def resolve_constraint(c: common_pb2.Constraint) -> common_pb2.Constraint:

@@ -42,6 +42,7 @@ from ringserve.models.gguf import resolve_model
 from ringserve.options.parse import ConfigParser
 from ringserve.options.tokenizer import TokenizerOptions
 from ringserve.v1 import tokenizer_pb2_grpc
+from services.tokenizer.chat_template import choose_chat_template
 from services.tokenizer.errors import unavailable
 from services.tokenizer.kv_relay import KvEventRelay
 from services.tokenizer.links import DetokenizerLink, Link, SchedulerLink
@@ -91,9 +92,9 @@ class TokenizerService:
     def __init__(self, config: TokenizerConfig):
         self.config = config
         tokenizer = load_tokenizer(config.model)
-        if config.chat_template is not None:
-            tokenizer.chat_template = config.chat_template.read_text()
-        facts = model_facts(config.model, tokenizer, config.served_model_name, config.context_length)
+        template = choose_chat_template(tokenizer, config.chat_template)
+        facts = model_facts(config.model, tokenizer, config.served_model_name, config.context_length,
+                            template.tool_call_parser)
         self.manager = TokenizerManager(
             tokenizer, facts, config.instance_id,
             allow_special_tokens_in_messages=config.allow_special_tokens_in_messages,

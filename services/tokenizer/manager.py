@@ -376,6 +376,7 @@ class TokenizerManager:
             has_chat_template=f.has_chat_template,
             eos_token_ids=f.eos_token_ids,
             chars_per_token=self.bounds.chars_per_token or 0,
+            tool_call_parser=f.tool_call_parser,
         )
 
     def load(self) -> common_pb2.LoadReport:

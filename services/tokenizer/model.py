@@ -31,6 +31,7 @@ class ModelFacts:
     vocab_size: int  # the tokenizer vocabulary size: valid ids are [0, vocab_size)
     eos_token_ids: tuple[int, ...]  # ringserve.modelfacts.eos_token_ids: what the scheduler stops on
     has_chat_template: bool
+    tool_call_parser: str = ""  # services/tokenizer/chat_template.py: the parser of the template it chose
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -55,7 +56,8 @@ def load_tokenizer(model_dir: Path) -> Any:
 
 
 def model_facts(
-    model_dir: Path, tokenizer: Any, served_model_name: str | None = None, context_length: int | None = None
+    model_dir: Path, tokenizer: Any, served_model_name: str | None = None, context_length: int | None = None,
+    tool_call_parser: str = "",
 ) -> ModelFacts:
     """Facts of ``model_dir``: context length from the flag or config.json's max_position_embeddings.
 
@@ -80,4 +82,5 @@ def model_facts(
         vocab_size=tokenizer_vocab_size(vocabulary),
         eos_token_ids=eos_token_ids(model_dir, vocabulary.token_to_id),
         has_chat_template=bool(tokenizer.chat_template),
+        tool_call_parser=tool_call_parser,
     )

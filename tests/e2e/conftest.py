@@ -1,6 +1,7 @@
-"""Rings shared by several modules, each launched once per session: the tools ring for the
-structured-output, tool and reasoning cases; a ring behind API keys with small limits; a
-bf16 ring with mutual TLS between its services."""
+"""Rings shared by several modules, each launched once per session: a ring behind API keys
+with small limits; a bf16 ring with mutual TLS between its services. (The default ring,
+``stack`` in tests/conftest.py, serves the structured-output, tool and reasoning cases: its
+tokenizer renders SmolLM2's chats with the shipped ChatML tools template.)"""
 
 from __future__ import annotations
 
@@ -14,17 +15,6 @@ from tests.helpers.ringstack import launched
 from tests.helpers.tiers import ring_fixture
 from tests.helpers.tls import write_pems
 
-TEMPLATE = Path(__file__).resolve().parents[2] / "ringserve" / "templates" / "chatml_tools.jinja"
-
-
-@ring_fixture(scope="session")
-def tools_ring(smollm2_dir: Path):
-    """SmolLM2 in fp32 with ``--chat-template ringserve/templates/chatml_tools.jinja`` (its own
-    template cannot render tools), launched once for the modules that need it; the last test
-    of a session (tests/e2e/test_launcher_orphans.py) SIGKILLs its launcher."""
-    with launched(smollm2_dir, "--chat-template", str(TEMPLATE)) as ring:
-        yield ring
-
 
 @ring_fixture(scope="session")
 def keyed_ring(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory):
@@ -32,7 +22,8 @@ def keyed_ring(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     ``--api-key-file`` (``API_KEYS``: a rotation, both valid), with ``--log-requests``, two
     request slots, a queue of one (``--max-queued-requests 1``) and a 4096-token KV pool; the
     ring's calls present the first key, its output goes to ``ring.log()``; SSE keepalive comments
-    every second. For test_api_keys.py, test_reliability_overload.py and test_sse_keepalive_ring.py."""
+    every second. For test_api_keys.py, test_reliability_overload.py and test_sse_keepalive_ring.py;
+    the last test of a session (tests/e2e/test_launcher_orphans.py) SIGKILLs its launcher."""
     directory = tmp_path_factory.mktemp("keyed")
     keyfile = directory / "keys"
     keyfile.write_text(f"{API_KEYS[1]}\n")

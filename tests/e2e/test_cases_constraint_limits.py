@@ -1,5 +1,5 @@
 """Grammar failures are errors, never a fail-open or a 500, and a cut call says it was cut:
-through the launched tools ring (``tools_ring``) on SmolLM2 with llguidance.
+through the default ring (``stack``) on SmolLM2 with llguidance.
 
 The documented limits (1,000 choices, repetitions counting to 1,000) are refused by the
 tokenizer before dispatch; a grammar past the engine's own limits at its first step is
@@ -28,8 +28,8 @@ ALTERNATIVES = " | ".join(f'"o{i}"' for i in range(2500))  # one rule, 2,500 way
 
 
 @pytest.fixture
-async def client(tools_ring):
-    async with httpx.AsyncClient(base_url=tools_ring.base_url, timeout=120) as c:
+async def client(stack):
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=120) as c:
         yield c
 
 
@@ -44,8 +44,8 @@ async def _untouched(plain: asyncio.Future, ring) -> None:
     ring.wait_idle()
 
 
-async def test_constraints_past_the_limits_are_a_400_naming_them(tools_ring, client):
-    model = tools_ring.model_name
+async def test_constraints_past_the_limits_are_a_400_naming_them(stack, client):
+    model = stack.model_name
     cases = [
         ({"choice": [f"option {i}" for i in range(2000)]}, "structured_outputs.choice",
          "structured_outputs.choice: 2000 choices; at most 1000 are supported"),
@@ -63,11 +63,11 @@ async def test_constraints_past_the_limits_are_a_400_naming_them(tools_ring, cli
         for stream in (False, True):
             error = await error_of(client, chat_body(model, "Hi", structured_outputs=constraint), stream)
             assert (error["type"], error["param"], error["message"]) == ("invalid_request_error", param, message)
-    await _untouched(plain, tools_ring)
+    await _untouched(plain, stack)
 
 
-async def test_a_grammar_failing_mid_output_ends_that_request_with_an_error(tools_ring, client):
-    model = tools_ring.model_name
+async def test_a_grammar_failing_mid_output_ends_that_request_with_an_error(stack, client):
+    model = stack.model_name
     # The first step ("x") passes; the fifth token enters the 2,500-way rule.
     grammar = f'root ::= "x" [0-9] [0-9] [0-9] " " ( {ALTERNATIVES} )'
     body = chat_body(model, "Hi", structured_outputs={"grammar": grammar})
@@ -83,11 +83,11 @@ async def test_a_grammar_failing_mid_output_ends_that_request_with_an_error(tool
     assert text[:1] == "x" and len(text) <= 4 and text[1:].isdigit(), text
     assert events[-1] == {"error": {"message": message, "type": "invalid_request_error",
                                     "param": "structured_outputs.grammar", "code": "invalid_request"}}
-    await _untouched(plain, tools_ring)
+    await _untouched(plain, stack)
 
 
-async def test_a_forced_call_cut_by_max_tokens_finishes_length(tools_ring, client):
-    body = chat_body(tools_ring.model_name, "What is the weather in Paris for the next 3 days?", tools=[TOOL_W],
+async def test_a_forced_call_cut_by_max_tokens_finishes_length(stack, client):
+    body = chat_body(stack.model_name, "What is the weather in Paris for the next 3 days?", tools=[TOOL_W],
                      tool_choice="required", max_tokens=20)
     plain, streamed = [(await chat(client, body, stream))[0] for stream in (False, True)]
     for msg in (plain, streamed):
@@ -95,4 +95,4 @@ async def test_a_forced_call_cut_by_max_tokens_finishes_length(tools_ring, clien
         assert [c["name"] for c in msg.tool_calls] == ["get_weather"]
     arguments = plain.tool_calls[0]["arguments"]
     assert arguments == streamed.tool_calls[0]["arguments"] and arguments.startswith("{")
-    tools_ring.wait_idle()
+    stack.wait_idle()

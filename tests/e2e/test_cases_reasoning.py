@@ -1,5 +1,5 @@
 """Reasoning through the ring, with gateways started with ``--reasoning-parser deepseek_r1``
-and ``qwen3`` on the shared tools ring's tokenizer (the parsers are gateway work; tags split
+and ``qwen3`` on the default ring's tokenizer (``stack``) (the parsers are gateway work; tags split
 across chunks are checked over every boundary in tests/gateway/test_output_parsers.py).
 
 SmolLM2 does not think. So its answers show what a reasoning model's non-thinking answers
@@ -33,9 +33,9 @@ THINKING = {"messages": [{"role": "user", "content": "What is the capital of Fra
 
 
 @pytest.fixture(scope="module")
-def gateways(tools_ring):
-    with launched_gateway(tools_ring.tokenizer, "--reasoning-parser", "deepseek_r1") as r1, \
-            launched_gateway(tools_ring.tokenizer, "--reasoning-parser", "qwen3") as qwen3:
+def gateways(stack):
+    with launched_gateway(stack.tokenizer, "--reasoning-parser", "deepseek_r1") as r1, \
+            launched_gateway(stack.tokenizer, "--reasoning-parser", "qwen3") as qwen3:
         yield {"deepseek_r1": r1, "qwen3": qwen3}
 
 
@@ -51,8 +51,8 @@ async def qwen3_client(gateways):
         yield c
 
 
-async def test_r01_enable_thinking_false_answers_in_content(tools_ring, client):
-    body = chat_body(tools_ring.model_name, "What is the capital of France?", max_tokens=16,
+async def test_r01_enable_thinking_false_answers_in_content(stack, client):
+    body = chat_body(stack.model_name, "What is the capital of France?", max_tokens=16,
                      chat_template_kwargs={"enable_thinking": False})
     (plain,) = await chat(client, body, stream=False)
     (streamed,) = await chat(client, body, stream=True)
@@ -60,8 +60,8 @@ async def test_r01_enable_thinking_false_answers_in_content(tools_ring, client):
     assert (streamed.content, streamed.reasoning) == (plain.content, plain.reasoning)
 
 
-async def test_r02_max_tokens_inside_the_reasoning_stays_reasoning(tools_ring, client):
-    body = {**chat_body(tools_ring.model_name, THINKING["messages"], max_tokens=5), **THINKING}
+async def test_r02_max_tokens_inside_the_reasoning_stays_reasoning(stack, client):
+    body = {**chat_body(stack.model_name, THINKING["messages"], max_tokens=5), **THINKING}
     (plain,) = await chat(client, body, stream=False)
     (streamed,) = await chat(client, body, stream=True)
     for msg in (plain, streamed):
@@ -69,9 +69,9 @@ async def test_r02_max_tokens_inside_the_reasoning_stays_reasoning(tools_ring, c
     assert streamed.reasoning == plain.reasoning
 
 
-async def test_r04_a_grammar_with_thinking_on_applies_only_after_the_reasoning(tools_ring, client):
+async def test_r04_a_grammar_with_thinking_on_applies_only_after_the_reasoning(stack, client):
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-    body = {**chat_body(tools_ring.model_name, THINKING["messages"], max_tokens=12, response_format={
+    body = {**chat_body(stack.model_name, THINKING["messages"], max_tokens=12, response_format={
         "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}), **THINKING}
     (plain,) = await chat(client, body, stream=False)
     (streamed,) = await chat(client, body, stream=True)
@@ -86,8 +86,8 @@ async def test_r04_a_grammar_with_thinking_on_applies_only_after_the_reasoning(t
     assert msg.reasoning is None and isinstance(msg.content, str)
 
 
-async def test_an_answer_without_a_think_block_gets_its_schema_enforced(tools_ring, qwen3_client):
-    body = chat_body(tools_ring.model_name, "Answer in one English sentence: what is 19+4?", max_tokens=48,
+async def test_an_answer_without_a_think_block_gets_its_schema_enforced(stack, qwen3_client):
+    body = chat_body(stack.model_name, "Answer in one English sentence: what is 19+4?", max_tokens=48,
                      response_format={"type": "json_schema", "json_schema": {"name": "out", "schema": SCHEMA_S06}})
     for stream in (False, True):
         (msg,) = await chat(qwen3_client, body, stream)
@@ -98,8 +98,8 @@ async def test_an_answer_without_a_think_block_gets_its_schema_enforced(tools_ri
 
 @pytest.mark.parametrize("parser,tool_choice", [
     ("qwen3", "required"), ("deepseek_r1", {"type": "function", "function": {"name": "get_weather"}})])
-async def test_an_answer_without_a_think_block_makes_the_forced_call(tools_ring, gateways, parser, tool_choice):
-    body = chat_body(tools_ring.model_name, "What is the weather in Paris for the next 3 days?", tools=[TOOL_W],
+async def test_an_answer_without_a_think_block_makes_the_forced_call(stack, gateways, parser, tool_choice):
+    body = chat_body(stack.model_name, "What is the weather in Paris for the next 3 days?", tools=[TOOL_W],
                      tool_choice=tool_choice, max_tokens=48)
     async with httpx.AsyncClient(base_url=gateways[parser], timeout=120) as client:
         for stream in (False, True):
@@ -107,4 +107,4 @@ async def test_an_answer_without_a_think_block_makes_the_forced_call(tools_ring,
             assert [c["name"] for c in msg.tool_calls] == ["get_weather"], msg
             jsonschema.validate(msg.args[0], TOOL_W["function"]["parameters"])
             assert (msg.finish_reason, msg.content, msg.reasoning) == ("tool_calls", None, None)
-    tools_ring.wait_idle()
+    stack.wait_idle()

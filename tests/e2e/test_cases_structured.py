@@ -1,8 +1,9 @@
 """Structured outputs and tool calls through the launched ring on SmolLM2: the S and T cases
 of docs/cases.md that need no speculative decoding.
 
-The ring (``tools_ring``, tests/e2e/conftest.py) runs the shipped ChatML tool template,
-since SmolLM2's own template cannot render tools.
+The ring is the default one (``stack``): its tokenizer renders with the shipped ChatML tools
+template, chosen at start since SmolLM2's own ChatML template renders no tools, and the
+gateway parses the model's own calls as hermes, the format the tokenizer reports.
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ def valid(text: str | None, schema: dict) -> object:
 
 
 @pytest.fixture
-def ring(tools_ring):
-    return tools_ring
+def ring(stack):
+    return stack
 
 
 @pytest.fixture
@@ -95,8 +96,11 @@ async def test_s01_bad_constraint_is_a_400_and_a_running_stream_finishes(ring, c
     ({"type": "object", "properties": 5}, "5 is not of type 'object'"),
     ({"$ref": "#/$defs/missing"}, "Pointer '/$defs/missing' does not exist"),
     ({"type": "strin"}, "not a valid JSON Schema"),
-    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf"),
-    ({"type": "array", "uniqueItems": True}, "uniqueItems"),
+    ({"properties": {"n": {"oneOf": [{"type": "integer"}, {"type": "number"}]}}},
+     "oneOf at /properties/n is not provably exclusive: branches 0 and 1 (/properties/n/oneOf/0 and "
+     "/properties/n/oneOf/1) may both match (both admit integers)"),
+    ({"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}},
+     "uniqueItems at /properties/tags is not supported"),
 ])
 async def test_s03_invalid_or_unsupported_schema_is_a_400_naming_why(ring, client, schema, reason):
     for stream in (False, True):
@@ -113,6 +117,28 @@ async def test_s03_format_email_is_enforced(ring, client):
     (msg,) = await chat(client, body, stream=False)
     assert msg.finish_reason == "stop"
     assert "@" in valid(msg.content, schema)
+
+
+PET = {"type": "object", "properties": {"pet": {"oneOf": [
+    {"type": "object", "properties": {"kind": {"const": "cat"}, "name": {"type": "string", "maxLength": 16}},
+     "required": ["kind", "name"], "additionalProperties": False},
+    {"type": "object", "properties": {"kind": {"const": "dog"},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 30}},
+     "required": ["kind", "age"], "additionalProperties": False}]}}, "required": ["pet"], "additionalProperties": False}
+HOMEPAGE = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                             "homepage": {"type": "string", "format": "url", "maxLength": 32}},
+            "required": ["name", "homepage"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("schema,prompt", [(PET, "Describe a pet as JSON."),
+                                           (HOMEPAGE, "Give a person's name and homepage as JSON.")])
+async def test_s03_an_exclusive_one_of_and_an_unknown_format_are_answered_with_valid_json(ring, client, schema,
+                                                                                         prompt):
+    for stream in (False, True):
+        (msg,) = await chat(client, chat_body(ring.model_name, prompt, response_format=json_schema(schema),
+                                              max_tokens=96), stream)
+        assert msg.finish_reason == "stop"
+        valid(msg.content, schema)
 
 
 def nested_one_of_defs(depth: int, keyword: str) -> dict:

@@ -4,8 +4,8 @@ call, a tool loop over ``previous_response_id``; each streamed final response eq
 non-streamed one) and the OpenAI Agents SDK in its default (Responses) mode running an agent
 with one function tool to a final answer.
 
-On the shared tools ring (SmolLM2 with ringserve/templates/chatml_tools.jinja and the hermes
-parser). SmolLM2-135M is tiny, so a call is made deterministic by forcing it (tool_choice)
+On the shared default ring (``stack``: SmolLM2, whose template renders no tools, so the
+tokenizer serves it with ringserve/templates/chatml_tools.jinja and the gateway parses hermes). SmolLM2-135M is tiny, so a call is made deterministic by forcing it (tool_choice)
 and decoding greedily; what is asserted is the structure, exactly.
 """
 
@@ -23,8 +23,8 @@ QUESTION = "What is the weather in Paris?"
 
 
 @pytest.fixture
-async def sdk(tools_ring):
-    client = openai.AsyncOpenAI(base_url=f"{tools_ring.base_url}/v1", api_key="none", max_retries=0, timeout=120)
+async def sdk(stack):
+    client = openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="none", max_retries=0, timeout=120)
     yield client
     await client.close()
 
@@ -53,8 +53,8 @@ async def _create_and_stream(sdk, **params) -> dict:
     return whole
 
 
-async def test_a_text_answer(tools_ring, sdk):
-    r = await _create_and_stream(sdk, model=tools_ring.model_name, input="What is the capital of France?",
+async def test_a_text_answer(stack, sdk):
+    r = await _create_and_stream(sdk, model=stack.model_name, input="What is the capital of France?",
                                  instructions="Answer in one sentence.", temperature=0, max_output_tokens=12)
     assert r["status"] in ("completed", "incomplete")
     (message,) = r["output"]
@@ -68,8 +68,8 @@ async def test_a_text_answer(tools_ring, sdk):
         assert usage["output_tokens"] == 12 and r["incomplete_details"] == {"reason": "max_output_tokens"}
 
 
-async def test_a_forced_tool_call_then_its_result(tools_ring, sdk):
-    params = {"model": tools_ring.model_name, "tools": [WEATHER], "temperature": 0, "max_output_tokens": 40}
+async def test_a_forced_tool_call_then_its_result(stack, sdk):
+    params = {"model": stack.model_name, "tools": [WEATHER], "temperature": 0, "max_output_tokens": 40}
     r = await _create_and_stream(sdk, **params, input=QUESTION, tool_choice={"type": "function", "name": "get_weather"})
     assert r["status"] == "completed"
     (call,) = r["output"]
@@ -85,7 +85,7 @@ async def test_a_forced_tool_call_then_its_result(tools_ring, sdk):
     assert stored == r
 
 
-async def test_the_agents_sdk_runs_an_agent_with_a_tool_to_a_final_answer(tools_ring, sdk):
+async def test_the_agents_sdk_runs_an_agent_with_a_tool_to_a_final_answer(stack, sdk):
     calls: list[str] = []
 
     @function_tool
@@ -101,7 +101,7 @@ async def test_the_agents_sdk_runs_an_agent_with_a_tool_to_a_final_answer(tools_
     set_tracing_disabled(True)
     agent = Agent(
         name="weather", instructions="Answer with the weather the tool gives.", tools=[get_weather],
-        model=OpenAIResponsesModel(model=tools_ring.model_name, openai_client=sdk),
+        model=OpenAIResponsesModel(model=stack.model_name, openai_client=sdk),
         # The first turn must call the tool; after it the Agent resets tool_choice (its default)
         # so that the second turn can answer.
         model_settings=ModelSettings(tool_choice="get_weather", temperature=0, max_tokens=60),

@@ -4,7 +4,7 @@ Ctrl-C stops the ring even when the launcher inherited SIGINT ignored (started i
 background by a shell); its KV memory share is split over the replicas; its ports are distinct;
 each process is wired to its peers and gets the options passed on to its service.
 
-The first two end the session's shared rings (``tools_ring``, ``stack``), so they run after
+The first two end the session's shared rings (``keyed_ring``, ``stack``), so they run after
 every other test (``pytest.mark.ends_ring``) and launch no ring of their own."""
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ def _running(pid: int) -> bool:
 
 
 @pytest.mark.ends_ring
-def test_every_service_exits_when_the_launcher_is_killed(tools_ring) -> None:
-    ring = tools_ring  # launched for other tests; this one, run after them all, ends it
+def test_every_service_exits_when_the_launcher_is_killed(keyed_ring) -> None:
+    ring = keyed_ring  # launched for other tests; this one, run after them all, ends it
     pids = {name: ring.pid(name) for name in SERVICES}
     assert all(_running(pid) for pid in pids.values())
     os.kill(ring.proc.pid, signal.SIGKILL)

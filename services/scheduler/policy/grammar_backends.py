@@ -7,13 +7,16 @@ measured with bench/grammar_backends.py on SmolLM2's 49,152-token vocabulary):
 - ``llguidance`` (default; Microsoft's guidance, an Earley parser over a token trie that
   computes each mask lazily): a JSON-schema grammar is ready in about a millisecond
   whatever its nesting (a nested-``anyOf`` schema of depth 12 in 0.6 s), masks in 17-33 us
-  per token; refuses the schema keywords it cannot enforce by name (``oneOf``,
-  ``uniqueItems``, ``not``, ``if``/``then``, ``contains``, ``propertyNames``, ...).
+  per token.
 - ``xgrammar`` (MLC's pushdown automaton with an adaptive token-mask cache): masks in
   3-21 us per token, but compiles ahead of time, which grew to 10 s for a nested
   ``oneOf`` schema of depth 8 and 223 s at depth 12 (its compile cannot be interrupted:
-  the compile budget only stops the request from waiting for it). Approximates a
-  non-disjoint ``oneOf`` by ``anyOf``, which we refuse rather than weaken.
+  the compile budget only stops the request from waiting for it). It would ignore or
+  approximate some keywords (a non-disjoint ``oneOf`` by ``anyOf``).
+
+Both compile a JSON schema as ``ringserve.schema_rewrite`` puts it, the function the
+tokenizer validates with: a provably exclusive ``oneOf`` as ``anyOf``, unknown ``format``s
+dropped (annotations), and the keywords neither enforces refused by name and JSON Pointer.
 
 Both cap the whitespace a JSON grammar allows between tokens, so a JSON mode never loops
 on blanks. Errors: ``GrammarError`` with a message for the client at compile time; later a
@@ -34,12 +37,10 @@ from typing import Any, Protocol
 import torch
 
 from ringserve.options import names
+from ringserve.schema_rewrite import REFUSED_KEYWORDS, pointer_token, rewrite_schema
 
 # Whitespace allowed between JSON tokens: enough for indented output, never an endless run.
 JSON_WHITESPACE_MAX = 16
-# JSON Schema keywords a backend would approximate rather than enforce: refused by name.
-XGRAMMAR_REFUSED_KEYWORDS = ("oneOf", "not", "if", "then", "else", "uniqueItems", "contains", "propertyNames",
-                             "dependentRequired", "dependentSchemas", "unevaluatedProperties", "unevaluatedItems")
 
 
 _NON_VERBOSE = "<non-verbose/>"  # llguidance's marker where verbose_errors would dump its state
@@ -162,7 +163,7 @@ class LLGuidanceBackend:
         try:
             if spec.kind == "json_schema":
                 options = {"whitespace_flexible": True, "whitespace_pattern": f"[ \\n\\t]{{0,{JSON_WHITESPACE_MAX}}}"}
-                grammar = llg.LLMatcher.grammar_from_json_schema(spec.text, options)
+                grammar = llg.LLMatcher.grammar_from_json_schema(rewrite_schema(spec.text), options)
             elif spec.kind == "regex":
                 grammar = llg.LLMatcher.grammar_from_regex(spec.text)
             elif spec.kind == "ebnf":
@@ -226,8 +227,9 @@ class XGrammarBackend:
     def compile(self, spec: GrammarSpec) -> Any:
         try:
             if spec.kind == "json_schema":
-                _refuse_keywords(json.loads(spec.text))
-                return self.compiler.compile_json_schema(spec.text, strict_mode=False, any_whitespace=True,
+                text = rewrite_schema(spec.text)
+                _refuse_left_over(json.loads(text))
+                return self.compiler.compile_json_schema(text, strict_mode=False, any_whitespace=True,
                                                          max_whitespace_cnt=JSON_WHITESPACE_MAX)
             if spec.kind == "regex":
                 return self.compiler.compile_regex(spec.text)
@@ -245,19 +247,25 @@ class XGrammarBackend:
         return XGrammarMatcher(self._xgr.GrammarMatcher(compiled))
 
 
-def _refuse_keywords(schema: Any) -> None:
-    """Raise GrammarError naming the first keyword xgrammar would only approximate."""
-    if isinstance(schema, dict):
-        for key, value in schema.items():
-            if key in XGRAMMAR_REFUSED_KEYWORDS:
-                raise GrammarError(f"the JSON Schema keyword {key!r} is not supported by the xgrammar backend")
-            if key in ("properties", "$defs", "definitions", "patternProperties") and isinstance(value, dict):
-                _refuse_keywords(list(value.values()))  # keys here are names, not keywords
-            elif key not in ("const", "enum", "default", "examples"):
-                _refuse_keywords(value)
-    elif isinstance(schema, list):
-        for item in schema:
-            _refuse_keywords(item)
+def _refuse_left_over(schema: Any) -> None:
+    """Raise GrammarError naming a keyword xgrammar would approximate that the rewrite left in
+    place: one it does not reach (a ``$ref`` it cannot follow, an unreferenced ``$defs``
+    entry) is refused anywhere in the document, ``oneOf`` included, as xgrammar might compile it."""
+    todo: list[tuple[Any, str]] = [(schema, "")]
+    while todo:
+        node, pointer = todo.pop()
+        if isinstance(node, list):
+            todo.extend((v, f"{pointer}/{i}") for i, v in enumerate(node))
+        elif isinstance(node, dict):
+            key = next((k for k in ("oneOf", *REFUSED_KEYWORDS) if k in node), None)
+            if key is not None:
+                raise GrammarError(f"{key} at {pointer or '(root)'} is not supported by the xgrammar backend")
+            for name, value in node.items():
+                at = f"{pointer}/{pointer_token(name)}"
+                if name in ("properties", "patternProperties", "$defs", "definitions") and isinstance(value, dict):
+                    todo.extend((sub, f"{at}/{pointer_token(k)}") for k, sub in value.items())  # keys are names here
+                elif name not in ("const", "enum", "default", "examples"):  # JSON data, not schemas
+                    todo.append((value, at))
 
 
 GRAMMAR_BACKENDS: dict[str, Callable[[Path, int, frozenset[int]], GrammarBackend]] = {
