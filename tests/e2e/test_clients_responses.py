@@ -5,8 +5,9 @@ non-streamed one) and the OpenAI Agents SDK in its default (Responses) mode runn
 with one function tool to a final answer.
 
 On the shared default ring (``stack``: SmolLM2, whose template renders no tools, so the
-tokenizer serves it with ringserve/templates/chatml_tools.jinja and the gateway parses hermes). SmolLM2-135M is tiny, so a call is made deterministic by forcing it (tool_choice)
-and decoding greedily; what is asserted is the structure, exactly.
+tokenizer serves it with ringserve/templates/chatml_tools.jinja and the gateway parses hermes).
+SmolLM2-135M is tiny, so a call is made deterministic by forcing it (tool_choice) and decoding
+greedily; what is asserted is the structure, exactly.
 """
 
 from __future__ import annotations
