@@ -112,7 +112,8 @@ async def create_response(
     rid = request_context.adopt(None, lambda: _span_attributes(req))
     pb = generate_request(req, chat, rid)
     mark_reasoning(pb, chat, config)
-    make_parser = parser_factory(chat, config)
+    reported = (await client.model_card()).info.tool_call_parser if chat.tools and not config.tool_call_parser else ""
+    make_parser = parser_factory(chat, config, reported)
     model = await client.check_model(req.model)
     stored = req.store is not False and store.enabled
     head = {"id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()), "model": model,
