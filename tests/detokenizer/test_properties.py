@@ -1,6 +1,6 @@
 """Property tests of the stream guarantees (services/detokenizer/status.py) on real vocabularies.
 
-Per vocabulary: 10,000 generated multilingual strings plus 2,000 random id sequences (lone
+Per vocabulary: 4,000 generated multilingual strings plus 1,000 random id sequences (lone
 byte tokens, special tokens, any id), each fed one id at a time and in random-size chunks,
 all as concurrent rows of one manager (so each step is one batch, as from a scheduler).
 """
@@ -15,8 +15,8 @@ from tests.helpers.detok_streams import check_cases, make_cases, run_cases
 from tests.helpers.textgen import generate
 from tests.helpers.vocabs import FAST_VOCABS, VOCABS
 
-N_TEXTS = 10_000
-N_RANDOM = 2_000
+N_TEXTS = 4_000
+N_RANDOM = 1_000
 
 
 @pytest.mark.parametrize("vocab", FAST_VOCABS)
@@ -35,7 +35,7 @@ def test_fast_path_guarantees(vocab, tokenizers, tables):
             assert not st.decode_ids and not st.held and not st.pending
 
     deltas = run_cases(manager, cases, check_state=bounded if vocab == "smollm2" else None)
-    assert check_cases(tok, table, cases, deltas) > 300_000
+    assert check_cases(tok, table, cases, deltas) > 120_000
     assert manager.num_decode_states == 0
 
 

@@ -46,6 +46,7 @@ REQUESTS = {
     "GetReadiness": common_pb2.Empty(),
     "SubscribeKvEvents": kv_events_pb2.SubscribeKvEventsRequest(snapshot=True),
     "FlushCache": common_pb2.Empty(),
+    "Embed": tokenizer_pb2.EmbedRequest(inputs=[tokenizer_pb2.EmbedInput(text="Hello")]),
 }
 
 
@@ -99,6 +100,7 @@ def test_every_rpc_needs_a_valid_key(ring):
             assert len(out["GetClusterLoad"][0].schedulers) == 1
             assert out["GetReadiness"] == [tokenizer_pb2.Readiness(ready=True, replicas=1)]
             assert out["SubscribeKvEvents"][0].snapshot and out["FlushCache"] == [common_pb2.Empty()]
+            assert len(out["Embed"][0].embeddings) == 1 and out["Embed"][0].prompt_tokens == 1
     assert tokenized_calls(ring) == tokenized + 2
     ring.wait_idle()
 
