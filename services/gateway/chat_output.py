@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from ringserve.v1 import tokenizer_pb2
 
+from .backend import TokenizerClient
 from .config import GatewayConfig
 from .constraints import forced_tools
 from .protocol import ChatCompletionRequest
@@ -88,6 +89,14 @@ def tool_call_parser_name(config: GatewayConfig, reported: str = "") -> str:
     tokenizer reports for the chat template it chose (``ModelInfo.tool_call_parser``), else
     ``DEFAULT_TOOL_CALL_PARSER``."""
     return config.tool_call_parser or reported or DEFAULT_TOOL_CALL_PARSER
+
+
+async def reported_parser_factory(client: TokenizerClient, req: ChatCompletionRequest,
+                                  config: GatewayConfig) -> Callable[[bool], ChoiceParser] | None:
+    """``parser_factory`` with the parser the tokenizer reports for its chat template, asked
+    for only when ``req`` has tools and no ``--tool-call-parser`` names one."""
+    reported = (await client.model_card()).info.tool_call_parser if req.tools and not config.tool_call_parser else ""
+    return parser_factory(req, config, reported)
 
 
 def parser_factory(req: ChatCompletionRequest, config: GatewayConfig,

@@ -17,7 +17,14 @@ from starlette.responses import Response
 
 from . import convert
 from .backend import TokenizerClient
-from .chat_output import ChoiceParser, delta_calls, final_message, finish_reason, mark_reasoning, parser_factory
+from .chat_output import (
+    ChoiceParser,
+    delta_calls,
+    final_message,
+    finish_reason,
+    mark_reasoning,
+    reported_parser_factory,
+)
 from .config import GatewayConfig
 from .logprobs import chat_logprobs, vllm_prompt_logprobs
 from .outputs import ChoiceUpdate, FinalChoice
@@ -87,8 +94,7 @@ async def create_chat_completion(
     rid = convert.new_rid(req)
     pb = convert.chat_request(req, rid)
     mark_reasoning(pb, req, config)
-    reported = (await client.model_card()).info.tool_call_parser if req.tools and not config.tool_call_parser else ""
-    make_parser = parser_factory(req, config, reported)
+    make_parser = await reported_parser_factory(client, req, config)
     model = await client.check_model(req.model)
     echo = _echo_text(req)
 

@@ -24,7 +24,7 @@ from ringserve import tracing
 from . import request_context, schemas, sse
 from .backend import GenerateStream, TokenizerClient
 from .body import BodyRoute
-from .chat_output import mark_reasoning, parser_factory
+from .chat_output import mark_reasoning, reported_parser_factory
 from .config import GatewayConfig
 from .errors import GatewayError, invalid
 from .outputs import Usage, updates
@@ -112,8 +112,7 @@ async def create_response(
     rid = request_context.adopt(None, lambda: _span_attributes(req))
     pb = generate_request(req, chat, rid)
     mark_reasoning(pb, chat, config)
-    reported = (await client.model_card()).info.tool_call_parser if chat.tools and not config.tool_call_parser else ""
-    make_parser = parser_factory(chat, config, reported)
+    make_parser = await reported_parser_factory(client, chat, config)
     model = await client.check_model(req.model)
     stored = req.store is not False and store.enabled
     head = {"id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()), "model": model,
