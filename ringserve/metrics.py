@@ -3,8 +3,13 @@
 Each service keeps its metric families in its own ``CollectorRegistry`` (several services
 can then live in one test process) and serves it with prometheus_client's HTTP server on
 ``--metrics-port``: unset = no endpoint, 0 = a free port (logged), N = that port. Every
-family is named ``ringserve:<name>`` and carries a ``model_name`` label; the README's
-"Metrics" section lists them all.
+family is named ``ringserve:<name>`` and carries a ``model_name`` label; docs/metrics.md
+lists them all.
+
+Some scrape-time families are also exported under the names the Kubernetes endpoint pickers
+and autoscalers read (the Gateway API Inference Extension's model server protocol, which
+names vLLM's metrics): ``ALIASES`` maps a family to those names, with the same type, labels
+and value, so a picker configured for vLLM reads ringserve unchanged.
 
 Occupancy is read from the live objects at scrape time (``ScrapeCollector``), so the hot
 paths pay nothing for gauges; latencies are histograms observed once per request or per
@@ -27,6 +32,18 @@ log = logging.getLogger(__name__)
 
 PREFIX = "ringserve:"
 
+# A scrape-time family (its name without the prefix) -> the other names it is exported under.
+# The model server protocol's metrics, as vLLM names them: queued and running requests, KV
+# cache usage 0-1 (and the name vLLM used for it before v0.10, which older pickers still
+# read), and the KV cache's geometry as labels of a gauge of 1. A family added here must have
+# the same type and meaning as vLLM's.
+ALIASES: dict[str, tuple[str, ...]] = {
+    "num_requests_waiting": ("vllm:num_requests_waiting",),
+    "num_requests_running": ("vllm:num_requests_running",),
+    "kv_cache_usage_perc": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    "cache_config_info": ("vllm:cache_config_info",),
+}
+
 # Per-request stage latencies (seconds): vLLM's request_*_time_seconds buckets.
 REQUEST_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0,
                         30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
@@ -45,12 +62,15 @@ class Read:
         kind: "gauge" or "counter".
         value: returns the current value (an int or float); called from the HTTP server's
             thread, so it must only read (lengths, ints) what another thread mutates.
+        labels: returns labels the sample carries beside ``model_name`` (an info-style
+            gauge: ``cache_config_info{block_size,num_gpu_blocks} 1``); None: none.
     """
 
     name: str
     doc: str
     kind: str
     value: Callable[[], float]
+    labels: Callable[[], dict[str, str]] | None = None
 
 
 class ScrapeCollector(Collector):
@@ -74,9 +94,12 @@ class ScrapeCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         for r in self.reads:
             cls = GaugeMetricFamily if r.kind == "gauge" else CounterMetricFamily
-            family = cls(PREFIX + r.name, r.doc, labels=["model_name"])
-            family.add_metric([self.model_name], float(r.value()))
-            yield family
+            extra = r.labels() if r.labels is not None else {}
+            value = float(r.value())
+            for name in (PREFIX + r.name, *ALIASES.get(r.name, ())):
+                family = cls(name, r.doc, labels=["model_name", *extra])
+                family.add_metric([self.model_name, *extra.values()], value)
+                yield family
 
 
 class ServiceMetrics:

@@ -88,6 +88,13 @@ class GatewayOptions:
         "--sse-keepalive-s", 15.0, check=AtLeast(0), launch=True, chart="config.gateway.sseKeepalive",
         help="seconds a stream may stay silent before an SSE comment (': keepalive') is sent, also while it "
              "waits for its first token; 0: never")
+    # A pod that runs a whole ring is one endpoint of an InferencePool: the picker scrapes the
+    # gateway's port, so /metrics carries the scheduler's families too (metrics_upstream.py).
+    metrics_upstreams: tuple[str, ...] = option(
+        "--metrics-upstream", (), metavar="URL",
+        not_in_chart=f"{BY_CHART}: the pod's scheduler /metrics under inferencePool.enabled",
+        help="also serve this Prometheus endpoint's metrics on /metrics, fetched at each scrape (the scheduler's "
+             "http://127.0.0.1:PORT/metrics in a pod that runs a whole ring); repeat for several")
     transport: Transport = TRANSPORT.field()
     http_timeouts: HttpTimeoutOptions = HttpTimeoutOptions()
     tracing: TracingOptions = TracingOptions()

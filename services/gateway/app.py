@@ -38,6 +38,7 @@ from .body import BodyRoute
 from .config import GatewayConfig
 from .errors import HANDLERS, RETRY_AFTER_S, GatewayError, invalid
 from .metrics import CONTENT_TYPE, GatewayMetrics
+from .metrics_upstream import UpstreamMetrics
 from .protocol import (
     AbortRequest,
     ChatCompletionRequest,
@@ -251,6 +252,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     error responses of every route (see ``schemas``).
     """
     metrics = GatewayMetrics(config.served_model_name)
+    upstream = UpstreamMetrics(config.metrics_upstreams)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -262,6 +264,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             yield
         finally:
             await app.state.client.close()
+            await upstream.aclose()
 
     app = FastAPI(title="ringserve gateway", version="1", lifespan=lifespan, strict_content_type=False)
     app.state.sse_keepalive_s = config.sse_keepalive_s  # read by every SSE response (sse.py)
@@ -355,7 +358,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @app.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE: {}}}})
     async def prometheus_metrics() -> Response:
-        return Response(metrics.exposition(), media_type=CONTENT_TYPE)
+        return Response(metrics.exposition() + await upstream.exposition(), media_type=CONTENT_TYPE)
 
     @app.post("/v1/tokenize", responses=schemas.ok(schemas.TokenizeResponse))
     async def tokenize(body: TokenizeRequest, request: Request) -> Response:

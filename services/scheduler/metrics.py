@@ -11,7 +11,14 @@ Definitions follow vLLM's v1 engine metrics:
 - prefix cache queries / hits: at a request's first admission, its prompt tokens and the
   prompt tokens the radix cache supplied (``usage.prompt_tokens_details.cached_tokens``);
 - KV cache usage: rows held by requests over the pool's rows; rows only the prefix
-  cache holds are evictable and count as free.
+  cache holds are evictable and count as free;
+- KV cache geometry (``cache_config_info``, vLLM's labels): the pool is token-granular, and
+  its blocks are counted in the pages the KV events group (``ringserve.kv_events.PAGE_SIZE``
+  tokens), so a router indexing those events and sizing the cache agree:
+  ``block_size * num_gpu_blocks`` is the pool's rows rounded down to a page.
+
+The model server protocol's names of some gauges (``vllm:*``) come from
+``ringserve.metrics.ALIASES``.
 
 Cost: one dict entry per in-flight request; per step a loop over the extend rows only
 (decode rows are counted with ``len``); two histogram observations per request.
@@ -23,6 +30,7 @@ import time
 
 from prometheus_client import Counter
 
+from ringserve.kv_events import PAGE_SIZE
 from ringserve.metrics import PREFIX, Read, ServiceMetrics
 from services.scheduler.engine.engine import Engine
 from services.scheduler.engine.observer import EngineObserver
@@ -107,6 +115,9 @@ class SchedulerMetrics(EngineObserver):
                  lambda: engine.memory.reserve),
             Read("memory_total_bytes", "The device's memory (CPU: what was available before the KV pool).",
                  "gauge", lambda: engine.memory.total),
+            Read("cache_config_info", "The KV cache's geometry in its labels (1): block_size (tokens per block) and "
+                 "num_gpu_blocks (blocks in the pool).", "gauge", lambda: 1,
+                 labels=lambda: {"block_size": str(PAGE_SIZE), "num_gpu_blocks": str(engine.kv_pool.size // PAGE_SIZE)}),
             Read("num_requests_compiling", "Requests waiting for their output constraint to compile (also counted "
                  "in num_requests_waiting).", "gauge", lambda: engine.grammars.num_pending),
         ])
