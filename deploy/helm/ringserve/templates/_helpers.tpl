@@ -23,11 +23,22 @@ app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 
-{{/* selectorLabels: call with (dict "ctx" $ "component" "gateway") */}}
+{{/* selectorLabels: call with (dict "ctx" $ "component" "gateway"). Under
+inferencePool.enabled every replica pod runs a whole ring, so the gateway's and the
+tokenizer's Services, NetworkPolicies and PodDisruptionBudgets select the replica pods. */}}
 {{- define "ringserve.selectorLabels" -}}
 app.kubernetes.io/name: {{ include "ringserve.name" .ctx }}
 app.kubernetes.io/instance: {{ .ctx.Release.Name }}
-app.kubernetes.io/component: {{ .component }}
+app.kubernetes.io/component: {{ include "ringserve.podsOf" . }}
+{{- end -}}
+
+{{/* The component whose pods run .component's container: (dict "ctx" $ "component" c). */}}
+{{- define "ringserve.podsOf" -}}
+{{- if and .ctx.Values.inferencePool.enabled (has .component (list "gateway" "tokenizer")) -}}
+replica
+{{- else -}}
+{{ .component }}
+{{- end -}}
 {{- end -}}
 
 {{/* A service's image, repository:tag: call with (dict "ctx" $ "service" "gateway"). The
@@ -146,6 +157,17 @@ grpc:
      call with (dict "ctx" $ "index" i). */}}
 {{- define "ringserve.replicaHost" -}}
 {{- printf "%s-%v.%s.%s.svc.cluster.local" (include "ringserve.replica" .ctx) .index (include "ringserve.replica" .ctx) .ctx.Release.Namespace -}}
+{{- end -}}
+
+{{/* The tokenizer Deployment's --replica values, a YAML list: every model replica pod
+     (<sched>,<detok>) by its StatefulSet DNS name; when an autoscaler sizes the StatefulSet,
+     every name up to its maxReplicas (the tokenizer sends only to replicas that are up). */}}
+{{- define "ringserve.replicaAddrs" -}}
+{{- $n := ternary .Values.replica.autoscaling.maxReplicas .Values.replica.replicas (ne .Values.replica.autoscaling.mode "") }}
+{{- range $i := until (int $n) }}
+{{- $host := include "ringserve.replicaHost" (dict "ctx" $ "index" $i) }}
+- {{ printf "%s:%v,%s:%v" $host $.Values.ports.scheduler $host $.Values.ports.detokenizer }}
+{{- end }}
 {{- end -}}
 
 {{- define "ringserve.modelDir" -}}/models/{{ .Values.model.name }}{{- end -}}
