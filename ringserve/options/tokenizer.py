@@ -29,6 +29,7 @@ from ringserve.options.spec import Above, AtLeast, ExistingFile, option
 
 EXTRA_ARGS = "a tuning knob: config.tokenizer.extraArgs passes it"
 REPLICAS_BY_CHART = f"{BY_CHART}: one --replica per replica pod"
+REPLACED_BY_REPLICA = "the chart gives --replica instead, one per replica pod"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,9 +57,9 @@ class TokenizerOptions:
     host: str = HOST.field()
     port: int = option("--port", 30010, not_in_chart=f"{BY_CHART}: ports.tokenizer",
                        help="the public gRPC API's port (0 picks a free port)")
-    scheduler: str = option("--scheduler", "127.0.0.1:30020", not_in_chart=REPLICAS_BY_CHART,
+    scheduler: str = option("--scheduler", "127.0.0.1:30020", not_in_chart=REPLACED_BY_REPLICA,
                             help="scheduler address (of the one replica without --replica)")
-    detokenizer: str = option("--detokenizer", "127.0.0.1:30030", not_in_chart=REPLICAS_BY_CHART,
+    detokenizer: str = option("--detokenizer", "127.0.0.1:30030", not_in_chart=REPLACED_BY_REPLICA,
                               help="detokenizer address (of the one replica without --replica)")
     replicas: tuple[str, ...] = option(
         "--replica", (), metavar="SCHED_ADDR,DETOK_ADDR", not_in_chart=REPLICAS_BY_CHART,
@@ -77,7 +78,8 @@ class TokenizerOptions:
              "they are tokenized as plain text")
     chat_template: Path | None = option(
         "--chat-template", None, check=ExistingFile(), metavar="FILE", launch=True,
-        not_in_chart="a file: mount it (a ConfigMap) and name it in config.tokenizer.extraArgs",
+        not_in_chart=f"{BY_CHART}: config.tokenizer.chatTemplate (the template's text, in a ConfigMap the chart "
+                     "makes) or config.tokenizer.chatTemplateConfigMap, mounted at /etc/ringserve/chat-template",
         help="Jinja chat template replacing the model's (e.g. ringserve/templates/chatml_tools.jinja to call tools "
              "with a ChatML model whose template cannot render them)")
     metrics_port: int | None = METRICS_PORT.field()

@@ -117,7 +117,8 @@ class SchedulerMetrics(EngineObserver):
                  "gauge", lambda: engine.memory.total),
             Read("cache_config_info", "The KV cache's geometry in its labels (1): block_size (tokens per block) and "
                  "num_gpu_blocks (blocks in the pool).", "gauge", lambda: 1,
-                 labels=lambda: {"block_size": str(PAGE_SIZE), "num_gpu_blocks": str(engine.kv_pool.size // PAGE_SIZE)}),
+                 labels=lambda: {"block_size": str(PAGE_SIZE),
+                                 "num_gpu_blocks": str(engine.kv_pool.size // PAGE_SIZE)}),
             Read("num_requests_compiling", "Requests waiting for their output constraint to compile (also counted "
                  "in num_requests_waiting).", "gauge", lambda: engine.grammars.num_pending),
         ])

@@ -18,10 +18,9 @@ from kubernetes_validate import utils as kv_utils
 from ringserve.options.parse import ConfigParser
 from ringserve.options.table import SERVICES
 from tests.helpers.crds import crd_schemas, validate_custom
-from tests.helpers.helm import CHART, FULL, K8S_VERSION, NAMESPACE, RELEASE, VALUES, by, container, render
+from tests.helpers.helm import CHART, FULL, K8S_VERSION, NAMESPACE, POOL_SETS, RELEASE, VALUES, by, container, render
 from tests.helpers.repo import REPO
 
-POOL_SETS = ["inference-pool", "keda"]
 DOCUMENTED = set(re.findall(r"^\| `(ringserve:[a-z_]+)`", (REPO / "docs" / "metrics.md").read_text(), re.M))
 
 
@@ -108,6 +107,13 @@ def test_each_replica_pod_runs_a_whole_ring(rendered: dict[str, list[dict]]) -> 
                        ("scheduler", sched), ("detokenizer", detok)):
         known = set(ConfigParser(SERVICES[service], prog=service).parser._option_string_actions)
         assert {a.partition("=")[0] for a in c["args"]} <= known, service
+    # The chat template's text, from the values into a ConfigMap, mounted where the flag points.
+    text = yaml.safe_load((VALUES / "inference-pool.yaml").read_text())["config"]["tokenizer"]["chatTemplate"]
+    assert by(docs, "ConfigMap", f"{FULL}-chat-template")["data"] == {"template.jinja": text}
+    mount = next(m for m in container(spec, "tokenizer")["volumeMounts"] if m["name"] == "chat-template")
+    assert f"--chat-template={mount['mountPath']}/template.jinja" in tok_args and mount["readOnly"]
+    volume = next(v for v in spec["volumes"] if v["name"] == "chat-template")
+    assert volume["configMap"] == {"name": f"{FULL}-chat-template"}
     # The separate tiers are gone; their Services select the ring pods.
     kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
     for name in ("gateway", "tokenizer"):
@@ -152,7 +158,8 @@ def test_keda_scaled_object(rendered: dict[str, list[dict]]) -> None:
     so = by(docs, "ScaledObject", f"{FULL}-replica")["spec"]
     assert so["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": f"{FULL}-replica"}
     assert (so["minReplicaCount"], so["maxReplicaCount"], so["pollingInterval"]) == (1, 3, 10)
-    assert so["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"] == {"stabilizationWindowSeconds": 120}
+    behavior = so["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+    assert behavior["scaleDown"] == {"stabilizationWindowSeconds": 120}
     assert not [d for d in docs if d["kind"] == "HorizontalPodAutoscaler" and d["metadata"]["name"].endswith("replica")]
     assert "replicas" not in by(docs, "StatefulSet", f"{FULL}-replica")["spec"]
     triggers = {t["name"]: t for t in so["triggers"]}

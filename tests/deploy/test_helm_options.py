@@ -1,8 +1,10 @@
 """The Helm chart against the option table (ringserve/options): every option of the four
-services has its value in values.yaml, or says why not (``Option.not_in_chart``). For each
-value: the schema's type and choices are the option's, the chart's default renders the
-service's own default (or no flag), a value set in a values file reaches the container as
-that flag, and every flag the chart renders is one its service has."""
+services has its value in values.yaml, or says why not (``Option.not_in_chart``), and every
+flag of a flag group (TLS, API keys, internal credential, gRPC transport) has its entry in
+``GROUP_FLAGS``. For each value: the schema's type and choices are the option's, the chart's
+default renders the service's own default (or no flag), a value set in a values file reaches
+the container as that flag, and every flag the chart renders is one its service has. A
+reason that says the chart sets the flag itself is checked too: some value set renders it."""
 
 from __future__ import annotations
 
@@ -13,9 +15,10 @@ from typing import Any
 import pytest
 import yaml
 
+from ringserve.options.common import BY_CHART
 from ringserve.options.parse import ConfigParser, Placed, options
 from ringserve.options.table import SERVICES
-from tests.helpers.helm import CHART, FULL, VALUE_SETS, by, container, render
+from tests.helpers.helm import CHART, FULL, POOL_SETS, VALUE_SETS, by, container, render
 
 # Where each service runs: (workload kind, name, container).
 CONTAINERS = {
@@ -24,6 +27,27 @@ CONTAINERS = {
     "tokenizer": ("Deployment", f"{FULL}-tokenizer", "tokenizer"),
     "gateway": ("Deployment", f"{FULL}-gateway", "gateway"),
 }
+# Under inferencePool.enabled the gateway and the tokenizer run in the replica pods.
+POOL_CONTAINERS = CONTAINERS | {"tokenizer": ("StatefulSet", f"{FULL}-replica", "tokenizer"),
+                                "gateway": ("StatefulSet", f"{FULL}-replica", "gateway")}
+RENDERS = [None, *VALUE_SETS, *POOL_SETS]
+# The flags of the flag groups (ringserve.options.common: Group), which the option table does
+# not describe one by one: where the chart sets each, or why it does not. "values: X" entries
+# must render in some value set.
+TLS = "values: grpcTls.enabled + grpcTls.existingSecret (mounted at /etc/ringserve/grpc-tls)"
+API_KEY = "never on a command line: RINGSERVE_API_KEY from the apiKey Secret (apiKey.*)"
+INTERNAL = "never on a command line: RINGSERVE_INTERNAL_TOKEN from the internalAuth Secret"
+GRPC_MESSAGE = "a tuning knob: config.<service>.extraArgs passes it"
+COMMON_GROUP_FLAGS = {"--tls-cert-file": TLS, "--tls-key-file": TLS, "--tls-ca-file": TLS,
+                      "--grpc-max-message-bytes": GRPC_MESSAGE}
+RING_GROUP_FLAGS = {"--internal-token-file": INTERNAL, "--insecure-skip-internal-auth": "values: internalAuth.enabled"}
+GROUP_FLAGS = {
+    "detokenizer": COMMON_GROUP_FLAGS | RING_GROUP_FLAGS,
+    "scheduler": COMMON_GROUP_FLAGS | RING_GROUP_FLAGS,
+    "tokenizer": COMMON_GROUP_FLAGS | RING_GROUP_FLAGS | {"--api-key": API_KEY, "--api-key-file": API_KEY},
+    "gateway": COMMON_GROUP_FLAGS | {"--api-key": API_KEY, "--api-key-file": API_KEY},
+}
+
 # Defaults the chart resolves before the service would: device auto -> cpu without
 # replica.gpu.enabled (what the scheduler's auto picks on a node without a GPU; cuda with it).
 CHART_RESOLVES = {"--device": "cpu"}
@@ -53,7 +77,8 @@ def schema_of(path: str) -> dict:
 def service_args(docs: list[dict], service: str) -> dict[str, str]:
     """The service container's flags -> values ("" for a switch), $(VAR)s filled in from the
     ConfigMap as Kubernetes does."""
-    kind, name, cname = CONTAINERS[service]
+    pool = any(d["kind"] == "InferencePool" for d in docs)
+    kind, name, cname = (POOL_CONTAINERS if pool else CONTAINERS)[service]
     env = by(docs, "ConfigMap", f"{FULL}-config")["data"] | {"POD_NAME": "pod-0"}
     out = {}
     for arg in container(by(docs, kind, name)["spec"]["template"]["spec"], cname)["args"]:
@@ -96,7 +121,41 @@ def expected_words(placed: Placed, value: Any) -> dict[str, str]:
 def test_every_service_option_has_a_chart_value_or_a_reason() -> None:
     for service, cls in SERVICES.items():
         for p in options(cls):
-            assert (p.option.chart is None) != (p.option.not_in_chart is None), (service, p.option.flag)
+            opt = p.option
+            assert (opt.chart is None) != (opt.not_in_chart is None), (service, opt.flag)
+            assert opt.chart or len(opt.not_in_chart.strip()) > 10, (service, opt.flag, "a reason, in words")
+
+
+def _option_flags(service: str) -> set[str]:
+    return {f for p in options(SERVICES[service]) for f in (p.option.flag, p.option.negative) if f}
+
+
+def test_every_flag_outside_the_table_has_a_group_entry() -> None:
+    """A flag a group adds (a new TLS or credential flag) must say where the chart sets it."""
+    for service in SERVICES:
+        outside = _flags(service) - _option_flags(service) - {"-h", "--help"}
+        assert outside == set(GROUP_FLAGS[service]), (service, outside ^ set(GROUP_FLAGS[service]))
+
+
+@pytest.fixture(scope="module")
+def renders(helm: Path) -> dict[str | None, list[dict]]:
+    return {values: render(helm, values) for values in RENDERS}
+
+
+def _rendered_anywhere(renders: dict[str | None, list[dict]], service: str, flag: str) -> bool:
+    return any(flag in service_args(docs, service) for docs in renders.values())
+
+
+def test_what_the_chart_says_it_sets_it_renders(renders: dict[str | None, list[dict]]) -> None:
+    """"set by the chart" (an option's reason) and "values:" (a group flag's entry) are
+    claims: some value set renders the flag for that service."""
+    claimed = [(service, p.option.flag) for service, cls in SERVICES.items() for p in options(cls)
+               if (p.option.not_in_chart or "").startswith(BY_CHART)]
+    claimed += [(service, flag) for service, flags in GROUP_FLAGS.items()
+                for flag, where in flags.items() if where.startswith("values:")]
+    assert ("tokenizer", "--chat-template") in claimed and ("gateway", "--metrics-upstream") in claimed
+    missing = [(service, flag) for service, flag in claimed if not _rendered_anywhere(renders, service, flag)]
+    assert not missing, missing
 
 
 @pytest.mark.parametrize("item", CHARTED, ids=_id)
@@ -167,9 +226,9 @@ def _flags(service: str) -> set[str]:
     return set(ConfigParser(SERVICES[service], prog=service).parser._option_string_actions)
 
 
-@pytest.mark.parametrize("values", [None, *VALUE_SETS])
-def test_every_rendered_flag_is_one_its_service_has(helm: Path, values: str | None) -> None:
-    docs = render(helm, values)
+@pytest.mark.parametrize("values", RENDERS)
+def test_every_rendered_flag_is_one_its_service_has(renders: dict[str | None, list[dict]], values: str | None) -> None:
+    docs = renders[values]
     for service in CONTAINERS:
         unknown = set(service_args(docs, service)) - _flags(service)
         assert not unknown, (values, service, unknown)

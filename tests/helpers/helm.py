@@ -27,6 +27,9 @@ NAMESPACE = "serve"
 RELEASE = "rs"
 FULL = "rs-ringserve"
 VALUE_SETS = ["cpu-single", "gpu-multi", "tls-apikey", "grpc-api", "grpc-api-tls"]
+# Value sets with inferencePool.enabled or a replica autoscaler (tests/deploy/test_helm_inference.py):
+# under the pool the gateway and tokenizer containers run in the replica pods.
+POOL_SETS = ["inference-pool", "keda"]
 
 
 def render(helm: Path, values: str | None, *extra: str) -> list[dict]:

@@ -157,6 +157,7 @@ inferencePool.enabled, by every replica pod (a whole ring per pod). Call with a 
     {{- include "ringserve.grpcTlsArgs" . | nindent 4 }}
     {{- include "ringserve.observabilityArgs" . | nindent 4 }}
     {{- include "ringserve.internalAuthArgs" . | nindent 4 }}
+    {{- include "ringserve.chatTemplateArgs" . | nindent 4 }}
     {{- range .Values.config.tokenizer.extraArgs }}
     - {{ . | quote }}
     {{- end }}
@@ -190,5 +191,6 @@ inferencePool.enabled, by every replica pod (a whole ring per pod). Call with a 
     - name: tmp
       mountPath: /tmp
     {{- include "ringserve.grpcTlsMount" . | nindent 4 }}
+    {{- include "ringserve.chatTemplateMount" . | nindent 4 }}
 {{- end }}
 {{- end -}}

@@ -117,6 +117,37 @@ scheduler's default tag carries its variant: <tag>-cpu or <tag>-cuda. */}}
   readOnly: true
 {{- end }}
 {{- end -}}
+{{/* The chat template (config.tokenizer.chatTemplate or .chatTemplateConfigMap), mounted in
+the tokenizer containers: the volume, its mount and the flag. */}}
+{{- define "ringserve.chatTemplateDir" -}}/etc/ringserve/chat-template{{- end -}}
+{{- define "ringserve.chatTemplateConfigMap" -}}
+{{- with .Values.config.tokenizer -}}
+{{- if .chatTemplate -}}
+{{ include "ringserve.fullname" $ }}-chat-template
+{{- else -}}
+{{ .chatTemplateConfigMap.name }}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- define "ringserve.chatTemplateVolume" -}}
+{{- with include "ringserve.chatTemplateConfigMap" . }}
+- name: chat-template
+  configMap:
+    name: {{ . }}
+{{- end }}
+{{- end -}}
+{{- define "ringserve.chatTemplateMount" -}}
+{{- if include "ringserve.chatTemplateConfigMap" . }}
+- name: chat-template
+  mountPath: {{ include "ringserve.chatTemplateDir" . }}
+  readOnly: true
+{{- end }}
+{{- end -}}
+{{- define "ringserve.chatTemplateArgs" -}}
+{{- if include "ringserve.chatTemplateConfigMap" . }}
+- --chat-template={{ include "ringserve.chatTemplateDir" . }}/{{ .Values.config.tokenizer.chatTemplateConfigMap.key }}
+{{- end }}
+{{- end -}}
 {{- define "ringserve.grpcTlsVolume" -}}
 {{- if .Values.grpcTls.enabled }}
 - name: grpc-tls
