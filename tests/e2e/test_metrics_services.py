@@ -149,6 +149,14 @@ def test_gauges_show_a_request_in_flight(stack):
     assert value(stack, now, "scheduler", "ringserve:req_slots_used") == 1
     assert value(stack, now, "scheduler", "ringserve:kv_used_tokens") > 0
     assert value(stack, now, "gateway", "ringserve:gateway_requests_in_flight") == 1
+    # The model server protocol's names (what a Kubernetes endpoint picker reads) say the same.
+    aliases = {"num_requests_running": "num_requests_running", "num_requests_waiting": "num_requests_waiting",
+               "kv_cache_usage_perc": "kv_cache_usage_perc", "gpu_cache_usage_perc": "kv_cache_usage_perc"}
+    for name, own in aliases.items():
+        assert value(stack, now, "scheduler", f"vllm:{name}") == value(stack, now, "scheduler", f"ringserve:{own}")
+    blocks = str(stack.scheduler_load().kv_total_tokens // 16)
+    info = (("block_size", "16"), ("model_name", stack.model_name), ("num_gpu_blocks", blocks))
+    assert now["scheduler"][("vllm:cache_config_info", info)] == 1
 
 
 def exercise(stack) -> None:
