@@ -10,7 +10,8 @@ Prometheus federation would, but in one scrape the picker already makes.
 Family names do not collide: the gateway's and the scheduler's ``ringserve:`` families are
 disjoint (docs/metrics.md), and the gateway registers no ``process_*`` collector. An upstream
 that does not answer within the timeout is left out of that scrape (logged), so the
-gateway's liveness probe, which reads ``/metrics``, never follows the scheduler.
+gateway's liveness probe, which reads ``/metrics`` with a 1 s timeout, never follows the
+scheduler: the fetch gives up after half of that.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class UpstreamMetrics:
         timeout_s: per fetch; an upstream slower than this is left out of the scrape.
     """
 
-    def __init__(self, urls: tuple[str, ...], timeout_s: float = 1.0) -> None:
+    def __init__(self, urls: tuple[str, ...], timeout_s: float = 0.5) -> None:
         self.urls = urls
         self._client = httpx.AsyncClient(timeout=timeout_s)
 
