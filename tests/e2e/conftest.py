@@ -1,5 +1,6 @@
 """Rings shared by several modules, each launched once per session: a ring behind API keys
-with small limits; a bf16 ring with mutual TLS between its services. (The default ring,
+with small limits; a bf16 ring with mutual TLS between its services; a ring under the priority
+policy with a tiny KV pool that also carries an option for every service. (The default ring,
 ``stack`` in tests/conftest.py, serves the structured-output, tool and reasoning cases: its
 tokenizer renders SmolLM2's chats with the shipped ChatML tools template.)"""
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import trustme
 
-from tests.helpers.ring_requests import API_KEYS, bearer
+from tests.helpers.ring_requests import API_KEYS, PASS_THROUGH, bearer
 from tests.helpers.ringstack import launched
 from tests.helpers.tiers import ring_fixture
 from tests.helpers.tls import write_pems
@@ -49,4 +50,19 @@ def tls_ring(smollm2_dir: Path, pems: dict[str, Path], tmp_path_factory: pytest.
     with launched(smollm2_dir, "--dtype", "bfloat16", "--tls-cert-file", str(pems["cert"]),
                   "--tls-key-file", str(pems["key"]), "--tls-ca-file", str(pems["ca"]),
                   log_path=tmp_path_factory.mktemp("tls-ring") / "ring.log") as ring:
+        yield ring
+
+
+@ring_fixture(scope="session")
+def priority_ring(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """SmolLM2 in fp32 under ``--schedule-policy priority`` with two request slots and a 128-token
+    KV pool (no other ring runs that policy), plus ``PASS_THROUGH``: a served name, a 512-token
+    context, a queue of seven and a tool-call parser, one option for each service, which
+    test_launcher_pass_through.py follows to the services (none of them bears on what
+    test_priority_ring.py measures: its prompts and outputs stay under 100 tokens, at most five
+    requests wait, and it names no model and no tools). Its output goes to ``ring.log()``."""
+    flags = (w for item in PASS_THROUGH.items() for w in item)
+    with launched(smollm2_dir, "--schedule-policy", "priority", "--max-running-requests", "2", *flags,
+                  log_path=tmp_path_factory.mktemp("priority-ring") / "ring.log") as ring:
+        ring.model_name = PASS_THROUGH["--served-model-name"]
         yield ring

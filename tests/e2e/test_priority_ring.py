@@ -1,6 +1,6 @@
-"""Priority scheduling end to end, on a ring launched with ``--schedule-policy priority``, two
-request slots and a 128-token KV pool (no existing ring runs that policy), and the refusal of a
-priority on the default ring (``stack``, first come first served).
+"""Priority scheduling end to end, on the session's ring launched with ``--schedule-policy
+priority``, two request slots and a 128-token KV pool (``priority_ring``, tests/e2e/conftest.py),
+and the refusal of a priority on the default ring (``stack``, first come first served).
 
 No per-request queue time leaves the ring (``/generate``'s meta_info has none, and the
 scheduler's queue-time histogram is not per request), so the queue-time proof reads the time
@@ -17,17 +17,13 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from pathlib import Path
 
 import grpc
 import httpx
 import pytest
 
 from ringserve.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from tests.helpers.ringstack import launched
-from tests.helpers.tiers import ring_fixture
 
-KV_TOKENS = 128
 TEXT = ("The history of the printing press begins in the fifteenth century, when movable type changed how "
         "books were made, sold and read across Europe, and with them how ideas travelled between cities. "
         "Within fifty years presses ran in more than two hundred towns.")  # 48 tokens
@@ -35,12 +31,9 @@ REFUSAL = ("priority must be 0 under --schedule-policy fcfs: the scheduler order
            "started with --schedule-policy priority")
 
 
-@ring_fixture(scope="module")
-def ring(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    with launched(smollm2_dir, "--schedule-policy", "priority", "--max-running-requests", "2",
-                  "--max-total-tokens", str(KV_TOKENS),
-                  log_path=tmp_path_factory.mktemp("priority-ring") / "ring.log") as ring:
-        yield ring
+@pytest.fixture
+def ring(priority_ring):
+    return priority_ring
 
 
 def completion(rid: str, priority: int, max_tokens: int) -> dict:

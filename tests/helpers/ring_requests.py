@@ -15,6 +15,11 @@ PARIS_ANSWER = "The capital of France is Paris."  # SmolLM2-Instruct's greedy an
 PROMPT = "The three primary colors are"  # a completion prompt
 # The two valid keys of tests/e2e/conftest.py's keyed_ring (a rotation: the current and the previous).
 API_KEYS = ("sk-e2e-current-7Qx2v9", "sk-e2e-previous-Lm4k8Z")
+# tests/e2e/conftest.py's priority_ring: its KV pool, and its service options beyond the policy and
+# the slots, which test_launcher_pass_through.py follows to exactly the services that have each.
+PRIORITY_KV_TOKENS = 128
+PASS_THROUGH = {"--served-model-name": "tiny", "--context-length": "512", "--max-queued-requests": "7",
+                "--tool-call-parser": "none", "--max-total-tokens": str(PRIORITY_KV_TOKENS)}
 
 
 def bearer(key: str) -> tuple[tuple[str, str], ...]:
