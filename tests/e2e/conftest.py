@@ -1,36 +1,51 @@
 """Rings shared by several modules, each launched once per session: a ring behind API keys
-with small limits; a bf16 ring with mutual TLS between its services; a ring under the priority
-policy with a tiny KV pool that also carries an option for every service. (The default ring,
-``stack`` in tests/conftest.py, serves the structured-output, tool and reasoning cases: its
-tokenizer renders SmolLM2's chats with the shipped ChatML tools template.)"""
+with small limits, exporting its spans to a receiver in this process; a bf16 ring with mutual
+TLS between its services; a ring under the priority policy with a tiny KV pool that also
+carries an option for every service. (The default ring, ``stack`` in tests/conftest.py, serves
+the structured-output, tool and reasoning cases: its tokenizer renders SmolLM2's chats with the
+shipped ChatML tools template.)"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import trustme
 
+from tests.helpers.otlp import OtlpReceiver, otlp_receiver
 from tests.helpers.ring_requests import API_KEYS, PASS_THROUGH, bearer
 from tests.helpers.ringstack import launched
 from tests.helpers.tiers import ring_fixture
 from tests.helpers.tls import write_pems
 
 
+@pytest.fixture(scope="session")
+def otlp() -> Iterator[tuple[str, OtlpReceiver]]:
+    """An OTLP/gRPC span receiver for the session (tests/helpers/otlp.py): (its address, it)."""
+    with otlp_receiver() as served:
+        yield served
+
+
 @ring_fixture(scope="session")
-def keyed_ring(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+def keyed_ring(smollm2_dir: Path, otlp: tuple[str, OtlpReceiver], tmp_path_factory: pytest.TempPathFactory):
     """SmolLM2 in fp32 behind two API keys, one from ``--api-key``, the other from
     ``--api-key-file`` (``API_KEYS``: a rotation, both valid), with ``--log-requests``, two
     request slots, a queue of one (``--max-queued-requests 1``) and a 4096-token KV pool; the
     ring's calls present the first key, its output goes to ``ring.log()``; SSE keepalive comments
-    every second. For test_api_keys.py, test_reliability_overload.py and test_sse_keepalive_ring.py;
-    the last test of a session (tests/e2e/test_launcher_orphans.py) SIGKILLs its launcher."""
+    every second; its spans go to ``otlp``'s receiver (``--otlp-traces-endpoint``), batch-exported
+    every 50 ms so that they arrive at once. For test_api_keys.py, test_reliability_overload.py,
+    test_sse_keepalive_ring.py and test_tracing.py (the tests that need --log-requests or spans
+    share this ring rather than launch one each); the last test of a session
+    (tests/e2e/test_launcher_orphans.py) SIGKILLs its launcher."""
     directory = tmp_path_factory.mktemp("keyed")
     keyfile = directory / "keys"
     keyfile.write_text(f"{API_KEYS[1]}\n")
     with launched(smollm2_dir, "--api-key", API_KEYS[0], "--api-key-file", str(keyfile), "--log-requests",
                   "--max-running-requests", "2", "--max-queued-requests", "1", "--max-total-tokens", "4096",
-                  "--sse-keepalive-s", "1", log_path=directory / "ring.log") as ring:
+                  "--sse-keepalive-s", "1", "--otlp-traces-endpoint", otlp[0],
+                  # ms between batch exports (the SDK's default: 5000)
+                  env={"OTEL_BSP_SCHEDULE_DELAY": "50"}, log_path=directory / "ring.log") as ring:
         ring.grpc_metadata = bearer(API_KEYS[0])
         ring.http_headers = {"Authorization": f"Bearer {API_KEYS[0]}"}
         yield ring

@@ -2,9 +2,10 @@
 to an OTLP receiver this module starts (tests/helpers/otlp.py), and X-Request-Id through the
 HTTP API and every service's log line.
 
-Its own ring, launched once for the module with ``--otlp-traces-endpoint`` and
-``--log-requests`` (no session ring traces), with a 50 ms batch-export delay so spans arrive
-at once.
+The ring is the session's ``keyed_ring`` (tests/e2e/conftest.py): it has ``--log-requests``
+and exports its spans to the session's receiver (``otlp``), with a 50 ms batch-export delay so
+spans arrive at once; every call here presents its API key. Each test follows only its own
+trace ids and request ids, so the other tests' spans and log lines there do not matter.
 """
 
 from __future__ import annotations
@@ -12,15 +13,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.helpers.otlp import OtlpReceiver, Span, otlp_receiver
-from tests.helpers.ringstack import OwnStack, launched
-from tests.helpers.tiers import ring_fixture
+from tests.helpers.otlp import OtlpReceiver, Span
+from tests.helpers.ringstack import OwnStack
 
 SERVICES = {f"ringserve-{s}" for s in ("gateway", "tokenizer", "scheduler", "detokenizer")}
 CLIENT_SPAN = "b7ad6b7169203331"
@@ -29,13 +27,9 @@ CHAT = "/v1/chat/completions"
 MARKERS = ("gateway: ", "services.tokenizer.", "services.scheduler.", "services.detokenizer.")
 
 
-@ring_fixture(scope="module")
-def traced(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[OwnStack, OtlpReceiver]]:
-    with pytest.MonkeyPatch.context() as env, otlp_receiver() as (address, receiver):
-        env.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")  # ms between batch exports (the SDK's default: 5000)
-        with launched(smollm2_dir, "--otlp-traces-endpoint", address, "--log-requests",
-                      log_path=tmp_path_factory.mktemp("traced") / "ring.log") as ring:
-            yield ring, receiver
+@pytest.fixture
+def traced(keyed_ring: OwnStack, otlp: tuple[str, OtlpReceiver]) -> tuple[OwnStack, OtlpReceiver]:
+    return keyed_ring, otlp[1]
 
 
 def traceparent(n: int) -> tuple[str, str]:
@@ -47,6 +41,11 @@ def traceparent(n: int) -> tuple[str, str]:
 def chat(ring: OwnStack, **extra) -> dict:
     return {"model": ring.model_name, "messages": [{"role": "user", "content": "Name three colours."}],
             "max_tokens": 8, "temperature": 0, **extra}
+
+
+def keyed(ring: OwnStack, headers: dict[str, str]) -> dict[str, str]:
+    """``headers`` and the ring's API key."""
+    return {**ring.http_headers, **headers}
 
 
 def trace_of(receiver: OtlpReceiver, trace_id: str, done) -> list[Span]:
@@ -70,7 +69,7 @@ def test_a_streamed_chat_is_one_trace_across_the_four_services(traced):
     trace_id, header = traceparent(1)
     started = time.time_ns()
     with httpx.stream("POST", f"{ring.base_url}{CHAT}", json=chat(ring, stream=True), timeout=60,
-                      headers={"traceparent": header, "X-Request-Id": "trace-me-1"}) as r:
+                      headers=keyed(ring, {"traceparent": header, "X-Request-Id": "trace-me-1"})) as r:
         assert r.status_code == 200 and r.headers["x-request-id"] == "trace-me-1"
         body = "".join(r.iter_text())
     ended = time.time_ns()
@@ -113,7 +112,7 @@ def test_an_aborted_stream_ends_every_services_span_with_the_error(traced):
     async def read_one_chunk() -> None:
         async with httpx.AsyncClient(base_url=ring.base_url, timeout=60) as client:
             async with client.stream("POST", CHAT, json=chat(ring, stream=True, max_tokens=400, ignore_eos=True),
-                                     headers={"traceparent": header}) as r:
+                                     headers=keyed(ring, {"traceparent": header})) as r:
                 async for line in r.aiter_lines():
                     if line.startswith("data: "):
                         return  # the client goes away mid-stream
@@ -134,7 +133,7 @@ def test_a_400_ends_its_spans_with_the_error(traced):
     ring, receiver = traced
     trace_id, header = traceparent(3)
     r = httpx.post(f"{ring.base_url}{CHAT}", json=chat(ring, max_tokens=9000), timeout=60,
-                   headers={"traceparent": header, "X-Request-Id": "too-long-1"})
+                   headers=keyed(ring, {"traceparent": header, "X-Request-Id": "too-long-1"}))
     assert r.status_code == 400 and r.headers["x-request-id"] == "too-long-1"
     assert r.json()["error"]["code"] == "context_length_exceeded"
     spans = trace_of(receiver, trace_id, lambda s: len(s) == 2)
@@ -146,14 +145,15 @@ def test_a_400_ends_its_spans_with_the_error(traced):
 
 def test_n2_and_two_concurrent_requests_keep_their_traces_apart(traced):
     ring, receiver = traced
+    ring.wait_idle()  # the ring's two slots and queue of one take the three sequences only when idle
     (first, h1), (second, h2) = traceparent(4), traceparent(5)
 
     async def both() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=ring.base_url, timeout=60) as client:
             return list(await asyncio.gather(
-                client.post(CHAT, json=chat(ring, n=2, temperature=0.8, seed=1), headers={"traceparent": h1,
-                                                                                         "X-Request-Id": "pair"}),
-                client.post(CHAT, json=chat(ring), headers={"traceparent": h2, "X-Request-Id": "single"})))
+                client.post(CHAT, json=chat(ring, n=2, temperature=0.8, seed=1),
+                            headers=keyed(ring, {"traceparent": h1, "X-Request-Id": "pair"})),
+                client.post(CHAT, json=chat(ring), headers=keyed(ring, {"traceparent": h2, "X-Request-Id": "single"}))))
 
     replies = asyncio.run(both())
     assert [r.status_code for r in replies] == [200, 200]
@@ -170,15 +170,16 @@ def test_n2_and_two_concurrent_requests_keep_their_traces_apart(traced):
 
 def test_x_request_id_round_trips_and_names_the_request_in_every_services_log(traced):
     ring, _ = traced
-    r = httpx.post(f"{ring.base_url}{CHAT}", json=chat(ring), headers={"X-Request-Id": "log-me-7"}, timeout=60)
+    r = httpx.post(f"{ring.base_url}{CHAT}", json=chat(ring), headers=keyed(ring, {"X-Request-Id": "log-me-7"}),
+                   timeout=60)
     assert r.status_code == 200 and r.headers["x-request-id"] == "log-me-7" and r.json()["id"] == "chatcmpl-log-me-7"
     with httpx.stream("POST", f"{ring.base_url}{CHAT}", json=chat(ring, stream=True), timeout=60,
-                      headers={"X-Request-Id": "log-me-8"}) as s:
+                      headers=keyed(ring, {"X-Request-Id": "log-me-8"})) as s:
         assert s.headers["x-request-id"] == "log-me-8" and "".join(s.iter_text()).endswith("[DONE]\n\n")
-    bad = httpx.post(f"{ring.base_url}{CHAT}", json=chat(ring, rid="other"), headers={"X-Request-Id": "log-me-9"},
-                     timeout=60)
+    bad = httpx.post(f"{ring.base_url}{CHAT}", json=chat(ring, rid="other"),
+                     headers=keyed(ring, {"X-Request-Id": "log-me-9"}), timeout=60)
     assert bad.status_code == 400 and bad.headers["x-request-id"] == "log-me-9"
-    fresh = httpx.post(f"{ring.base_url}{CHAT}", json=chat(ring), timeout=60)
+    fresh = httpx.post(f"{ring.base_url}{CHAT}", json=chat(ring), headers=keyed(ring, {}), timeout=60)
     assert fresh.json()["id"] == "chatcmpl-" + fresh.headers["x-request-id"]
     deadline = time.monotonic() + 10
     while True:

@@ -195,10 +195,11 @@ def launched_gateway(tokenizer: str, *flags: str, log_path: Path | None = None) 
 
 @contextmanager
 def launched(model_dir: Path, *extra: str, log_path: Path | None = None,
-             sigint_ignored: bool = False) -> Iterator[OwnStack]:
+             sigint_ignored: bool = False, env: dict[str, str] | None = None) -> Iterator[OwnStack]:
     """Launch a ring with ``extra`` launcher flags; stop it (SIGTERM, then SIGKILL) at the end.
 
-    With ``log_path`` every process's output goes to that file instead of the test's. With
+    With ``log_path`` every process's output goes to that file instead of the test's. ``env``
+    adds to the environment the ring's processes inherit. With
     ``sigint_ignored`` the launcher inherits SIGINT ignored, as from a non-interactive shell
     that starts it with ``&`` (``trap "" INT``).
     """
@@ -218,7 +219,8 @@ def launched(model_dir: Path, *extra: str, log_path: Path | None = None,
         cmd = ["sh", "-c", 'trap "" INT; exec "$@"', "sh", *cmd]
     auth = InternalAuth.generate()
     log = open(log_path, "w") if log_path is not None else None  # noqa: SIM115 (closed below)
-    proc = subprocess.Popen(cmd, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **auth.env()},
+    proc = subprocess.Popen(cmd, start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **auth.env(), **(env or {})},
                             stdout=log, stderr=subprocess.STDOUT if log else None)
     base = f"http://127.0.0.1:{ports['http']}"
     try:
