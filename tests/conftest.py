@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import secrets
+import sys
+import tempfile
 from pathlib import Path
 
 # torch's OpenMP workers spin while idle unless told otherwise; with several
@@ -15,6 +17,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Services that tests parse or start alone need the ring's internal credential, as a
 # deployment gives them one (ringserve.internal_auth); each launched ring gets its own.
 os.environ.setdefault("RINGSERVE_INTERNAL_TOKEN", secrets.token_urlsafe(32))
+# Where the environment says not to write bytecode (PYTHONDONTWRITEBYTECODE, as container images
+# often do), every process the suite starts (each ring's services, the CLI, the scripts run in a
+# subprocess) compiled torch's, transformers' and the repository's sources again: 4-5 s of each
+# start-up on 2 cores. The session keeps the bytecode instead, outside the tree and the venv.
+if os.environ.pop("PYTHONDONTWRITEBYTECODE", None):
+    sys.pycache_prefix = os.environ.setdefault(
+        "PYTHONPYCACHEPREFIX", str(Path(tempfile.gettempdir()) / f"ringserve-pycache-{os.getuid()}"))
+    sys.dont_write_bytecode = False
 
 import pytest
 
