@@ -122,7 +122,8 @@ class EngineOptions:
              "to bf16). Default: the checkpoint's weights in --dtype")
     # Multi-LoRA (services/scheduler/lora): adapters in PEFT's format, chosen per request by model.
     lora_modules: tuple[str, ...] = option(
-        "--lora-modules", (), metavar="NAME=PATH", launch=True, chart="config.scheduler.loraModules",
+        "--lora-modules", (), metavar="NAME=PATH", launch=True,
+        not_in_chart=f"{BY_CHART}: config.scheduler.loraAdapters (name and path each) and loraVolume",
         help="a LoRA adapter (a PEFT directory: adapter_config.json, adapter_model.safetensors) loaded at start "
              "and served as model NAME; repeat for several. POST /v1/load_lora_adapter loads more at run time")
     max_loras: int = option(

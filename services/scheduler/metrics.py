@@ -26,6 +26,7 @@ from prometheus_client import Counter
 from ringserve.metrics import PREFIX, Read, ServiceMetrics
 from services.scheduler.engine.engine import Engine
 from services.scheduler.engine.observer import EngineObserver
+from services.scheduler.lora.metrics import LoraInfoCollector
 from services.scheduler.policy.req import FinishType, Req
 from services.scheduler.policy.schedule import Plan
 
@@ -67,6 +68,7 @@ class SchedulerMetrics(EngineObserver):
                            "Requests that left the scheduler, by finish reason.",
                            ["model_name", "finished_reason"], registry=m.registry)
         self._finished = {t: finished.labels(m.model_name, name) for t, name in _REASONS.items()}
+        m.registry.register(LoraInfoCollector(engine, engine.cfg.max_loras if engine.lora is not None else 0))
         load = engine.load
         m.add_reads([
             Read("num_requests_running", "Requests in the running batch (a chunk-prefilling one included).", "gauge",

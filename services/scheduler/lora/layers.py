@@ -122,7 +122,7 @@ class LoraTarget:
     without its weight.
     """
 
-    def __init__(self, layer: int, owner: torch.nn.Module, name: str, base: torch.nn.Module):
+    def __init__(self, layer: int, owner: torch.nn.Module, name: str, base: torch.nn.Linear):
         self.layer, self.owner, self.name = layer, owner, name
         self.row_parallel = isinstance(base, RowParallelLinear)
         self.in_local, self.out_local = base.in_features, base.out_features
@@ -176,10 +176,10 @@ class LoraModel:
         """Free ``slot``'s tensors."""
         for linear in self.linears:
             linear.drop_adapter(slot)
-def _whole_shapes(base: torch.nn.Module, name: str, tp: int) -> dict[str, tuple[int, int]]:
+def _whole_shapes(base: torch.nn.Linear, name: str, tp: int) -> dict[str, tuple[int, int]]:
     """The unsharded (in, out) features of each part of a wrapped linear."""
     if isinstance(base, QKVParallelLinear):
-        d = base.head_dim
+        d = int(base.head_dim)
         return {"q_proj": (base.in_features, base.total_heads * d),
                 "k_proj": (base.in_features, base.total_kv_heads * d),
                 "v_proj": (base.in_features, base.total_kv_heads * d)}

@@ -19,6 +19,7 @@ Policy (vLLM's endpoints, simpler residency):
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +32,23 @@ from services.scheduler.lora.namespace import NAMESPACES
 
 class LoraLimitError(ValueError):
     """A load refused by the resident limit or a name already in use."""
+
+
+@dataclass(frozen=True)
+class LoraOp:
+    """A change of the resident set that rank 0 sends to the other tensor-parallel ranks
+    (``executor.tp``), between steps: "load" the adapter at ``path`` into ``slot``, or "drop" it."""
+
+    kind: str
+    slot: int
+    path: str = ""
+
+    def apply(self, model: LoraModel, max_rank: int) -> None:
+        """Do it on this rank's ``model`` (its own shard of the adapter)."""
+        if self.kind == "load":
+            model.add(self.slot, read_adapter(Path(self.path), model.shapes, model.num_layers, max_rank))
+        else:
+            model.drop(self.slot)
 
 
 @dataclass(eq=False)
@@ -59,6 +77,10 @@ class LoraRegistry:
     Args:
         model: the wrapped model's ``LoraModel``.
         max_loras: ``--max-loras``; max_rank: ``--max-lora-rank``.
+
+    Attributes:
+        mirror: called with each ``LoraOp`` once rank 0 has done it (tensor parallelism: sends
+            it to the other ranks); None on one rank.
     """
 
     def __init__(self, model: LoraModel, max_loras: int, max_rank: int):
@@ -68,6 +90,7 @@ class LoraRegistry:
         self.by_name: dict[str, Adapter] = {}
         self.by_slot: dict[int, Adapter] = {}
         self._namespaces = itertools.cycle(range(1, NAMESPACES + 1))
+        self.mirror: Callable[[LoraOp], None] | None = None
 
     def load(self, name: str, path: str) -> Adapter:
         """Read, check and place the adapter at ``path`` under ``name``.
@@ -86,6 +109,8 @@ class LoraRegistry:
         adapter = Adapter(name, str(path), weights.rank, free[0], next(self._namespaces))
         self.model.add(adapter.slot, weights)
         self.by_name[name] = self.by_slot[adapter.slot] = adapter
+        if self.mirror is not None:
+            self.mirror(LoraOp("load", adapter.slot, adapter.path))
         return adapter
 
     def unload(self, name: str) -> bool:
@@ -118,6 +143,8 @@ class LoraRegistry:
     def _free(self, adapter: Adapter) -> None:
         del self.by_slot[adapter.slot]
         self.model.drop(adapter.slot)
+        if self.mirror is not None:
+            self.mirror(LoraOp("drop", adapter.slot))
 
     def names(self) -> list[str]:
         """The names requests may use, in load order."""
@@ -170,4 +197,4 @@ def open_registry(model: LoraModel | None, cfg) -> LoraRegistry | None:
     return registry
 
 
-__all__ = ["AdapterError", "Adapter", "LoraLimitError", "LoraRegistry", "open_registry", "step_rows"]
+__all__ = ["AdapterError", "Adapter", "LoraLimitError", "LoraOp", "LoraRegistry", "open_registry", "step_rows"]
