@@ -112,8 +112,8 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
         return self._adapter_list()
 
     async def LoadLoraAdapter(self, request, context):
-        """Refuses a path containing "bad" as a scheduler refuses an adapter it cannot serve."""
-        if "bad" in request.lora_path:
+        """Refuses a path outside /adapters/ as a scheduler refuses an adapter it cannot serve."""
+        if not request.lora_path.startswith("/adapters/"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"adapter {request.lora_path}: no adapter_config.json")
         self.adapters[request.lora_name] = request.lora_path

@@ -59,8 +59,8 @@ async def test_load_and_unload_endpoints(stack):
     r = await stack.client.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/adapters/a"})
     assert (r.status_code, r.text) == (200, "Success: LoRA adapter 'a' added successfully.")
     assert stack.fake.adapters == {"a": "/adapters/a"}
-    r = await stack.client.post("/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": "/adapters/bad"})
-    assert r.status_code == 400 and r.json()["error"]["message"] == "adapter /adapters/bad: no adapter_config.json"
+    r = await stack.client.post("/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": "/elsewhere/b"})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "adapter /elsewhere/b: no adapter_config.json"
     r = await stack.client.post("/v1/load_lora_adapter", json={"lora_name": "b"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
     r = await stack.client.post("/v1/unload_lora_adapter", json={"lora_name": "a"})
@@ -75,3 +75,10 @@ async def test_lora_endpoints_need_the_api_key(keyed):
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     r = await keyed.post("/v1/unload_lora_adapter", json={"lora_name": "a"})
     assert r.status_code == 401
+
+
+async def test_embeddings_refuse_an_adapter(stack, tiny):
+    r = await stack.client.post("/v1/embeddings", json={"model": "tiny", "input": "hi"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+    assert r.json()["error"]["message"] == ("embeddings are not served under a LoRA adapter ('tiny'); "
+                                            "name the base model")

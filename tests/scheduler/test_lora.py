@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 from dataclasses import replace
 
+import peft
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -20,8 +21,6 @@ from services.scheduler.engine.engine import Engine
 from services.scheduler.lora.adapter import AdapterError
 from services.scheduler.models import load_model
 from services.scheduler.policy.stops import load_eos_ids
-
-peft = pytest.importorskip("peft")
 
 # name -> (LoraConfig keywords): attention only; all seven with rsLoRA; MLP and o_proj.
 ADAPTERS = {

@@ -17,7 +17,7 @@ from prometheus_client.registry import Collector
 from ringserve.metrics import PREFIX
 
 NAME = "lora_requests_info"
-LABELS = ("running_lora_adapters", "waiting_lora_adapters", "max_lora")
+LABELS = ("model_name", "running_lora_adapters", "waiting_lora_adapters", "max_lora")
 
 
 def adapter_names(reqs: Iterable) -> str:
@@ -30,11 +30,14 @@ class LoraInfoCollector(Collector):
     thread: a list the engine thread changes meanwhile is read again).
 
     Args:
-        engine: the ``Engine``; max_loras: ``--max-loras`` (0: LoRA off).
+        engine: the ``Engine``; model_name: the ``model_name`` label every ringserve sample
+            has (vLLM's gauge has none; the picker reads the other three); max_loras:
+            ``--max-loras`` (0: LoRA off).
     """
 
-    def __init__(self, engine, max_loras: int):
+    def __init__(self, engine, model_name: str, max_loras: int):
         self.engine = engine
+        self.model_name = model_name
         self.max_loras = max_loras
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
@@ -51,5 +54,5 @@ class LoraInfoCollector(Collector):
         family = GaugeMetricFamily(PREFIX + NAME, "LoRA adapters of the running and the waiting requests, and "
                                    "--max-loras, as labels (the model server protocol's lora_requests_info); "
                                    "the value is the scrape's time in seconds.", labels=LABELS)
-        family.add_metric([running, waiting, str(self.max_loras)], time.time())
+        family.add_metric([self.model_name, running, waiting, str(self.max_loras)], time.time())
         yield family
