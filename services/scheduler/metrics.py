@@ -68,7 +68,8 @@ class SchedulerMetrics(EngineObserver):
                            "Requests that left the scheduler, by finish reason.",
                            ["model_name", "finished_reason"], registry=m.registry)
         self._finished = {t: finished.labels(m.model_name, name) for t, name in _REASONS.items()}
-        m.registry.register(LoraInfoCollector(engine, m.model_name, engine.cfg.max_loras if engine.lora is not None else 0))
+        max_loras = engine.cfg.max_loras if engine.lora is not None else 0
+        m.registry.register(LoraInfoCollector(engine, m.model_name, max_loras))
         load = engine.load
         m.add_reads([
             Read("num_requests_running", "Requests in the running batch (a chunk-prefilling one included).", "gauge",

@@ -8,10 +8,13 @@ from __future__ import annotations
 import json
 import threading
 
+import grpc
 import httpx
+import pytest
 import torch
 from safetensors.torch import save_file
 
+from ringserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from tests.helpers.ringstack import still_serves
 
 GAUGE = "ringserve:lora_requests_info"
@@ -147,5 +150,15 @@ def test_bad_adapters_are_refused_and_the_ring_serves(stack, tmp_path):
         assert message in r.json()["error"]["message"], (body, r.text)
     models = httpx.get(f"{stack.base_url}/v1/models", headers=stack.http_headers).json()["data"]
     assert [m["id"] for m in models] == [stack.model_name]
+    with grpc.insecure_channel(stack.tokenizer) as channel:  # gRPC: an unknown adapter ends the call NOT_FOUND
+        stub = tokenizer_pb2_grpc.TokenizerStub(channel)
+        listed = stub.ListLoraAdapters(common_pb2.Empty(), timeout=10, metadata=stack.grpc_metadata)
+        assert (list(listed.adapters), listed.max_loras) == ([], 4)
+        call = stub.Generate(tokenizer_pb2.GenerateReqInput(text="hi", lora_name="nope"), timeout=30,
+                             metadata=stack.grpc_metadata)
+        with pytest.raises(grpc.RpcError) as err:
+            list(call)
+        assert (err.value.code(), err.value.details()) == (grpc.StatusCode.NOT_FOUND,
+                                                           "The model 'nope' does not exist")
     assert lora_gauge(stack) == ("", "", "4")
     still_serves(stack)

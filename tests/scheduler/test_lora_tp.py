@@ -1,5 +1,5 @@
 """LoRA adapters under tensor parallelism (gloo, CPU): each rank holds its shard of A and B as
-its base layers shard their weights, so 4 ranks give the logits of one, for rows of two
+its base layers shard their weights, so 2 ranks give the logits of one, for rows of two
 adapters (one loaded at start, one at run time and sent to the other ranks) and of the base."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from tests.helpers.tp_runs import assert_same, run_engine, specs
 
-# 8 query heads of 16 and 2 KV heads: at 4 ranks the query heads split, the KV heads replicate.
+# 8 query heads of 16 and 2 KV heads, intermediate 256: every adaptable linear splits over 2 ranks.
 TINY = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=49155, hidden_size=128,
             intermediate_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
             max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
@@ -49,7 +49,7 @@ def tiny_dir(smollm2_dir: Path, tmp_path_factory) -> Path:
     return d
 
 
-def test_adapters_at_tp4_equal_tp1(tiny_dir, tmp_path):
+def test_adapters_at_tp2_equal_tp1(tiny_dir, tmp_path):
     static, dynamic = write_adapter(tmp_path / "a", 4, 1), write_adapter(tmp_path / "b", 8, 2)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, 49152, (20,), generator=gen).tolist()
@@ -60,6 +60,6 @@ def test_adapters_at_tp4_equal_tp1(tiny_dir, tmp_path):
                           lora_modules=(f"a={static}",), max_total_tokens=1024)
 
     one = run(1)
-    assert_same(one, run(4))
+    assert_same(one, run(2))
     logprobs = [one[0][rid].logprobs for rid in ("r0", "r1", "r2")]
     assert logprobs[0] != logprobs[1] != logprobs[2] != logprobs[0]  # each adapter changes the model
