@@ -112,14 +112,13 @@ class ModelRunner:
                                        token_slots=dev.get("token_slots"), token_seq_lens=dev.get("token_seq_lens"))
         if batch.decode is not None:
             meta.decode = DecodeLayout(dev["dec_slots"], dev["seq_lens"], **batch.decode)
-        if batch.lora is not None and self.lora is not None:
-            slots, counts = zip(*batch.lora, strict=True)
-            self.lora.groups = list(zip(slots, dev.pop("lora_rows").split(list(counts)), strict=True))
+        if self.lora is not None:
+            self.lora.set(batch.lora, dev.pop("lora_rows", None))
         try:
             hidden = self.model(dev["input_ids"], dev["positions"], meta, self.kv_pool)
         finally:
             if self.lora is not None:
-                self.lora.groups = []
+                self.lora.set(None, None)
         logprob_hidden = pooled = None
         if batch.logprob_rows is not None:  # prompt logprobs: at most a chunk of rows
             logprob_hidden = hidden.index_select(0, self.runtime.to_device(batch.logprob_rows))

@@ -1,13 +1,15 @@
 """The LoRA product inside the model: ``LoraLinear`` around a block's linears, one step's rows per adapter.
 
-``attach_lora`` wraps every decoder layer's qkv_proj, o_proj, gate_up_proj and down_proj
-(where the layer has them) in a ``LoraLinear``. Each step the runner tells the model's
+``attach_lora`` records every decoder layer's qkv_proj, o_proj, gate_up_proj and down_proj
+(where the layer has them) at build time; the first adapter placed wraps each in a
+``LoraLinear`` (until then the model runs as built). Each step the runner tells the model's
 ``LoraBatch`` which packed token rows belong to which resident adapter (a slot); the wrapper
 runs the base linear on every row, then for each adapter present adds
 ``(x[rows] @ A^T) @ B^T * scale`` to those rows -- a grouped product per adapter, as
 punica's / S-LoRA's segmented kernels compute in one launch (Chen et al. 2023, "Punica";
 Sheng et al. 2023, "S-LoRA"). Rows of no adapter (the base model) get the base output only,
-and a step without adapter rows costs one Python check per wrapped linear.
+and a step without adapter rows costs one Python check per wrapped linear. The same torch
+product runs on CUDA (no segmented Triton kernel yet: one matmul pair per adapter present).
 
 Fused linears hold their parts' adapters side by side: q, k and v (gate and up) each have
 their own A; their A's are stacked [k r, in] and their B's placed block-diagonally in a
@@ -53,6 +55,15 @@ class LoraBatch:
 
     def __init__(self) -> None:
         self.groups: list[tuple[int, torch.Tensor]] = []
+
+    def set(self, counts: list[tuple[int, int]] | None, rows: torch.Tensor | None) -> None:
+        """The step's groups from ``StepBatch.lora`` ((slot, row count) each) and its
+        ``lora_rows`` segment (int64 [n] on the device); None, None: no adapter rows."""
+        if counts is None or rows is None:
+            self.groups = []
+            return
+        slots, sizes = zip(*counts, strict=True)
+        self.groups = list(zip(slots, rows.split(list(sizes)), strict=True))
 
 
 class LoraLinear(torch.nn.Module):
