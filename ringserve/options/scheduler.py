@@ -120,6 +120,19 @@ class EngineOptions:
         help="CPU with AVX-512-VNNI: quantize every linear and the LM head to per-channel int8 at load; int8 runs "
              "W8A8 or weight-only per shape and batch size, whichever measured faster; int8wo weight-only (closer "
              "to bf16). Default: the checkpoint's weights in --dtype")
+    # Multi-LoRA (services/scheduler/lora): adapters in PEFT's format, chosen per request by model.
+    lora_modules: tuple[str, ...] = option(
+        "--lora-modules", (), metavar="NAME=PATH", launch=True,
+        not_in_chart=f"{BY_CHART}: config.scheduler.loraAdapters (name and path each) and loraVolume",
+        help="a LoRA adapter (a PEFT directory: adapter_config.json, adapter_model.safetensors) loaded at start "
+             "and served as model NAME; repeat for several. POST /v1/load_lora_adapter loads more at run time")
+    max_loras: int = option(
+        "--max-loras", 4, check=AtLeast(0), launch=True, chart="config.scheduler.maxLoras",
+        help="LoRA adapters resident at once (a load beyond it is refused); 0 turns LoRA off (the linears run "
+             "unwrapped); LoRA is off with --quantization")
+    max_lora_rank: int = option("--max-lora-rank", 64, check=AtLeast(1), launch=True,
+                                chart="config.scheduler.maxLoraRank",
+                                help="the largest LoRA rank (r) an adapter may have")
     # Embedding requests (/v1/embeddings, the Embed RPC): services/scheduler/executor/pooling.py.
     embedding_pooling: str | None = option(
         "--embedding-pooling", None, choices=POOLING_MODES, launch=True, not_in_chart=EXTRA_ARGS,

@@ -29,6 +29,7 @@ from . import (
     serving_chat,
     serving_completions,
     serving_embeddings,
+    serving_lora,
     serving_native,
     serving_responses,
     sse,
@@ -309,9 +310,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @app.get("/v1/models", responses=schemas.ok(schemas.ModelList))
     async def list_models(request: Request) -> Response:
-        card = await client_of(request).model_card()
+        client = client_of(request)
+        card = await client.model_card()
         entry = _model_entry(card.served_model_name, card.model_path, card.context_length)
-        return sse.json_response({"object": "list", "data": [entry]})
+        return sse.json_response({"object": "list", "data": await serving_lora.model_entries(client, card, entry)})
 
     @app.get("/v1/models/{model_id:path}", responses=schemas.ok(schemas.ModelEntry))
     async def retrieve_model(model_id: str, request: Request) -> Response:
@@ -319,6 +321,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         name = await client.check_model(model_id)
         card = await client.model_card()
         return sse.json_response(_model_entry(name, card.model_path, card.context_length))
+
+    serving_lora.add_routes(app, client_of)
 
     @app.get("/get_model_info", responses=schemas.ERRORS)
     async def get_model_info(request: Request) -> Response:

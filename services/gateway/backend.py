@@ -37,7 +37,7 @@ from google.protobuf import text_format
 
 from ringserve import grpcutil, tracing
 from ringserve.prompt_bounds import BoundExceeded, PromptBounds
-from ringserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+from ringserve.v1 import common_pb2, lora_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 
 from .config import GatewayConfig
 from .errors import GatewayError, from_rpc_error, invalid
@@ -245,20 +245,45 @@ class TokenizerClient:
         return self._card
 
     async def check_model(self, model: str | None) -> str:
-        """The served model name; a request naming another model gets 404 model_not_found."""
+        """The served model name, or the LoRA adapter ``model`` names; a request naming another
+        model gets 404 model_not_found."""
+        return (await self.resolve_model(model))[0]
+
+    async def resolve_model(self, model: str | None) -> tuple[str, str]:
+        """(the name responses echo, the LoRA adapter to run under: "" for the base model).
+        An adapter is a name the schedulers list (``ListLoraAdapters``, asked only for a name
+        that is not the base model's).
+
+        Raises:
+            GatewayError(404 model_not_found): neither the base model nor a loaded adapter.
+        """
         name = self._config.served_model_name
         if name is not None and model in (None, name):
-            return name  # no round trip when the name is fixed by a flag
+            return name, ""  # no round trip when the name is fixed by a flag
         card = await self.model_card()
-        if model is not None and model not in (card.served_model_name, card.model_path):
-            raise GatewayError(
-                f"The model '{model}' does not exist; this server serves '{card.served_model_name}'",
-                404,
-                "invalid_request_error",  # OpenAI's type for an unknown model (C05)
-                "model",
-                "model_not_found",
-            )
-        return card.served_model_name
+        if model is None or model in (card.served_model_name, card.model_path):
+            return card.served_model_name, ""
+        if model in {a.name for a in await self.lora_adapters()}:
+            return model, model
+        raise GatewayError(
+            f"The model '{model}' does not exist; this server serves '{card.served_model_name}'",
+            404,
+            "invalid_request_error",  # OpenAI's type for an unknown model (C05)
+            "model",
+            "model_not_found",
+        )
+
+    async def lora_adapters(self) -> list[lora_pb2.LoraAdapter]:
+        """The LoRA adapters the schedulers serve now (none where LoRA is off, or from a
+        tokenizer without the LoRA RPCs)."""
+        try:
+            listed = await self.stub.ListLoraAdapters(common_pb2.Empty(), timeout=self._config.rpc_timeout_s,
+                                                      metadata=self._metadata)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return []
+            raise from_rpc_error(exc) from None
+        return list(listed.adapters)
 
     async def readiness(self) -> tokenizer_pb2.Readiness:
         """The tokenizer's ``GetReadiness``: whether it can move a token, and why not.

@@ -326,6 +326,7 @@ class GenerateRequest(Body):
     # With return_logprob: prompt logprobs from this position (SGLang); -1 = none.
     logprob_start_len: JsonInt = Field(-1, ge=-1, le=INT32_MAX)
     priority: JsonInt = bounded(PRIORITY, 0)  # SGLang's and vLLM's: lower runs first
+    lora_path: str | None = None  # SGLang's: the LoRA adapter (its name) to run under; 404 if not loaded
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None

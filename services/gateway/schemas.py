@@ -101,6 +101,7 @@ class ModelEntry(BaseModel):
     owned_by: str
     root: str
     max_model_len: int
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field); null for the base model
 
 
 class ModelList(BaseModel):

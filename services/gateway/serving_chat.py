@@ -95,7 +95,7 @@ async def create_chat_completion(
     pb = convert.chat_request(req, rid)
     mark_reasoning(pb, req, config)
     make_parser = await reported_parser_factory(client, req, config)
-    model = await client.check_model(req.model)
+    model, pb.lora_name = await client.resolve_model(req.model)
     echo = _echo_text(req)
 
     async def prompt_logprobs(finals: list[FinalChoice]) -> dict:

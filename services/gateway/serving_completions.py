@@ -76,7 +76,9 @@ async def create_completion(client: TokenizerClient, request: Request, req: Comp
     """
     rid = convert.new_rid(req)
     pbs = convert.completion_requests(req, rid)
-    model = await client.check_model(req.model)
+    model, lora_name = await client.resolve_model(req.model)
+    for pb in pbs:
+        pb.lora_name = lora_name
     echoes = await _echo_texts(client, pbs) if req.echo else [""] * len(pbs)
     want_logprobs = req.logprobs is not None
     want_top = bool(req.logprobs)

@@ -102,7 +102,9 @@ async def create_embeddings(client: TokenizerClient, request: Request, body: Emb
             the tokenizer's status otherwise.
         ClientDisconnected: the client went away first.
     """
-    model = await client.check_model(body.model)
+    model, lora_name = await client.resolve_model(body.model)
+    if lora_name:
+        raise invalid(f"embeddings are not served under a LoRA adapter ('{lora_name}'); name the base model", "model")
     pb = embed_request(body)
     pb.rid = request_context.adopt(None, lambda: {tracing.GEN_AI_OPERATION: "embeddings",
                                                   tracing.GEN_AI_REQUEST_MODEL: body.model})

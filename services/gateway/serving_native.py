@@ -66,6 +66,8 @@ async def generate(client: TokenizerClient, request: Request, req: GenerateReque
     """
     rid = convert.new_rid(req)
     pb = convert.native_request(req, rid)
+    if req.lora_path is not None:  # SGLang's name for the adapter a request runs under
+        pb.lora_name = (await client.resolve_model(req.lora_path))[1]
     n = req.sampling_params.n or 1
     usage = Usage()
     if req.stream:

@@ -113,7 +113,7 @@ async def create_response(
     pb = generate_request(req, chat, rid)
     mark_reasoning(pb, chat, config)
     make_parser = await reported_parser_factory(client, chat, config)
-    model = await client.check_model(req.model)
+    model, pb.lora_name = await client.resolve_model(req.model)
     stored = req.store is not False and store.enabled
     head = {"id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()), "model": model,
             **echo(req, stored)}

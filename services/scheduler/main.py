@@ -160,7 +160,8 @@ async def serve(cfg: SchedulerConfig, stop: asyncio.Event | None = None,
                                    status="UNAVAILABLE", resend_init=True),
         metadata=cfg.internal_auth.metadata(),
     )
-    servicer = SchedulerServicer(loop, cfg.instance_id, cfg.load_report_interval_s, tp_size=cfg.tp_size)
+    servicer = SchedulerServicer(loop, cfg.instance_id, cfg.load_report_interval_s, tp_size=cfg.tp_size,
+                                 model_names=frozenset({cfg.model_name, str(cfg.engine.model)}))
     name = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
     server = await start_server(cfg.address, [(scheduler_pb2_grpc.add_SchedulerServicer_to_server, servicer, name)],
                                 interceptors=cfg.internal_auth.interceptors(name))

@@ -34,6 +34,7 @@ from ringserve.kv_events import PAGE_SIZE
 from ringserve.metrics import PREFIX, Read, ServiceMetrics
 from services.scheduler.engine.engine import Engine
 from services.scheduler.engine.observer import EngineObserver
+from services.scheduler.lora.metrics import LoraInfoCollector
 from services.scheduler.policy.req import FinishType, Req
 from services.scheduler.policy.schedule import Plan
 
@@ -75,6 +76,8 @@ class SchedulerMetrics(EngineObserver):
                            "Requests that left the scheduler, by finish reason.",
                            ["model_name", "finished_reason"], registry=m.registry)
         self._finished = {t: finished.labels(m.model_name, name) for t, name in _REASONS.items()}
+        max_loras = engine.cfg.max_loras if engine.lora is not None else 0
+        m.registry.register(LoraInfoCollector(engine, m.model_name, max_loras))
         load = engine.load
         m.add_reads([
             Read("num_requests_running", "Requests in the running batch (a chunk-prefilling one included).", "gauge",

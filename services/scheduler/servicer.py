@@ -1,4 +1,5 @@
-"""gRPC adapter over the engine loop: ``Scheduler.Connect``, ``GetLoad``, ``SubscribeKvEvents``, ``FlushCache``."""
+"""gRPC adapter over the engine loop: ``Scheduler.Connect``, ``GetLoad``, ``SubscribeKvEvents``, ``FlushCache``
+and the LoRA RPCs (``lora.admin``)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import logging
 
 import grpc
 
-from ringserve.v1 import common_pb2, kv_events_pb2, scheduler_pb2, scheduler_pb2_grpc
+from ringserve.v1 import common_pb2, kv_events_pb2, lora_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.engine.loop import EngineLoop
 from services.scheduler.kv_feed import KvEventFeed
+from services.scheduler.lora.admin import LoraRefused, adapter_list, load_adapter, unload_adapter
 from services.scheduler.policy.kv_events import EventsDropped
 from services.scheduler.wire import load_to_proto, req_input_from_proto
 
@@ -24,8 +26,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     tokenizer's requests.
     """
 
-    def __init__(self, loop: EngineLoop, instance_id: str, load_report_interval_s: float = 1.0, tp_size: int = 1):
+    def __init__(self, loop: EngineLoop, instance_id: str, load_report_interval_s: float = 1.0, tp_size: int = 1,
+                 model_names: frozenset[str] = frozenset()):
         self.loop = loop
+        self.model_names = model_names  # the base model's served name and path: no adapter may take them
         self.instance_id = instance_id
         self.tp_size = tp_size
         self.load_report_interval_s = load_report_interval_s
@@ -113,3 +117,29 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "the cache was not flushed: requests are in flight; retry when the scheduler is idle")
         return common_pb2.Empty()
+
+    async def LoadLoraAdapter(self, request: lora_pb2.LoadLoraAdapterRequest,
+                              context: grpc.aio.ServicerContext) -> lora_pb2.LoraAdapterList:
+        """Load a PEFT adapter (``lora.admin.load_adapter``); the list after it."""
+        engine = self.loop.engine
+        return await self._lora(context, lambda: load_adapter(engine.lora, request, self.model_names.__contains__))
+
+    async def UnloadLoraAdapter(self, request: lora_pb2.UnloadLoraAdapterRequest,
+                                context: grpc.aio.ServicerContext) -> lora_pb2.LoraAdapterList:
+        """Unload an adapter (``lora.admin.unload_adapter``); the list after it."""
+        engine = self.loop.engine
+        return await self._lora(context, lambda: unload_adapter(engine.lora, request))
+
+    async def ListLoraAdapters(self, request: common_pb2.Empty,
+                               context: grpc.aio.ServicerContext) -> lora_pb2.LoraAdapterList:
+        engine = self.loop.engine
+        return await self._lora(context, lambda: adapter_list(engine.lora))
+
+    async def _lora(self, context: grpc.aio.ServicerContext, op) -> lora_pb2.LoraAdapterList:
+        """Run a LoRA operation in the engine thread; a refusal aborts the RPC with its status."""
+        try:
+            return await asyncio.wrap_future(self.loop.call(op))
+        except LoraRefused as exc:
+            log.warning("LoRA request refused: %s", exc.message)
+            await context.abort(getattr(grpc.StatusCode, exc.status), exc.message)
+            raise  # not reached: abort raises

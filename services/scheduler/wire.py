@@ -53,6 +53,7 @@ def req_input_from_proto(msg: scheduler_pb2.TokenizedGenerateReqInput, tokenizer
         embed=msg.embed,
         embed_dimensions=msg.embed_dimensions,
         traceparent=msg.traceparent,
+        lora_name=msg.lora_name,
     )
 
 

@@ -36,6 +36,7 @@ DUPLICATE_REQUEST_ID = "duplicate_request_id"
 SERVICE_UNAVAILABLE = "service_unavailable"
 SERVER_OVERLOADED = "server_overloaded"
 INTERNAL_ERROR = "internal_error"
+MODEL_NOT_FOUND = "model_not_found"  # a LoRA adapter the scheduler does not hold (unloaded meanwhile)
 
 
 class RequestError(Exception):

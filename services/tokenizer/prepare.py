@@ -178,6 +178,7 @@ class Preparer:
                     logprob_start_len=req.logprob_start_len if req.HasField("logprob_start_len") else None,
                     prompt_top_logprobs_num=req.prompt_top_logprobs_num,
                     priority=req.priority,
+                    lora_name=req.lora_name,
                 )
             )
         return Prepared(rid, prompt, tuple(subs), opened)

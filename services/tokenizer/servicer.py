@@ -17,10 +17,11 @@ import grpc
 
 from ringserve import tracing
 from ringserve.metrics import ignore_seconds
-from ringserve.v1 import common_pb2, kv_events_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+from ringserve.v1 import common_pb2, kv_events_pb2, lora_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from services.tokenizer.embed import Embedder
 from services.tokenizer.errors import RequestError, unavailable
 from services.tokenizer.kv_relay import KvEventRelay
+from services.tokenizer.lora_relay import relay_lora
 from services.tokenizer.manager import TokenizerManager
 from services.tokenizer.request_trace import GenerateRecord, request_id
 
@@ -193,3 +194,27 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         except RequestError as err:
             await _fail(context, err)
         return common_pb2.Empty()
+
+    async def LoadLoraAdapter(self, request: lora_pb2.LoadLoraAdapterRequest,
+                              context: grpc.aio.ServicerContext) -> lora_pb2.LoraAdapterList:
+        """Load a LoRA adapter on every replica (``lora_relay``)."""
+        return await self._lora(context, "LoadLoraAdapter", request)
+
+    async def UnloadLoraAdapter(self, request: lora_pb2.UnloadLoraAdapterRequest,
+                                context: grpc.aio.ServicerContext) -> lora_pb2.LoraAdapterList:
+        """Unload a LoRA adapter on every replica; requests running on it finish on it."""
+        return await self._lora(context, "UnloadLoraAdapter", request)
+
+    async def ListLoraAdapters(self, request: common_pb2.Empty,
+                               context: grpc.aio.ServicerContext) -> lora_pb2.LoraAdapterList:
+        """The LoRA adapters requests may name (the first replica's)."""
+        return await self._lora(context, "ListLoraAdapters", request, everywhere=False)
+
+    async def _lora(self, context: grpc.aio.ServicerContext, method: str, request: object,
+                    everywhere: bool = True) -> lora_pb2.LoraAdapterList:
+        try:
+            if self.kv_relay is None:
+                raise unavailable("this tokenizer has no scheduler")
+            return await relay_lora(self.kv_relay.replicas.values(), method, request, everywhere)
+        except RequestError as err:
+            await _fail(context, err)

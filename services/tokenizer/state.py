@@ -20,6 +20,7 @@ from ringserve.v1 import common_pb2, detokenizer_pb2, tokenizer_pb2
 from services.tokenizer.errors import (
     INTERNAL_ERROR,
     INVALID_REQUEST,
+    MODEL_NOT_FOUND,
     SERVER_OVERLOADED,
     SERVICE_UNAVAILABLE,
     RequestError,
@@ -32,6 +33,7 @@ ERROR_STATUS_CODES = {
     "RESOURCE_EXHAUSTED": SERVER_OVERLOADED,
     "UNAVAILABLE": SERVICE_UNAVAILABLE,
     "INTERNAL": INTERNAL_ERROR,
+    "NOT_FOUND": MODEL_NOT_FOUND,
 }
 
 

@@ -19,7 +19,7 @@ import uvicorn
 
 from ringserve import grpcutil
 from ringserve.apikeys import ApiKeys
-from ringserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+from ringserve.v1 import common_pb2, lora_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from services.gateway.app import create_app
 from services.gateway.config import GatewayConfig
 
@@ -62,6 +62,7 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
         self.metadata: list[dict[str, str]] = []  # each Generate call's whole metadata
         self.readiness = tokenizer_pb2.Readiness(ready=True, replicas=1)  # what GetReadiness answers
         self.embed_requests: list[tokenizer_pb2.EmbedRequest] = []
+        self.adapters: dict[str, str] = {}  # LoRA adapter name -> path (tests/gateway/test_gateway_lora.py)
 
     def reset(self, *steps) -> None:
         self.script = list(steps)
@@ -102,6 +103,26 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
             resp.embeddings.add(values=[float(i), 0.5, -float(n)], prompt_tokens=n)
         resp.prompt_tokens = sum(e.prompt_tokens for e in resp.embeddings)
         return resp
+
+    def _adapter_list(self) -> lora_pb2.LoraAdapterList:
+        return lora_pb2.LoraAdapterList(
+            adapters=[lora_pb2.LoraAdapter(name=n, path=p, rank=4) for n, p in self.adapters.items()], max_loras=2)
+
+    async def ListLoraAdapters(self, request, context):
+        return self._adapter_list()
+
+    async def LoadLoraAdapter(self, request, context):
+        """Refuses a path outside /adapters/ as a scheduler refuses an adapter it cannot serve."""
+        if not request.lora_path.startswith("/adapters/"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"adapter {request.lora_path}: no adapter_config.json")
+        self.adapters[request.lora_name] = request.lora_path
+        return self._adapter_list()
+
+    async def UnloadLoraAdapter(self, request, context):
+        if self.adapters.pop(request.lora_name, None) is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no LoRA adapter named {request.lora_name!r} is loaded")
+        return self._adapter_list()
 
     async def GetModelInfo(self, request, context):
         return tokenizer_pb2.ModelInfo(

@@ -26,6 +26,9 @@ BASES: dict[str, dict] = {
     "/abort_request": {"rid": "r"},
     "/v1/embeddings": {"input": "hi"},
     "/v1/responses": {"input": "hi", "max_output_tokens": 2},
+    # A path the fake tokenizer refuses (tests/gateway/conftest.py): nothing is loaded.
+    "/v1/load_lora_adapter": {"lora_name": "a", "lora_path": "/elsewhere/a"},
+    "/v1/unload_lora_adapter": {"lora_name": "a"},
 }
 
 KEY = "<key>"  # path segment: a free-form object's key

@@ -14,8 +14,9 @@ from services.scheduler.layers.parallel import TensorParallel
 from tests.helpers.engine_steps import collect, greedy
 
 
-def run_engine(model_dir: Path, tp_size: int, specs, load_format: str, **engine_kw):
-    """Run ``specs`` to the end on a ``tp_size``-rank engine -> (results by rid, logits of every step, final load)."""
+def run_engine(model_dir: Path, tp_size: int, specs, load_format: str, prepare=None, **engine_kw):
+    """Run ``specs`` to the end on a ``tp_size``-rank engine -> (results by rid, logits of every step, final load);
+    ``prepare(engine)`` runs first, once the ranks are attached."""
     cfg = SchedulerConfig(engine=EngineConfig(model=model_dir, dtype="float32", load_format=load_format, seed=0,
                                               max_running_requests=8, **engine_kw),
                           tp_size=tp_size, torch_threads=1, dist_timeout_s=60)
@@ -26,6 +27,8 @@ def run_engine(model_dir: Path, tp_size: int, specs, load_format: str, **engine_
         engine = Engine.from_config(cfg.engine, group.tp if group else TensorParallel())
         if group is not None:
             group.attach(engine)
+        if prepare is not None:
+            prepare(engine)
         steps: list[torch.Tensor] = []
         forward = engine.runner.forward
         engine.runner.forward = lambda plan, future=None: steps.append(forward(plan, future)) or steps[-1]

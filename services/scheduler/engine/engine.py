@@ -24,6 +24,7 @@ from services.scheduler.executor.pooling import accumulate, finish_embeddings, p
 from services.scheduler.executor.prompt_logprobs import plan_logprob_rows, score_prompts
 from services.scheduler.executor.sampling import Sampler
 from services.scheduler.layers.parallel import TensorParallel
+from services.scheduler.lora.registry import open_registry
 from services.scheduler.models.base import CausalLM
 from services.scheduler.policy.grammar import GrammarManager, accept_grammar_tokens, apply_grammar_masks
 from services.scheduler.policy.grammar_backends import GrammarBackend, load_backend
@@ -65,6 +66,7 @@ class Engine:
         self.max_total_tokens = shape.max_total_tokens
         self.deterministic = stack.shape.deterministic
         self.kv_pool, self.req_pool, self.runner = stack.kv_pool, stack.req_pool, stack.runner
+        self.lora = open_registry(stack.lora, cfg)  # LoRA adapters (None: off)
         self.kv_events = KvEventLog()  # the prefix cache's page events (policy/kv_events.py)
         self.tree = None if cfg.disable_radix_cache else RadixCache(self.kv_pool, self.kv_events)
         self.policy = SchedulePolicy(self.req_pool, self.kv_pool, cfg.max_running_requests, cfg.max_prefill_tokens,
@@ -125,6 +127,11 @@ class Engine:
         if error is not None:
             self._emit_abort(req, error, "INVALID_ARGUMENT")
             return
+        if spec.lora_name:
+            req.lora = self.lora.acquire(spec.lora_name) if self.lora is not None else None
+            if req.lora is None:
+                self._emit_abort(req, f"The model '{spec.lora_name}' does not exist", "NOT_FOUND")
+                return
         if spec.sampling.seed is not None:
             req.generator = self.sampler.generator_for(spec.sampling.seed)
         if req.embed:
@@ -355,15 +362,23 @@ class Engine:
 
     def _release(self, req: Req) -> None:
         self.policy.remove(req)
+        self._release_lora(req)
         del self.reqs[req.rid]
         self.num_finished_reqs += 1
         self.observer.on_finish(req)
 
     def _emit_abort(self, req: Req, message: str, status: str) -> None:
         req.finish_reason = FinishReason(FinishType.ABORT, message=message, status=status)
+        self._release_lora(req)
         self._out.add_row(req, [])
         self.num_aborted_reqs += 1
         self.observer.on_finish(req)
+
+    def _release_lora(self, req: Req) -> None:
+        """An ended request lets go of its adapter (after its KV went to the prefix cache under its namespace)."""
+        if req.lora is not None and self.lora is not None:
+            self.lora.release(req.lora)
+            req.lora = None
 
     def _take_output(self) -> StepOutput | None:
         out, self._out = self._out, StepOutput()

@@ -36,6 +36,7 @@ from services.scheduler.layers.quant import (
     fix_kernels,
     quantize_model,
 )
+from services.scheduler.lora.layers import LoraModel, attach_lora
 from services.scheduler.models import load_model
 from services.scheduler.models.base import CausalLM
 from services.scheduler.models.config import ModelConfig
@@ -69,6 +70,7 @@ class ModelStack:
     kv_pool: TokenToKVPool
     req_pool: ReqToTokenPool
     runner: ModelRunner
+    lora: LoraModel | None = None  # the adaptable linears (LoRA on: ``lora_enabled``)
 
     @property
     def tp(self) -> TensorParallel:
@@ -152,6 +154,7 @@ def build_stack(model: CausalLM, cfg: EngineConfig, runtime: DeviceRuntime, shap
     Raises:
         ValueError, NotBatchInvariantError: see ``make_deterministic``.
     """
+    lora = attach_lora(model) if lora_enabled(cfg) else None  # before packing replaces the linears
     if runtime.packs_linears:
         pack_linears(model)
     if resolve_deterministic:
@@ -168,8 +171,22 @@ def build_stack(model: CausalLM, cfg: EngineConfig, runtime: DeviceRuntime, shap
     if runtime.supports_cuda_graph and not cfg.disable_cuda_graph and tp.size == 1:
         graphs = DecodeGraphRunner(model, runtime, req_pool, kv_pool,
                                    min(cfg.cuda_graph_max_bs, shape.max_running_requests), capture=True)
-    runner = ModelRunner(model, req_pool, kv_pool, runtime, graphs, batch_invariant=shape.deterministic)
-    return ModelStack(model, runtime, shape, kv_pool, req_pool, runner)
+    runner = ModelRunner(model, req_pool, kv_pool, runtime, graphs, batch_invariant=shape.deterministic,
+                         lora=lora.batch if lora is not None else None)
+    return ModelStack(model, runtime, shape, kv_pool, req_pool, runner, lora)
+
+
+def lora_enabled(cfg: EngineConfig) -> bool:
+    """LoRA adapters can be served: ``--max-loras`` above 0 and no ``--quantization`` (an int8
+    linear has no parallel layout to shard an adapter by).
+
+    Raises:
+        ValueError: ``--lora-modules`` given where LoRA is off.
+    """
+    on = cfg.max_loras > 0 and not cfg.quantization
+    if cfg.lora_modules and not on:
+        raise ValueError("--lora-modules needs --max-loras above 0 and no --quantization")
+    return on
 
 
 def make_deterministic(model: CausalLM, cfg: EngineConfig, runtime: DeviceRuntime) -> bool:

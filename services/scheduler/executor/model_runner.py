@@ -24,6 +24,8 @@ import torch
 from services.scheduler.attention.paged import AttnMetadata, DecodeLayout, ExtendLayout
 from services.scheduler.executor.device import DeviceRuntime
 from services.scheduler.executor.pooling import pool_rows
+from services.scheduler.lora.layers import LoraBatch
+from services.scheduler.lora.registry import step_rows
 from services.scheduler.models.base import CausalLM
 from services.scheduler.policy.kv_pool import ReqToTokenPool, TokenToKVPool
 from services.scheduler.policy.req import Req
@@ -41,6 +43,8 @@ class ModelRunner:
         batch_invariant: deterministic inference: every extend token attends as a decode
             query (``ExtendLayout.token_seq_lens``); the model's backend must be
             ``batch_invariant`` and its linears made so (``layers.batch_invariant``).
+        lora: the model's ``lora.layers.LoraBatch`` (LoRA on), told each step's rows per
+            adapter; a step with adapter rows runs eagerly (the CUDA graphs hold the base model).
 
     Attributes:
         broadcast: called with each step's ``StepBatch`` before it runs (tensor parallelism:
@@ -48,13 +52,15 @@ class ModelRunner:
     """
 
     def __init__(self, model: CausalLM, req_pool: ReqToTokenPool, kv_pool: TokenToKVPool,
-                 runtime: DeviceRuntime | None = None, graph_runner=None, batch_invariant: bool = False):
+                 runtime: DeviceRuntime | None = None, graph_runner=None, batch_invariant: bool = False,
+                 lora: LoraBatch | None = None):
         self.model = model
         self.req_pool = req_pool
         self.kv_pool = kv_pool
         self.runtime = runtime or DeviceRuntime(next(model.parameters()).device)
         self.graph_runner = graph_runner
         self.batch_invariant = batch_invariant
+        self.lora = lora
         self.broadcast: Callable[[StepBatch], None] | None = None
 
     @torch.inference_mode()
@@ -67,9 +73,13 @@ class ModelRunner:
             future: under overlap scheduling, the step still in flight: decode rows whose
                 last token it sampled take their input id from its device tensor.
         """
-        if self.graph_runner is not None and self.graph_runner.can_run(plan):
+        lora = step_rows([r.lora.slot if r.lora is not None else None for r in plan.reqs],
+                         plan.extend_lens) if self.lora is not None else None
+        if self.graph_runner is not None and lora is None and self.graph_runner.can_run(plan):
             return self.graph_runner.forward(plan, future)
         inputs = StepInputs(self.req_pool, future)
+        if lora is not None:
+            inputs.add("lora_rows", lora[0])
         ne, nd = plan.num_extend, len(plan.reqs) - plan.num_extend
         ext = inputs.add_extend(plan, self.batch_invariant) if ne else None
         dec = inputs.add_decode(plan.reqs[ne:], plan.prefix_lens[ne:]) if nd else None
@@ -78,7 +88,7 @@ class ModelRunner:
             inputs.add("pool_index", plan.pool.index)
         names, sizes, host = inputs.pack(plan.out_cache_loc)
         batch = StepBatch(names, sizes, host, inputs.num_extend_tokens, ext, dec, plan.logprob_rows,
-                          len(plan.pool.spans) if plan.pool is not None else 0)
+                          len(plan.pool.spans) if plan.pool is not None else 0, lora[1] if lora is not None else None)
         if self.broadcast is not None:
             self.broadcast(batch)
         logits, plan.logprob_hidden, plan.pooled = self.execute(batch, future)
@@ -102,7 +112,13 @@ class ModelRunner:
                                        token_slots=dev.get("token_slots"), token_seq_lens=dev.get("token_seq_lens"))
         if batch.decode is not None:
             meta.decode = DecodeLayout(dev["dec_slots"], dev["seq_lens"], **batch.decode)
-        hidden = self.model(dev["input_ids"], dev["positions"], meta, self.kv_pool)
+        if self.lora is not None:
+            self.lora.set(batch.lora, dev.pop("lora_rows", None))
+        try:
+            hidden = self.model(dev["input_ids"], dev["positions"], meta, self.kv_pool)
+        finally:
+            if self.lora is not None:
+                self.lora.set(None, None)
         logprob_hidden = pooled = None
         if batch.logprob_rows is not None:  # prompt logprobs: at most a chunk of rows
             logprob_hidden = hidden.index_select(0, self.runtime.to_device(batch.logprob_rows))
@@ -134,6 +150,8 @@ class StepBatch:
             score, or None.
         num_pooled: embeddings pooled this step (the segments ``pool_rows`` / ``pool_index``
             of ``host`` name their rows; ``executor.pooling``).
+        lora: (adapter slot, row count) per adapter present, whose rows are the segment
+            ``lora_rows`` in that order (``lora.registry.step_rows``); None: no adapter rows.
     """
 
     names: list[str]
@@ -144,6 +162,7 @@ class StepBatch:
     decode: dict | None
     logprob_rows: torch.Tensor | None = None
     num_pooled: int = 0
+    lora: list[tuple[int, int]] | None = None
 
 
 @dataclass

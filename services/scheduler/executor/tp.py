@@ -8,7 +8,8 @@ req-to-token writes keep their table equal to rank 0's -- taking part in the for
 collectives. They hold no request state: their pools' free lists never move.
 
 Messages on the gloo group (``torch.distributed.broadcast_object_list`` from rank 0): a
-``StepBatch`` (run it), ``HEARTBEAT`` (rank 0 is idle and alive) and None (stop). Every
+``StepBatch`` (run it), ``HEARTBEAT`` (rank 0 is idle and alive), a ``lora.registry.LoraOp``
+(load or drop a LoRA adapter's shard, between steps) and None (stop). Every
 collective has the group's timeout (``--dist-timeout``), so an idle rank 0 sends a heartbeat
 more often than that.
 
@@ -44,6 +45,7 @@ from services.scheduler.executor.device import create_runtime, rank_device, reso
 from services.scheduler.executor.model_runner import ModelRunner, StepBatch
 from services.scheduler.executor.prompt_logprobs import LOGITS_SLICE
 from services.scheduler.layers.parallel import RankFailure, TensorParallel, init_tensor_parallel
+from services.scheduler.lora.registry import LoraOp, open_registry
 from services.scheduler.models import check_tensor_parallel
 
 log = logging.getLogger(__name__)
@@ -119,9 +121,12 @@ class TPGroup:
         _broadcast(self.tp, PoolShape(engine.max_total_tokens, engine.context_length, engine.cfg.max_running_requests,
                                       engine.deterministic))
         engine.runner.broadcast = self.send
+        if engine.lora is not None:  # adapters loaded and dropped at run time, on every rank
+            engine.lora.mirror = self.send
 
-    def send(self, batch: StepBatch) -> None:
-        """Broadcast one step (called in the engine thread, before rank 0 runs it). Raises RankFailure."""
+    def send(self, batch: StepBatch | LoraOp) -> None:
+        """Broadcast one step (called in the engine thread, before rank 0 runs it) or a change of
+        the resident LoRA adapters. Raises RankFailure."""
         _broadcast(self.tp, batch)
 
     def heartbeat(self) -> None:
@@ -182,12 +187,17 @@ def worker_main(rank: int, cfg: SchedulerConfig) -> None:
                                   cfg.dist_timeout_s)
         model, runtime = load_engine_model(ec, tp)
         shape: PoolShape = _broadcast(tp)
-        runner = build_stack(model, ec, runtime, shape).runner  # as rank 0's, to rank 0's sizes and decisions
+        stack = build_stack(model, ec, runtime, shape)  # as rank 0's, to rank 0's sizes and decisions
+        runner = stack.runner
+        open_registry(stack.lora, ec)  # --lora-modules into the slots rank 0 gives them (the same order)
         log.info("rank %d of %d ready: KV pool %d tokens, %d KV heads%s", rank, cfg.tp_size, shape.max_total_tokens,
                  model.kv_shape().num_kv_heads, ", deterministic inference on" if shape.deterministic else "")
         with torch.inference_mode():
             while (batch := _broadcast(tp)) is not None:
                 if batch == HEARTBEAT:
+                    continue
+                if isinstance(batch, LoraOp) and stack.lora is not None:
+                    batch.apply(stack.lora, ec.max_lora_rank)
                     continue
                 run_step(runner, batch)
     except RankFailure as exc:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ringserve import sampling_params as table
+from services.scheduler.lora.namespace import namespaced
 from services.scheduler.policy.grammar_backends import GrammarSpec, Matcher
 from services.scheduler.policy.grammar_gate import GrammarGate
 
@@ -84,6 +85,7 @@ class ReqInput:
     embed: bool = False  # prefill only, then the pooled final hidden states (executor/pooling.py)
     embed_dimensions: int = 0  # with embed: the first this many dimensions (0 = all)
     traceparent: str = ""  # W3C trace context of the request's spans; "": not traced
+    lora_name: str = ""  # the LoRA adapter it runs under (services/scheduler/lora); "": the base model
 
 
 class TokenView(Sequence[int]):
@@ -126,6 +128,8 @@ class Req:
             only the positions before ``prompt_logprob_pos - 1``.
         prompt_logprobs / prompt_top_ids / prompt_top_vals: those computed so far, from
             position ``max(1, logprob_start_len)`` on, sent with the first sampled token.
+        lora: the resident adapter it runs under (``lora.registry.Adapter``: slot, cache
+            namespace), held from admission to its end; None: the base model.
         embed / embed_dimensions: an embedding request (``executor.pooling``): it samples
             nothing and ends when its prefill does, with its pooled hidden states.
         pool_from: with embed, the first prompt position whose hidden state the pooling reads
@@ -174,6 +178,7 @@ class Req:
         self.priority = spec.priority
         self.arrival: int | None = None
         self.embed = spec.embed
+        self.lora: Any = None
         self.embed_dimensions = spec.embed_dimensions
         self.pool_from: int | None = None
         self.pool_sum: torch.Tensor | None = None
@@ -198,6 +203,10 @@ class Req:
     def fill_ids(self) -> list[int]:
         """All tokens (prompt + output): what a (re-)prefill after retraction computes K/V for."""
         return self._origin_input_ids + self._output_ids
+
+    def cache_ids(self) -> list[int]:
+        """``fill_ids`` as the prefix cache keys them: in the adapter's namespace (``lora.namespace``)."""
+        return namespaced(self.fill_ids(), self.lora.namespace if self.lora is not None else 0)
 
     def last_token(self) -> int:
         return self._output_ids[-1] if self._output_ids else self._origin_input_ids[-1]

@@ -276,7 +276,7 @@ class SchedulePolicy:
         """
         if self.tree is None:
             return torch.empty(0, dtype=torch.int64), None
-        ids = req.fill_ids()
+        ids = req.cache_ids()
         end = len(ids) - 1
         if req.prompt_logprob_pos < req.prompt_len:
             end = min(end, req.prompt_logprob_pos - 1)
@@ -312,7 +312,7 @@ class SchedulePolicy:
             # so the cache holds what it would without overlap.
             n = min(req.kv_len, req.seq_len - 1)
             # Rows the tree already held for tokens this request computed itself are duplicates.
-            kept = self.tree.insert(req.fill_ids()[:n], kv[:n])
+            kept = self.tree.insert(req.cache_ids()[:n], kv[:n])
             self.kv_pool.free(torch.cat((kv[req.tree_len : kept], kv[n:])))
             self.tree.dec_lock_ref(req.last_node)
         req.last_node, req.tree_len = None, 0
