@@ -42,6 +42,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "num_requests_running": ("vllm:num_requests_running",),
     "kv_cache_usage_perc": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
     "cache_config_info": ("vllm:cache_config_info",),
+    "lora_requests_info": ("vllm:lora_requests_info",),
 }
 
 # Per-request stage latencies (seconds): vLLM's request_*_time_seconds buckets.

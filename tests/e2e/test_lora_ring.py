@@ -42,8 +42,11 @@ def write_adapter(path, rank: int = 4, targets=("q_proj", "v_proj"), shapes=None
 
 def lora_gauge(stack) -> tuple[str, str, str]:
     """(running adapters, waiting adapters, max) from the scheduler's one lora_requests_info sample."""
-    samples = [labels for (name, labels) in stack.scrape("scheduler") if name == GAUGE]
+    scraped = stack.scrape("scheduler")
+    samples = [labels for (name, labels) in scraped if name == GAUGE]
     assert len(samples) == 1, samples
+    # The endpoint picker reads vLLM's name: the same labels.
+    assert [labels for (name, labels) in scraped if name == "vllm:lora_requests_info"] == samples
     labels = dict(samples[0])
     return labels["running_lora_adapters"], labels["waiting_lora_adapters"], labels["max_lora"]
 

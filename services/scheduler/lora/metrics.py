@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from ringserve.metrics import PREFIX
+from ringserve.metrics import ALIASES, PREFIX
 
 NAME = "lora_requests_info"
 LABELS = ("model_name", "running_lora_adapters", "waiting_lora_adapters", "max_lora")
@@ -51,8 +51,10 @@ class LoraInfoCollector(Collector):
                 continue
         else:
             running = waiting = ""
-        family = GaugeMetricFamily(PREFIX + NAME, "LoRA adapters of the running and the waiting requests, and "
-                                   "--max-loras, as labels (the model server protocol's lora_requests_info); "
-                                   "the value is the scrape's time in seconds.", labels=LABELS)
-        family.add_metric([self.model_name, running, waiting, str(self.max_loras)], time.time())
-        yield family
+        doc = ("LoRA adapters of the running and the waiting requests, and --max-loras, as labels (the model "
+               "server protocol's lora_requests_info); the value is the scrape's time in seconds.")
+        now = time.time()
+        for name in (PREFIX + NAME, *ALIASES[NAME]):  # the picker reads vLLM's name
+            family = GaugeMetricFamily(name, doc, labels=LABELS)
+            family.add_metric([self.model_name, running, waiting, str(self.max_loras)], now)
+            yield family
