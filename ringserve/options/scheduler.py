@@ -120,6 +120,25 @@ class EngineOptions:
         help="CPU with AVX-512-VNNI: quantize every linear and the LM head to per-channel int8 at load; int8 runs "
              "W8A8 or weight-only per shape and batch size, whichever measured faster; int8wo weight-only (closer "
              "to bf16). Default: the checkpoint's weights in --dtype")
+    # Speculative decoding: services/scheduler/speculative/ (defaults measured: bench/RESULTS.md).
+    speculative_algorithm: str = option(
+        "--speculative-algorithm", "none", choices=names.SPECULATIVE_ALGORITHMS, launch=True,
+        not_in_chart=EXTRA_ARGS,
+        help="propose draft tokens and verify them in one forward (greedy output unchanged, sampled output "
+             "distributed as without): ngram = prompt lookup over the request's prompt and output; draft = a "
+             "smaller model of the same vocabulary (--speculative-draft-model)")
+    speculative_num_draft_tokens: int = option(
+        "--speculative-num-draft-tokens", 4, check=AtLeast(1), not_in_chart=EXTRA_ARGS,
+        help="most draft tokens a request verifies per step (fewer where its acceptance is low)")
+    speculative_ngram_min: int = option(
+        "--speculative-ngram-min-match", 1, check=AtLeast(1), not_in_chart=EXTRA_ARGS,
+        help="ngram: the shortest tail of the sequence looked up in it")
+    speculative_ngram_max: int = option(
+        "--speculative-ngram-max-match", 4, check=AtLeast(1), not_in_chart=EXTRA_ARGS,
+        help="ngram: the longest tail looked up (the longest match found is used)")
+    speculative_draft_model: Path | None = option(
+        "--speculative-draft-model", None, not_in_chart=EXTRA_ARGS,
+        help="draft: the draft model's directory (config.json, tokenizer.json, safetensors; same vocabulary)")
     # Embedding requests (/v1/embeddings, the Embed RPC): services/scheduler/executor/pooling.py.
     embedding_pooling: str | None = option(
         "--embedding-pooling", None, choices=POOLING_MODES, launch=True, not_in_chart=EXTRA_ARGS,

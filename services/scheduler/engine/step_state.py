@@ -10,6 +10,7 @@ import torch
 
 from services.scheduler.executor.sampling import HostSample
 from services.scheduler.policy.req import Req
+from services.scheduler.speculative.speculator import Verified
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,31 @@ class InFlight:
     wait: Callable[[], HostSample] | None
     embedded: list[Req] = field(default_factory=list)  # embeddings whose prefill ended
     pooled: Callable[[], list[list[float]]] | None = None  # waits for their vectors' copy
+    verified: dict[Req, Verified] = field(default_factory=dict)  # drafted rows (speculative decoding)
+
+
+@dataclass(frozen=True)
+class Emitted:
+    """One token a row emits in a step, with its logprob and top logprobs (None / empty where not asked)."""
+
+    token: int
+    logprob: float | None
+    top_ids: list[int]
+    top_vals: list[float]
+
+
+def emitted_run(result: HostSample, i: int, verified: Verified | None) -> list[Emitted]:
+    """The tokens row ``i`` of a step emits, in order: its sampled token; for a drafted row
+    (speculative decoding) the drafts it kept, then the replacement of the first rejected
+    one, or, all kept, its sampled token (the bonus)."""
+    sampled = Emitted(result.next_ids[i], result.logprobs[i] if result.logprobs is not None else None,
+                      result.top_ids[i] if result.top_ids is not None else [],
+                      result.top_vals[i] if result.top_vals is not None else [])
+    if verified is None:
+        return [sampled]
+    kept = verified.kept
+    run = [Emitted(tok, lp, ids, vals) for _, tok, lp, ids, vals in verified.positions[: kept + 1]]
+    return run if kept < len(verified.drafts) else run + [sampled]
 
 
 def reads_output_history(req: Req) -> bool:
