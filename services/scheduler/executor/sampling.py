@@ -99,7 +99,7 @@ class Sampler:
             logp = torch.log_softmax(logits, dim=-1) if want_logprob else None
         else:
             assert is_greedy is not None
-            noise = self._exponential(probs.shape, reqs)
+            noise = self.noise(probs.shape, reqs)
             next_ids = (probs / noise).argmax(dim=-1)
             mask = is_greedy.bool()
             if any(greedy):
@@ -162,18 +162,14 @@ class Sampler:
         return logits.index_put((index.select(0, 0), index.select(0, 1)),
                                 torch.full((len(rows),), float("-inf"), device=logits.device))
 
-    def _exponential(self, shape: torch.Size, reqs: list[Req]) -> torch.Tensor:
-        return self.noise(shape, reqs, "exponential_")
-
-    def noise(self, shape: torch.Size, reqs: list[Req], draw: str = "exponential_") -> torch.Tensor:
-        """float32 ``shape`` on the device, row i drawn (``draw``: a Tensor method,
-        ``exponential_`` or ``uniform_``) from reqs[i]'s own generator when it has a seed,
-        else from the shared one."""
+    def noise(self, shape: torch.Size, reqs: list[Req]) -> torch.Tensor:
+        """float32 ``shape`` of Exp(1) draws on the device, row i from reqs[i]'s own generator
+        when it has a seed, else from the shared one."""
         noise = torch.empty(shape, dtype=torch.float32, device=self.runtime.device)
-        getattr(noise, draw)(generator=self.generator)
+        noise.exponential_(generator=self.generator)
         for i, r in enumerate(reqs):
             if r.generator is not None:
-                getattr(noise.select(0, i), draw)(generator=r.generator)
+                noise.select(0, i).exponential_(generator=r.generator)
         return noise
 
     def _apply_logit_bias(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:

@@ -78,7 +78,8 @@ def verify(sampler: Sampler, logits: torch.Tensor, reqs: list[Req], drafts: torc
         assert is_greedy is not None
         greedy = is_greedy.bool()
         p_draft = probs.gather(1, drafts.unsqueeze(1)).squeeze(1)
-        uniform = sampler.noise(p_draft.shape + (1,), reqs, "uniform_").squeeze(1)
+        # exp(-E) with E ~ Exp(1) is uniform on (0, 1]: accepted with probability p(draft).
+        uniform = torch.exp(-sampler.noise(p_draft.shape + (1,), reqs).squeeze(1))
         residual = probs.scatter(1, drafts.unsqueeze(1), 0.0)
         # The exponential race draws from the unnormalised residual as from its normalisation.
         replacement = (residual / sampler.noise(residual.shape, reqs)).argmax(dim=-1)
