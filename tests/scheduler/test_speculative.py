@@ -132,15 +132,24 @@ def test_seeded_sampling_reproduces(spec_engine, chat_ids, tokenizer):
 
 
 def test_grammar_and_abort_under_speculation(spec_engine, reference, chat_ids, tokenizer):
-    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"],
-              "additionalProperties": False}
-    grammar = ReqInput(rid="g", input_ids=chat_ids(f"Repeat exactly: {TEXTS[2]}"),
-                       grammar=GrammarSpec("json_schema", json.dumps(schema)),
-                       sampling=SamplingParams(temperature=0.0, max_new_tokens=40))
-    requests = _requests(chat_ids, tokenizer)[:6]
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+
+    def constrained(rid: str) -> ReqInput:
+        return ReqInput(rid=rid, input_ids=chat_ids(f"Repeat exactly: {TEXTS[2]}"), return_logprob=True,
+                        grammar=GrammarSpec("json_schema", json.dumps(schema)),
+                        sampling=SamplingParams(temperature=0.0, max_new_tokens=40))
+
+    want = _run(spec_engine(), [constrained("g")])["g"]
     engine = spec_engine(speculative_algorithm="ngram")
-    got = _run(engine, [grammar, *requests], abort="p2")
+    requests = _requests(chat_ids, tokenizer)[:6]
+    got = _run(engine, [constrained("g"), *requests], abort="p2")
+    # Drafts checked against the grammar, its matcher rolled back and advanced over the kept run.
+    assert got["g"].output_ids == want.output_ids and got["g"].logprobs == want.logprobs
     assert got["g"].finish.type == FinishType.STOP
-    assert set(json.loads(tokenizer.decode(got["g"].output_ids))) == {"name"}
+    assert json.loads(tokenizer.decode(got["g"].output_ids)) == {"name": "Ada", "age": 36}
     assert got["p2"].finish.type == FinishType.ABORT
     _same(got, {r.rid: reference[r.rid] for r in requests if r.rid != "p2"})
+    alone = spec_engine(speculative_algorithm="ngram")
+    assert _run(alone, [constrained("g")])["g"].output_ids == want.output_ids
+    assert alone.speculator.stats.accepted > 5

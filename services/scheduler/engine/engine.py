@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 from ringserve.modelfacts import embedding_facts
 from services.scheduler.config import EngineConfig
 from services.scheduler.engine.observer import EngineObserver
-from services.scheduler.engine.step_state import InFlight, LoadStats, emitted_run, reads_output_history
+from services.scheduler.engine.step_state import InFlight, LoadStats, emitted_run, penalised, reads_output_history
 from services.scheduler.executor.build import build_stack, load_engine_model, size_pools
 from services.scheduler.executor.device import DeviceRuntime, create_runtime
 from services.scheduler.executor.model_runner import FutureIds
@@ -88,7 +88,8 @@ class Engine:
         self.overlap = cfg.overlap_schedule if cfg.overlap_schedule is not None else runtime.overlap_default
         self.overlap = self.overlap and self.tp.size == 1  # the other ranks never see the sampled ids
         # Speculative decoding (speculative/): the next plan needs the accepted count, so no overlap.
-        self.speculator = build_speculator(cfg, self.sampler, runtime, self.context_length, reads_output_history)
+        self.speculator = build_speculator(cfg, self.sampler, runtime, self.context_length, penalised,
+                                           self.vocab_size)
         self.overlap = self.overlap and self.speculator is None
         self._inflight: InFlight | None = None
 
@@ -265,10 +266,11 @@ class Engine:
         for req, n in zip(plan.reqs, plan.extend_lens, strict=True):
             req.kv_len += n
         num_decode = len(plan.reqs) - plan.num_extend + plan.num_drafted
-        verify_logits = None
-        if plan.drafts:  # the rows after the plan's judge its drafts (speculative.verify)
+        verify_logits, masked = None, frozenset[Req]()
+        if plan.drafts and self.speculator is not None:  # the rows after the plan's judge its drafts
             verify_logits, logits = logits.narrow(0, len(plan.reqs), logits.shape[0] - len(plan.reqs)), \
                 logits.narrow(0, 0, len(plan.reqs))
+            masked = self.speculator.apply_masks(plan, logits, verify_logits)  # the drafted rows' grammars
         if num_decode:
             self.num_decode_steps += 1
             self.peak_decode_batch_size = max(self.peak_decode_batch_size, num_decode)
@@ -291,7 +293,7 @@ class Engine:
             return InFlight([], None, {}, None, embedded, pooled) if embedded else None
         if len(reqs) < len(plan.reqs):
             logits = logits.index_select(0, self.runtime.to_device(torch.tensor(keep, dtype=torch.int64)))
-        failed = apply_grammar_masks(logits, reqs, self.runtime.to_device)
+        failed = apply_grammar_masks(logits, reqs, self.runtime.to_device, masked)
         result = self.sampler.sample(logits, reqs)
         for req, message in failed:  # their rows were sampled unmasked and are dropped in _finish
             self.abort(req.rid, message=message, status="INVALID_ARGUMENT")
@@ -324,9 +326,9 @@ class Engine:
             for i, req in pending:
                 req.append_output(runs[i][n].token)
             self.stops.check([r for _, r in pending])
+            accept_grammar_tokens([r for _, r in pending])
             n += 1
             pending = [(i, r) for i, r in pending if not r.finished and n < len(runs[i])]
-        accept_grammar_tokens([r for _, r in live])  # a row with a grammar never drafts: one token
         for i, req in live:
             run = runs[i][: len(req.output_ids) - start[i]]
             self._out.add_row(req, [t.token for t in run])

@@ -71,6 +71,11 @@ def emitted_run(result: HostSample, i: int, verified: Verified | None) -> list[E
 def reads_output_history(req: Req) -> bool:
     """Sampling this request's next token reads its output so far on the host (penalties,
     min tokens, a grammar's matcher)."""
+    return penalised(req) or req.grammar is not None
+
+
+def penalised(req: Req) -> bool:
+    """This request's logits depend on its output so far: penalties, or min tokens not reached."""
     p = req.sampling
     return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
-                or len(req.output_ids) < p.min_new_tokens or req.grammar is not None)
+                or len(req.output_ids) < p.min_new_tokens)

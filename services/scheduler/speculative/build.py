@@ -13,7 +13,7 @@ from services.scheduler.speculative.speculator import Speculator
 
 
 def build_speculator(cfg: EngineConfig, sampler: Sampler, runtime: DeviceRuntime, context_length: int,
-                     one_at_a_time: Callable[[Req], bool]) -> Speculator | None:
+                     one_at_a_time: Callable[[Req], bool], vocab_size: int) -> Speculator | None:
     """The speculator of ``cfg`` (None for ``none``).
 
     Raises:
@@ -26,4 +26,5 @@ def build_speculator(cfg: EngineConfig, sampler: Sampler, runtime: DeviceRuntime
         proposer = NgramProposer(cfg.speculative_ngram_min, cfg.speculative_ngram_max)
     else:
         raise ValueError(f"--speculative-algorithm {algorithm} is not supported yet; use ngram")
-    return Speculator(proposer, sampler, runtime, cfg.speculative_num_draft_tokens, context_length, one_at_a_time)
+    return Speculator(proposer, sampler, runtime, cfg.speculative_num_draft_tokens, context_length, one_at_a_time,
+                      vocab_size)

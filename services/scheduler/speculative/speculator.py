@@ -8,9 +8,14 @@ cache beside the rows without drafts. After the forward, ``verify`` judges the d
 once: a request's ``kv_len`` never counts a row past its accepted tokens, and the pool's
 accounting is what it would be without speculation.
 
-Who drafts: a decoding request whose sampling reads its own output on the host (penalties,
-min tokens, a grammar: the engine's ``reads_output_history``, passed as ``one_at_a_time``)
-decodes one token at a time. The draft length is bounded by ``max_new_tokens`` and the context
+Who drafts: a decoding request whose logits depend on its own output (penalties, min tokens
+not reached: the engine's ``penalised``, passed as ``one_at_a_time``) decodes one token at a
+time. Under a grammar (once its reasoning gate, if any, is past) each draft is checked
+against the matcher before it is verified -- the drafts end at the first one the grammar
+refuses -- and every verification position gets the grammar's mask there
+(``policy.grammar.draft_masks``; the matcher is rolled back after the walk and advanced by
+the engine over the tokens kept), so a kept or replacement token is always one the grammar
+allows. The draft length is bounded by ``max_new_tokens`` and the context
 (no draft is verified past the last token the request may emit), by the KV rows free after
 the plan, and by the request's recent acceptance (``Backoff``).
 """
@@ -24,6 +29,8 @@ import torch
 
 from services.scheduler.executor.device import DeviceRuntime
 from services.scheduler.executor.sampling import Sampler
+from services.scheduler.policy.grammar import add_bitmask, draft_masks
+from services.scheduler.policy.grammar_gate import ACTIVE
 from services.scheduler.policy.req import Req
 from services.scheduler.policy.schedule import Plan, SchedulePolicy
 from services.scheduler.speculative.proposer import Proposer
@@ -87,11 +94,14 @@ class Speculator:
         num_draft_tokens: most drafts per row and step.
         context_length: no draft is placed at or past this position.
         one_at_a_time: requests never given drafts.
+        vocab_size: the logits' width (grammar masks).
     """
 
     def __init__(self, proposer: Proposer, sampler: Sampler, runtime: DeviceRuntime, num_draft_tokens: int,
-                 context_length: int, one_at_a_time: Callable[[Req], bool]):
+                 context_length: int, one_at_a_time: Callable[[Req], bool], vocab_size: int):
         self.proposer = proposer
+        self.vocab_size = vocab_size
+        self._masks: dict[Req, torch.Tensor] = {}  # this step's drafted rows under a grammar
         self.one_at_a_time = one_at_a_time
         self.sampler = sampler
         self.runtime = runtime
@@ -101,7 +111,7 @@ class Speculator:
         self.stats = SpecStats()
 
     def _limit(self, req: Req) -> int:
-        if self.one_at_a_time(req):
+        if self.one_at_a_time(req) or req.grammar is not None and req.gate.state != ACTIVE:
             return 0
         b = self.backoff.setdefault(req, Backoff(self.num_draft_tokens))
         if b.pause:
@@ -123,8 +133,14 @@ class Speculator:
         proposals = self.proposer.propose(decode, limits)
         room = policy.kv_room
         drafted: dict[int, list[int]] = {}
+        self._masks.clear()
         for j, d in enumerate(proposals):
             d = d[: min(limits[j], room)]
+            if d and decode[j].grammar is not None:
+                n, mask = draft_masks(decode[j], d, self.vocab_size)
+                d = d[:n]
+                if mask is not None:
+                    self._masks[decode[j]] = mask
             if d:
                 drafted[j] = d
                 room -= len(d)
@@ -161,6 +177,31 @@ class Speculator:
             num_extend=ne + len(spec),
             drafts=[[] for _ in range(ne)] + [d for _, d in spec],
         )
+
+    def apply_masks(self, plan: Plan, logits: torch.Tensor, verify_logits: torch.Tensor) -> frozenset[Req]:
+        """Mask the drafted rows under a grammar, in place: each verification row with the
+        grammar's mask at its position, the row's sample row (after its last draft) with the
+        mask there. ``logits``: float32 [len(plan.reqs), V]; returns the requests masked."""
+        if not self._masks:
+            return frozenset()
+        verify_rows: list[int] = []
+        verify_masks: list[torch.Tensor] = []
+        sample_rows: list[int] = []
+        sample_masks: list[torch.Tensor] = []
+        offset = 0
+        for i, (req, d) in enumerate(zip(plan.reqs, plan.drafts, strict=False)):
+            mask = self._masks.get(req)
+            if mask is not None:
+                verify_rows += range(offset, offset + len(d))
+                verify_masks.append(mask[: len(d)])
+                sample_rows.append(i)
+                sample_masks.append(mask[len(d) :])
+            offset += len(d)
+        add_bitmask(verify_logits, verify_rows, torch.cat(verify_masks), self.runtime.to_device)
+        add_bitmask(logits, sample_rows, torch.cat(sample_masks), self.runtime.to_device)
+        masked = frozenset(self._masks)
+        self._masks.clear()
+        return masked
 
     def verify(self, plan: Plan, logits: torch.Tensor) -> dict[Req, Verified]:
         """Judge the plan's drafts on ``logits`` (float32 [sum of drafts, V], the model
