@@ -138,7 +138,8 @@ class EngineOptions:
         help="ngram: the longest tail looked up (the longest match found is used)")
     speculative_draft_model: Path | None = option(
         "--speculative-draft-model", None, not_in_chart=EXTRA_ARGS,
-        help="draft: the draft model's directory (config.json, tokenizer.json, safetensors; same vocabulary)")
+        help="draft: the draft model's directory (config.json and safetensors, loaded with transformers; its "
+             "vocabulary the served model's)")
     # Embedding requests (/v1/embeddings, the Embed RPC): services/scheduler/executor/pooling.py.
     embedding_pooling: str | None = option(
         "--embedding-pooling", None, choices=POOLING_MODES, launch=True, not_in_chart=EXTRA_ARGS,

@@ -153,3 +153,14 @@ def test_grammar_and_abort_under_speculation(spec_engine, reference, chat_ids, t
     alone = spec_engine(speculative_algorithm="ngram")
     assert _run(alone, [constrained("g")])["g"].output_ids == want.output_ids
     assert alone.speculator.stats.accepted > 5
+
+
+def test_draft_model_on_the_same_verification(spec_engine, reference, chat_ids, tokenizer, smollm2_dir):
+    # The served model as its own draft (transformers' forward, its own KV cache): most drafts
+    # are accepted, and the output is still exactly the target's.
+    engine = spec_engine(speculative_algorithm="draft", speculative_draft_model=smollm2_dir)
+    requests = _requests(chat_ids, tokenizer)[:4]
+    _same(_run(engine, requests), {r.rid: reference[r.rid] for r in requests})
+    stats = engine.speculator.stats
+    assert stats.accepted > 0.8 * stats.proposed > 0
+    assert not engine.speculator.proposer._state  # every request's draft cache released
