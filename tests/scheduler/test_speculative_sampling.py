@@ -57,6 +57,10 @@ def test_backoff_follows_acceptance_and_pauses_after_misses():
     assert (b.pause, b.next_pause) == (2, 4)
     b.record(proposed=1, kept=1, most=4)
     assert (b.limit, b.next_pause) == (2, 1)
+    b.record(proposed=2, kept=2, most=4)
+    assert b.limit == 4
+    b.record(proposed=4, kept=4, most=4)
+    assert b.limit == 4
 
 
 def _req(rid: str, temperature: float, seed: int | None = None, **kw) -> Req:

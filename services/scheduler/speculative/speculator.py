@@ -43,16 +43,16 @@ MAX_PAUSE = 64
 
 @dataclass
 class Backoff:
-    """A request's adaptive draft length: the next try drafts one more than the last accepted
-    run (up to the maximum); a try that keeps nothing pauses drafting, each pause in a row
-    twice as long."""
+    """A request's adaptive draft length: after a try that keeps every draft, twice as many;
+    otherwise one more than the run kept (up to the maximum either way); a try that keeps
+    nothing pauses drafting, each pause in a row twice as long."""
 
     limit: int
     pause: int = 0  # steps left without drafts
     next_pause: int = 1
 
     def record(self, proposed: int, kept: int, most: int) -> None:
-        self.limit = min(most, kept + 1)
+        self.limit = min(most, 2 * kept if kept == proposed else kept + 1)
         if kept == 0 and proposed:
             self.pause, self.next_pause = self.next_pause, min(MAX_PAUSE, 2 * self.next_pause)
         elif kept:
