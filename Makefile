@@ -144,16 +144,17 @@ bench-deterministic: setup
 		--ringserve-variant 'nondeterministic:--disable-deterministic-inference' $(DET_BENCH_ARGS)
 
 # N-gram speculative decoding against the same ring without it, at concurrency 1: a copy-heavy
-# chat workload (a passage to repeat: ringserve.bench.workloads) and the random-ids one, where
-# nothing repeats. The rs/ringserve-ngram column is off / on (below 1: speculation is faster);
-# the acceptance length is printed under each table (bench/RESULTS.md).
+# chat workload (a passage to repeat) and ordinary chat (prose on a topic), ringserve.bench.workloads.
+# The rs/ringserve-ngram column is off / on (below 1: speculation is faster); the acceptance
+# length is printed under each table (bench/RESULTS.md).
 SPEC_BENCH_ARGS ?= --concurrency 1 --input-len 256 --output-len 256 --min-prompts 4
 bench-speculative: setup
 	$(VENV)/bin/ringserve bench compare --model $(MODEL) --skip-hf --workload copy \
 		--json bench/results/speculative_copy.json --ringserve-variant 'ngram:--speculative-algorithm ngram' \
 		$(SPEC_BENCH_ARGS)
-	$(VENV)/bin/ringserve bench compare --model $(MODEL) --skip-hf --json bench/results/speculative_random.json \
-		--ringserve-variant 'ngram:--speculative-algorithm ngram' $(SPEC_BENCH_ARGS)
+	$(VENV)/bin/ringserve bench compare --model $(MODEL) --skip-hf --workload chat \
+		--json bench/results/speculative_chat.json --ringserve-variant 'ngram:--speculative-algorithm ngram' \
+		$(SPEC_BENCH_ARGS)
 
 # The internal-credential check (on by default) against the same ring without it, at
 # concurrency 1 and 64, in one run: the rs/ringserve-noauth column is with / without.

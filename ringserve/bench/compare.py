@@ -34,7 +34,7 @@ from pathlib import Path
 from ringserve.bench.dataset import local_tokenizer_info, random_requests
 from ringserve.bench.floor import BYTES_PER_ELEMENT, copy_bandwidth_gbps, decode_floor_ms
 from ringserve.bench.serve import ServeConfig, run_benchmark
-from ringserve.bench.workloads import copy_requests
+from ringserve.bench.workloads import chat_requests, copy_requests
 from ringserve.launch import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -176,13 +176,15 @@ def run_server(server: Server, args: argparse.Namespace, vocab: int, specials: f
     try:
         for i, c in enumerate(args.concurrency):
             n = prompts_for(args, server.name, c)
+            tokenizer = local_tokenizer_info(str(args.model))[0]
             if args.workload == "copy":
-                reqs = copy_requests(n, args.input_len, args.output_len, local_tokenizer_info(str(args.model))[0],
-                                     args.seed)
+                reqs = copy_requests(n, args.input_len, args.output_len, tokenizer, args.seed)
+            elif args.workload == "chat":
+                reqs = chat_requests(n, args.output_len, tokenizer, args.seed)
             else:
                 reqs = random_requests(n, args.input_len, args.output_len, vocab, 1.0, args.seed, specials)
             cfg = ServeConfig(base_url=server.base_url, max_concurrency=c, input_len=args.input_len,
-                              endpoint="chat" if args.workload == "copy" else "completions",
+                              endpoint="completions" if args.workload == "random" else "chat",
                               output_len=args.output_len, num_prompts=n, seed=args.seed,
                               warmup_requests=1 if i == 0 else 0, progress=not args.disable_progress)
             print(f"bench: {server.name} concurrency {c}, {n} prompts", file=sys.stderr, flush=True)
@@ -249,9 +251,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ringserve-variant", action="append", default=[], metavar="NAME:FLAGS",
                    help="also run ringserve launched with FLAGS (space-separated) as server ringserve-NAME; the "
                         "table's rs/ringserve-NAME column is the default's throughput over the variant's (repeat)")
-    p.add_argument("--workload", choices=["random", "copy"], default="random",
+    p.add_argument("--workload", choices=["random", "copy", "chat"], default="random",
                    help="random: random-id prompts to /v1/completions; copy: chat prompts asking to repeat a passage "
-                        "of about --input-len tokens (ringserve.bench.workloads)")
+                        "of about --input-len tokens; chat: short requests for prose (ringserve.bench.workloads)")
     p.add_argument("--json", default=None)
     p.add_argument("--disable-progress", action="store_true")
     args = p.parse_args(argv)

@@ -128,16 +128,16 @@ class EngineOptions:
              "distributed as without): ngram = prompt lookup over the request's prompt and output; draft = a "
              "smaller model of the same vocabulary (--speculative-draft-model)")
     speculative_num_draft_tokens: int = option(
-        "--speculative-num-draft-tokens", 4, check=AtLeast(1), not_in_chart=EXTRA_ARGS,
+        "--speculative-num-draft-tokens", 4, launch=True, check=AtLeast(1), not_in_chart=EXTRA_ARGS,
         help="most draft tokens a request verifies per step (fewer where its acceptance is low)")
     speculative_ngram_min: int = option(
-        "--speculative-ngram-min-match", 1, check=AtLeast(1), not_in_chart=EXTRA_ARGS,
+        "--speculative-ngram-min-match", 1, launch=True, check=AtLeast(1), not_in_chart=EXTRA_ARGS,
         help="ngram: the shortest tail of the sequence looked up in it")
     speculative_ngram_max: int = option(
-        "--speculative-ngram-max-match", 4, check=AtLeast(1), not_in_chart=EXTRA_ARGS,
+        "--speculative-ngram-max-match", 4, launch=True, check=AtLeast(1), not_in_chart=EXTRA_ARGS,
         help="ngram: the longest tail looked up (the longest match found is used)")
     speculative_draft_model: Path | None = option(
-        "--speculative-draft-model", None, not_in_chart=EXTRA_ARGS,
+        "--speculative-draft-model", None, launch=True, not_in_chart=EXTRA_ARGS,
         help="draft: the draft model's directory (config.json and safetensors, loaded with transformers; its "
              "vocabulary the served model's)")
     # Embedding requests (/v1/embeddings, the Embed RPC): services/scheduler/executor/pooling.py.

@@ -76,7 +76,7 @@ def test_every_option_parses_back_from_the_words_that_pass_it_on(tmp_path: Path)
 
 def test_the_launcher_passes_each_option_given_to_the_services_that_have_it(tmp_path: Path) -> None:
     passed = pass_through()
-    assert len(passed) == 34
+    assert len(passed) == 38
     for item in passed:
         value = sample(item.placed, tmp_path)
         config = launch_args(["--model", "m", *item.option.argv(value)])

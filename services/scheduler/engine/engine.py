@@ -179,6 +179,8 @@ class Engine:
         are rebuilt rather than trusted.
         """
         for req in list(self.reqs.values()):
+            if self.speculator is not None:
+                self.speculator.forget(req)
             self._emit_abort(req, message, status)
         self.reqs.clear()
         self._inflight = None
