@@ -128,7 +128,7 @@ class EngineOptions:
              "distributed as without): ngram = prompt lookup over the request's prompt and output; draft = a "
              "smaller model of the same vocabulary (--speculative-draft-model)")
     speculative_num_draft_tokens: int = option(
-        "--speculative-num-draft-tokens", 4, launch=True, check=AtLeast(1), not_in_chart=EXTRA_ARGS,
+        "--speculative-num-draft-tokens", 8, launch=True, check=AtLeast(1), not_in_chart=EXTRA_ARGS,
         help="most draft tokens a request verifies per step (fewer where its acceptance is low)")
     speculative_ngram_min: int = option(
         "--speculative-ngram-min-match", 1, launch=True, check=AtLeast(1), not_in_chart=EXTRA_ARGS,

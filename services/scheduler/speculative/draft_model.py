@@ -66,8 +66,8 @@ class DraftModelProposer:
         feed = ids[keep:]
         drafts: list[int] = []
         for _ in range(k):
-            out = self.model(input_ids=torch.tensor([feed], device=self.device), past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
+            out = self.model(input_ids=torch.tensor([feed], device=self.device), cache=cache, use_cache=True)
+            cache = out.cache
             token = int(out.logits[0, -1].argmax())
             drafts.append(token)
             feed = [token]
