@@ -19,7 +19,7 @@ PYTEST_ARGS ?=
 PROTOS := $(wildcard protos/ringserve/v1/*.proto)
 PHASES := $(STAMPS)/phases
 
-.PHONY: setup setup-serve proto model model-all ports-free run test test-unit test-deploy lint images push-images bench bench-deterministic bench-internal-auth bench-tracing bench-detok bench-structured soak gpu-check clean
+.PHONY: setup setup-serve proto model model-all ports-free run test test-unit test-deploy lint images push-images bench bench-deterministic bench-speculative bench-internal-auth bench-tracing bench-detok bench-structured soak gpu-check clean
 
 # $(call timed,PHASE,COMMAND): run COMMAND and append "PHASE milliseconds" to $(PHASES).
 timed = @mkdir -p $(STAMPS) && t0=$$(date +%s%N) && $(2) && echo "$(1) $$(( ($$(date +%s%N) - t0) / 1000000 ))" >> $(PHASES)
@@ -142,6 +142,19 @@ DET_BENCH_ARGS ?= --concurrency 1,64 --input-len 128 --output-len 128
 bench-deterministic: setup
 	$(VENV)/bin/ringserve bench compare --model $(MODEL) --skip-hf --json bench/results/deterministic.json \
 		--ringserve-variant 'nondeterministic:--disable-deterministic-inference' $(DET_BENCH_ARGS)
+
+# N-gram speculative decoding against the same ring without it, at concurrency 1: a copy-heavy
+# chat workload (a passage to repeat) and ordinary chat (prose on a topic), ringserve.bench.workloads.
+# The rs/ringserve-ngram column is off / on (below 1: speculation is faster); the acceptance
+# length is printed under each table (bench/RESULTS.md).
+SPEC_BENCH_ARGS ?= --concurrency 1 --input-len 256 --output-len 256 --min-prompts 4
+bench-speculative: setup
+	$(VENV)/bin/ringserve bench compare --model $(MODEL) --skip-hf --workload copy \
+		--json bench/results/speculative_copy.json --ringserve-variant 'ngram:--speculative-algorithm ngram' \
+		$(SPEC_BENCH_ARGS)
+	$(VENV)/bin/ringserve bench compare --model $(MODEL) --skip-hf --workload chat \
+		--json bench/results/speculative_chat.json --ringserve-variant 'ngram:--speculative-algorithm ngram' \
+		$(SPEC_BENCH_ARGS)
 
 # The internal-credential check (on by default) against the same ring without it, at
 # concurrency 1 and 64, in one run: the rs/ringserve-noauth column is with / without.

@@ -34,6 +34,7 @@ from pathlib import Path
 from ringserve.bench.dataset import local_tokenizer_info, random_requests
 from ringserve.bench.floor import BYTES_PER_ELEMENT, copy_bandwidth_gbps, decode_floor_ms
 from ringserve.bench.serve import ServeConfig, run_benchmark
+from ringserve.bench.workloads import chat_requests, copy_requests
 from ringserve.launch import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,6 +52,8 @@ class Server:
     port: int
     proc: subprocess.Popen | None = None
     rss: dict[str, float] = field(default_factory=dict)
+    metrics_port: int | None = None  # a ringserve's scheduler /metrics (speculative decoding's counters)
+    speculation: dict[str, float] = field(default_factory=dict)
 
     @property
     def base_url(self) -> str:
@@ -91,6 +94,17 @@ class Server:
                 procs[name] = child
         self.rss = {name: vm_hwm_mib(p.pid) for name, p in procs.items()}
 
+    def read_speculation(self) -> None:
+        """A ringserve's speculative-decoding counters from its scheduler's /metrics (none without one)."""
+        if self.metrics_port is None:
+            return
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as resp:
+            for line in resp.read().decode().splitlines():
+                if line.startswith("ringserve:speculative_"):  # name{labels} value
+                    name, value = line.split("{")[0], line.rsplit(" ", 1)[1]
+                    key = name.removeprefix("ringserve:speculative_").removesuffix("_total")
+                    self.speculation[key] = float(value)
+
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
@@ -130,10 +144,10 @@ def build_servers(args: argparse.Namespace) -> list[Server]:
                 "-np", str(args.llama_parallel), "-c", str(ctx), "-t", str(args.threads), "--no-repack",
             ], port))
     def ringserve(name: str, extra: list[str]) -> Server:
-        port = free_port()
+        port, metrics = free_port(), free_port()
         return Server(name, [py, "-m", "ringserve.cli", "launch", "--model", model, "--port", str(port),
-                             "--tokenizer-port", "0", "--dtype", args.dtype, "--device", args.device,
-                             *args.ringserve_arg, *extra], port)
+                             "--tokenizer-port", "0", "--scheduler-metrics-port", str(metrics), "--dtype", args.dtype,
+                             "--device", args.device, *args.ringserve_arg, *extra], port, metrics_port=metrics)
 
     for variant in args.ringserve_variant:
         name, _, flags = variant.partition(":")
@@ -162,13 +176,21 @@ def run_server(server: Server, args: argparse.Namespace, vocab: int, specials: f
     try:
         for i, c in enumerate(args.concurrency):
             n = prompts_for(args, server.name, c)
-            reqs = random_requests(n, args.input_len, args.output_len, vocab, 1.0, args.seed, specials)
+            tokenizer = local_tokenizer_info(str(args.model))[0]
+            if args.workload == "copy":
+                reqs = copy_requests(n, args.input_len, args.output_len, tokenizer, args.seed)
+            elif args.workload == "chat":
+                reqs = chat_requests(n, args.output_len, tokenizer, args.seed)
+            else:
+                reqs = random_requests(n, args.input_len, args.output_len, vocab, 1.0, args.seed, specials)
             cfg = ServeConfig(base_url=server.base_url, max_concurrency=c, input_len=args.input_len,
+                              endpoint="completions" if args.workload == "random" else "chat",
                               output_len=args.output_len, num_prompts=n, seed=args.seed,
                               warmup_requests=1 if i == 0 else 0, progress=not args.disable_progress)
             print(f"bench: {server.name} concurrency {c}, {n} prompts", file=sys.stderr, flush=True)
             out[c], _ = asyncio.run(run_benchmark(cfg, reqs))
         server.read_peak_rss()
+        server.read_speculation()
     finally:
         server.stop()
     return out
@@ -229,6 +251,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ringserve-variant", action="append", default=[], metavar="NAME:FLAGS",
                    help="also run ringserve launched with FLAGS (space-separated) as server ringserve-NAME; the "
                         "table's rs/ringserve-NAME column is the default's throughput over the variant's (repeat)")
+    p.add_argument("--workload", choices=["random", "copy", "chat"], default="random",
+                   help="random: random-id prompts to /v1/completions; copy: chat prompts asking to repeat a passage "
+                        "of about --input-len tokens; chat: short requests for prose (ringserve.bench.workloads)")
     p.add_argument("--json", default=None)
     p.add_argument("--disable-progress", action="store_true")
     args = p.parse_args(argv)
@@ -236,9 +261,12 @@ def main(argv: list[str] | None = None) -> None:
     _, vocab, specials = local_tokenizer_info(str(args.model))
     results: dict[str, dict[int, dict]] = {}
     rss: dict[str, dict[str, float]] = {}
+    speculation: dict[str, dict[str, float]] = {}
     for server in build_servers(args):
         results[server.name] = run_server(server, args, vocab, specials)
         rss[server.name] = server.rss
+        if server.speculation.get("drafts"):
+            speculation[server.name] = server.speculation
     bandwidth = copy_bandwidth_gbps()
     floor = decode_floor_ms(args.model, args.dtype, bandwidth)
     formats = [args.dtype] + ["int8"] * any("--quantization" in v for v in args.ringserve_variant)
@@ -249,14 +277,18 @@ def main(argv: list[str] | None = None) -> None:
     print(format_table(results, args.concurrency))
     print("\npeak RSS (VmHWM, MiB): " + "; ".join(
         f"{srv}: " + ", ".join(f"{k} {v:.0f}" for k, v in procs.items()) for srv, procs in rss.items()))
+    for srv, spec in speculation.items():
+        print(f"speculative decoding, {srv}: acceptance length {spec['acceptance_length']:.2f} tokens per drafted "
+              f"row, {spec['accepted_tokens']:.0f} of {spec['draft_tokens']:.0f} drafts accepted")
     print(f"decode-step floor at batch 1 (weight bytes / {bandwidth:.1f} GB/s copy bandwidth): "
           + ", ".join(f"{f} {ms:.1f} ms" for f, ms in floors.items()))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                       "results": results, "peak_rss_mib": rss, "copy_bandwidth_gbps": bandwidth,
-                       "decode_floor_ms": floor, "decode_floor_ms_by_format": floors}, f, indent=2)
+                       "results": results, "peak_rss_mib": rss, "speculation": speculation,
+                       "copy_bandwidth_gbps": bandwidth, "decode_floor_ms": floor,
+                       "decode_floor_ms_by_format": floors}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ GRAMMAR_BACKENDS = ("llguidance", "xgrammar")
 # services.scheduler.policy.schedule: first come first served, longest cached prefix first, by
 # request priority then arrival (ringserve.priority.PRIORITY_POLICY).
 SCHEDULE_POLICIES = ("fcfs", "lpm", "priority")
+# services.scheduler.speculative: how draft tokens are proposed (none: off).
+SPECULATIVE_ALGORITHMS = ("none", "ngram", "draft")
 # services.scheduler.models: safetensors, or random weights of config.json's shapes.
 LOAD_FORMATS = ("auto", "dummy")
 # services.gateway.reasoning.REASONING_PARSERS.

@@ -133,6 +133,26 @@ class EngineOptions:
     max_lora_rank: int = option("--max-lora-rank", 64, check=AtLeast(1), launch=True,
                                 chart="config.scheduler.maxLoraRank",
                                 help="the largest LoRA rank (r) an adapter may have")
+    # Speculative decoding: services/scheduler/speculative/ (defaults measured: bench/RESULTS.md).
+    speculative_algorithm: str = option(
+        "--speculative-algorithm", "none", choices=names.SPECULATIVE_ALGORITHMS, launch=True,
+        not_in_chart=EXTRA_ARGS,
+        help="propose draft tokens and verify them in one forward (greedy output unchanged, sampled output "
+             "distributed as without): ngram = prompt lookup over the request's prompt and output; draft = a "
+             "smaller model of the same vocabulary (--speculative-draft-model)")
+    speculative_num_draft_tokens: int = option(
+        "--speculative-num-draft-tokens", 8, launch=True, check=AtLeast(1), not_in_chart=EXTRA_ARGS,
+        help="most draft tokens a request verifies per step (fewer where its acceptance is low)")
+    speculative_ngram_min: int = option(
+        "--speculative-ngram-min-match", 1, launch=True, check=AtLeast(1), not_in_chart=EXTRA_ARGS,
+        help="ngram: the shortest tail of the sequence looked up in it")
+    speculative_ngram_max: int = option(
+        "--speculative-ngram-max-match", 4, launch=True, check=AtLeast(1), not_in_chart=EXTRA_ARGS,
+        help="ngram: the longest tail looked up (the longest match found is used)")
+    speculative_draft_model: Path | None = option(
+        "--speculative-draft-model", None, launch=True, not_in_chart=EXTRA_ARGS,
+        help="draft: the draft model's directory (config.json and safetensors, loaded with transformers; its "
+             "vocabulary the served model's)")
     # Embedding requests (/v1/embeddings, the Embed RPC): services/scheduler/executor/pooling.py.
     embedding_pooling: str | None = option(
         "--embedding-pooling", None, choices=POOLING_MODES, launch=True, not_in_chart=EXTRA_ARGS,

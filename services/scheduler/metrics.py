@@ -37,6 +37,7 @@ from services.scheduler.engine.observer import EngineObserver
 from services.scheduler.lora.metrics import LoraInfoCollector
 from services.scheduler.policy.req import FinishType, Req
 from services.scheduler.policy.schedule import Plan
+from services.scheduler.speculative.speculator import SpecStats
 
 _REASONS = {FinishType.STOP: "stop", FinishType.LENGTH: "length", FinishType.ABORT: "abort"}
 
@@ -59,6 +60,11 @@ class SchedulerMetrics(EngineObserver):
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         m = metrics
+        idle = SpecStats()
+
+        def spec() -> SpecStats:
+            return engine.speculator.stats if engine.speculator is not None else idle
+
         self.queue_time = m.histogram(
             "request_queue_time_seconds",
             "Seconds from joining the scheduler's waiting queue to the first step that schedules the request.")
@@ -103,7 +109,8 @@ class SchedulerMetrics(EngineObserver):
                  lambda: self.prefix_cache_hits),
             Read("scheduler_prompt_tokens", "Prompt tokens prefilled (counted once per request, when its prompt "
                  "completes).", "counter", lambda: self.prompt_tokens),
-            Read("scheduler_generation_tokens", "Tokens sampled.", "counter", lambda: self.generation_tokens),
+            Read("scheduler_generation_tokens", "Tokens sampled (accepted draft tokens included).", "counter",
+                 lambda: self.generation_tokens + spec().accepted),
             Read("num_retractions", "Requests retracted (preempted) to free KV cache for running decodes, or under "
                  "--schedule-policy priority for a higher-priority prompt.", "counter",
                  lambda: engine.policy.num_retracted),
@@ -122,6 +129,15 @@ class SchedulerMetrics(EngineObserver):
                  "num_gpu_blocks (blocks in the pool).", "gauge", lambda: 1,
                  labels=lambda: {"block_size": str(PAGE_SIZE),
                                  "num_gpu_blocks": str(engine.kv_pool.size // PAGE_SIZE)}),
+            # Speculative decoding (services/scheduler/speculative/; all 0 without it).
+            Read("speculative_draft_tokens", "Draft tokens proposed and verified.", "counter",
+                 lambda: spec().proposed),
+            Read("speculative_accepted_tokens", "Draft tokens the target model accepted.", "counter",
+                 lambda: spec().accepted),
+            Read("speculative_drafts", "Rows that verified drafts (one per request and step).", "counter",
+                 lambda: spec().verify_rows),
+            Read("speculative_acceptance_length", "Mean tokens a row that verified drafts emitted per step "
+                 "(1 + accepted drafts), since start.", "gauge", lambda: spec().acceptance_length),
             Read("num_requests_compiling", "Requests waiting for their output constraint to compile (also counted "
                  "in num_requests_waiting).", "gauge", lambda: engine.grammars.num_pending),
         ])
@@ -138,7 +154,7 @@ class SchedulerMetrics(EngineObserver):
     def on_step(self, plan: Plan, started: float) -> None:
         now = time.monotonic()
         n = plan.num_extend
-        sampled = len(plan.reqs) - n  # one token per decode row
+        sampled = len(plan.reqs) - n + plan.num_drafted  # one token per decode row (accepted drafts: at the read)
         for req, prefix_len, extend_len in zip(plan.reqs[:n], plan.prefix_lens[:n], plan.extend_lens[:n], strict=True):
             t = self._times.get(req)
             if t is None:

@@ -66,7 +66,7 @@ def test_ringserve_variants_run_beside_the_default():
     assert [s.name for s in servers] == ["ringserve-nondeterministic", "ringserve"]
     variant, default = (s.cmd for s in servers)
     assert variant[-3:] == ["--max-running-requests", "64", "--disable-deterministic-inference"]
-    without_port = lambda s, cmd: [a for a in cmd if a != str(s.port)]  # noqa: E731
+    without_port = lambda s, cmd: [a for a in cmd if a not in (str(s.port), str(s.metrics_port))]  # noqa: E731
     assert without_port(servers[0], variant[:-1]) == without_port(servers[1], default)
     args.ringserve_variant = ["no-flags"]
     with pytest.raises(SystemExit, match="expected NAME:FLAGS"):

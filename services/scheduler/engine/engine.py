@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 from ringserve.modelfacts import embedding_facts
 from services.scheduler.config import EngineConfig
 from services.scheduler.engine.observer import EngineObserver
-from services.scheduler.engine.step_state import InFlight, LoadStats, reads_output_history
+from services.scheduler.engine.step_state import InFlight, LoadStats, emitted_run, penalised, reads_output_history
 from services.scheduler.executor.build import build_stack, load_engine_model, size_pools
 from services.scheduler.executor.device import DeviceRuntime, create_runtime
 from services.scheduler.executor.model_runner import FutureIds
@@ -35,6 +35,7 @@ from services.scheduler.policy.req import FinishReason, FinishType, Req, ReqInpu
 from services.scheduler.policy.schedule import Plan, SchedulePolicy
 from services.scheduler.policy.stops import StopChecker, load_eos_ids
 from services.scheduler.policy.validate import validate
+from services.scheduler.speculative.build import build_speculator
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,10 @@ class Engine:
         # Overlap scheduling: by default where the device runs the forward while the host plans.
         self.overlap = cfg.overlap_schedule if cfg.overlap_schedule is not None else runtime.overlap_default
         self.overlap = self.overlap and self.tp.size == 1  # the other ranks never see the sampled ids
+        # Speculative decoding (speculative/): the next plan needs the accepted count, so no overlap.
+        self.speculator = build_speculator(cfg, self.sampler, runtime, self.context_length, penalised,
+                                           self.vocab_size)
+        self.overlap = self.overlap and self.speculator is None
         self._inflight: InFlight | None = None
 
     @classmethod
@@ -169,6 +174,8 @@ class Engine:
             if not self.grammars.remove(req):
                 self.policy.remove(req)
             del self.reqs[req.rid]
+            if self.speculator is not None:
+                self.speculator.forget(req)
             self._emit_abort(req, message, status)
         return len(victims)
 
@@ -179,6 +186,8 @@ class Engine:
         are rebuilt rather than trusted.
         """
         for req in list(self.reqs.values()):
+            if self.speculator is not None:
+                self.speculator.forget(req)
             self._emit_abort(req, message, status)
         self.reqs.clear()
         self._inflight = None
@@ -235,6 +244,8 @@ class Engine:
             self._inflight = None
         inflight, self._inflight = self._inflight, None
         plan = self.policy.schedule(self._ending_by_length(inflight))
+        if plan is not None and self.speculator is not None:
+            plan = self.speculator.expand(plan, self.policy)
         launched = None
         if plan is not None:
             scored = plan_logprob_rows(plan)
@@ -263,7 +274,12 @@ class Engine:
         samples and no embedding ended."""
         for req, n in zip(plan.reqs, plan.extend_lens, strict=True):
             req.kv_len += n
-        num_decode = len(plan.reqs) - plan.num_extend
+        num_decode = len(plan.reqs) - plan.num_extend + plan.num_drafted
+        verify_logits, masked = None, frozenset[Req]()
+        if plan.drafts and self.speculator is not None:  # the rows after the plan's judge its drafts
+            verify_logits, logits = logits.narrow(0, len(plan.reqs), logits.shape[0] - len(plan.reqs)), \
+                logits.narrow(0, 0, len(plan.reqs))
+            masked = self.speculator.apply_masks(plan, logits, verify_logits)  # the drafted rows' grammars
         if num_decode:
             self.num_decode_steps += 1
             self.peak_decode_batch_size = max(self.peak_decode_batch_size, num_decode)
@@ -286,13 +302,16 @@ class Engine:
             return InFlight([], None, {}, None, embedded, pooled) if embedded else None
         if len(reqs) < len(plan.reqs):
             logits = logits.index_select(0, self.runtime.to_device(torch.tensor(keep, dtype=torch.int64)))
-        failed = apply_grammar_masks(logits, reqs, self.runtime.to_device)
+        failed = apply_grammar_masks(logits, reqs, self.runtime.to_device, masked)
         result = self.sampler.sample(logits, reqs)
         for req, message in failed:  # their rows were sampled unmasked and are dropped in _finish
             self.abort(req.rid, message=message, status="INVALID_ARGUMENT")
         # The step's one device-to-host copy: the sampled ids (and logprobs where asked).
-        return InFlight(reqs, result.next_ids, {r: i for i, r in enumerate(reqs)}, result.start_copy(self.runtime),
-                         embedded, pooled)
+        launched = InFlight(reqs, result.next_ids, {r: i for i, r in enumerate(reqs)},
+                            result.start_copy(self.runtime), embedded, pooled)
+        if verify_logits is not None and self.speculator is not None:
+            launched.verified = self.speculator.verify(plan, verify_logits)
+        return launched
 
     def _finish(self, step: InFlight) -> None:
         """Record the rows of a launched step's embeddings (waiting for their copy); wait for
@@ -304,19 +323,30 @@ class Engine:
         if step.wait is None:
             return
         result = step.wait()
+        if self.speculator is not None:
+            for req, v in step.verified.items():  # rejected drafts' KV rows go back first
+                self.speculator.settle(req, v, self.policy)
         live = [(i, r) for i, r in enumerate(step.reqs) if not r.finished and self.reqs.get(r.rid) is r]
+        runs = {i: emitted_run(result, i, step.verified.get(req)) for i, req in live}
+        start = {i: len(req.output_ids) for i, req in live}
+        # One token per row at a time, so a stop inside a drafted run ends it there.
+        pending, n = live, 0
+        while pending:
+            for i, req in pending:
+                req.append_output(runs[i][n].token)
+            self.stops.check([r for _, r in pending])
+            accept_grammar_tokens([r for _, r in pending])
+            n += 1
+            pending = [(i, r) for i, r in pending if not r.finished and n < len(runs[i])]
         for i, req in live:
-            req.append_output(result.next_ids[i])
-        self.stops.check([r for _, r in live])
-        accept_grammar_tokens([r for _, r in live])
-        for i, req in live:
-            self._out.add_row(req, [result.next_ids[i]])
-            if req.logprob_start_len is not None and len(req.output_ids) == 1:  # its first token
+            run = runs[i][: len(req.output_ids) - start[i]]
+            self._out.add_row(req, [t.token for t in run])
+            if req.logprob_start_len is not None and start[i] == 0:  # its first token
                 self._out.add_prompt_logprobs(req)
             if req.return_logprob:
                 k = req.top_logprobs_num
-                self._out.add_logprobs(result.logprobs[i], result.top_ids[i][:k] if k else [],
-                                       result.top_vals[i][:k] if k else [])
+                for t in run:
+                    self._out.add_logprobs(t.logprob, t.top_ids[:k] if k else [], t.top_vals[:k] if k else [])
             if req.finished:
                 self._release(req)
 
@@ -363,6 +393,8 @@ class Engine:
     def _release(self, req: Req) -> None:
         self.policy.remove(req)
         self._release_lora(req)
+        if self.speculator is not None:
+            self.speculator.forget(req)
         del self.reqs[req.rid]
         self.num_finished_reqs += 1
         self.observer.on_finish(req)

@@ -10,6 +10,7 @@ import torch
 
 from services.scheduler.executor.sampling import HostSample
 from services.scheduler.policy.req import Req
+from services.scheduler.speculative.speculator import Verified
 
 
 @dataclass(frozen=True)
@@ -40,11 +41,41 @@ class InFlight:
     wait: Callable[[], HostSample] | None
     embedded: list[Req] = field(default_factory=list)  # embeddings whose prefill ended
     pooled: Callable[[], list[list[float]]] | None = None  # waits for their vectors' copy
+    verified: dict[Req, Verified] = field(default_factory=dict)  # drafted rows (speculative decoding)
+
+
+@dataclass(frozen=True)
+class Emitted:
+    """One token a row emits in a step, with its logprob and top logprobs (None / empty where not asked)."""
+
+    token: int
+    logprob: float | None
+    top_ids: list[int]
+    top_vals: list[float]
+
+
+def emitted_run(result: HostSample, i: int, verified: Verified | None) -> list[Emitted]:
+    """The tokens row ``i`` of a step emits, in order: its sampled token; for a drafted row
+    (speculative decoding) the drafts it kept, then the replacement of the first rejected
+    one, or, all kept, its sampled token (the bonus)."""
+    sampled = Emitted(result.next_ids[i], result.logprobs[i] if result.logprobs is not None else None,
+                      result.top_ids[i] if result.top_ids is not None else [],
+                      result.top_vals[i] if result.top_vals is not None else [])
+    if verified is None:
+        return [sampled]
+    kept = verified.kept
+    run = [Emitted(tok, lp, ids, vals) for _, tok, lp, ids, vals in verified.positions[: kept + 1]]
+    return run if kept < len(verified.drafts) else run + [sampled]
 
 
 def reads_output_history(req: Req) -> bool:
     """Sampling this request's next token reads its output so far on the host (penalties,
     min tokens, a grammar's matcher)."""
+    return penalised(req) or req.grammar is not None
+
+
+def penalised(req: Req) -> bool:
+    """This request's logits depend on its output so far: penalties, or min tokens not reached."""
     p = req.sampling
     return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
-                or len(req.output_ids) < p.min_new_tokens or req.grammar is not None)
+                or len(req.output_ids) < p.min_new_tokens)

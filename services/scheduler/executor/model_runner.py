@@ -68,6 +68,9 @@ class ModelRunner:
         """Run one step -> float32 logits [B, vocab] on the device, row i for plan.reqs[i]'s last new token.
 
         The extend part's tokens are packed first, then one token per decoding request.
+        A plan with drafts (speculative decoding) returns ``B + sum(len(d) for d in plan.drafts)``
+        rows: after the B, the logits at each drafted row's newest token and at each of its
+        drafts but the last, row by row (``StepInputs.add_verify``).
 
         Args:
             future: under overlap scheduling, the step still in flight: decode rows whose
@@ -83,6 +86,8 @@ class ModelRunner:
         ne, nd = plan.num_extend, len(plan.reqs) - plan.num_extend
         ext = inputs.add_extend(plan, self.batch_invariant) if ne else None
         dec = inputs.add_decode(plan.reqs[ne:], plan.prefix_lens[ne:]) if nd else None
+        if plan.drafts:  # speculative decoding: the logits that judge each draft follow the rows that sample
+            inputs.add_verify(plan)
         if plan.pool is not None:  # embeddings: their rows ride in the step's one copy
             inputs.add("pool_rows", plan.pool.rows)
             inputs.add("pool_index", plan.pool.index)
@@ -207,7 +212,8 @@ class StepInputs:
         token_rows: list[int] = []
         token_slots: list[int] = []
         for b, (req, p, n) in enumerate(zip(reqs, prefix, ext, strict=True)):
-            self.ids.extend(req.fill_ids()[p : p + n])
+            drafts = plan.drafts[b] if plan.drafts else []
+            self.ids.extend((req.fill_ids() + drafts if drafts else req.fill_ids())[p : p + n])
             self.positions.extend(range(p, p + n))
             q_valid.extend(range(b * lq, b * lq + n))
             if per_token:
@@ -248,6 +254,16 @@ class StepInputs:
             self.add("sample_index", torch.cat((self.segments["sample_index"],
                                                 torch.arange(self.num_extend_tokens, self.num_extend_tokens + n))))
         return dict(max_seq_len=max(seq_lens), uniform=min(seq_lens) == max(seq_lens))
+
+    def add_verify(self, plan: Plan) -> None:
+        """Append to the rows that sample the packed index of each drafted extend row's
+        newest token and of its drafts but the last (the last one's logits are its sample row)."""
+        index: list[int] = []
+        offset = 0
+        for d, n in zip(plan.drafts, plan.extend_lens[: plan.num_extend], strict=True):
+            index.extend(range(offset, offset + len(d)))
+            offset += n
+        self.add("sample_index", torch.cat((self.segments["sample_index"], torch.tensor(index, dtype=torch.int64))))
 
     def pack(self, out_cache_loc: torch.Tensor) -> tuple[list[str], list[int], torch.Tensor]:
         """Every segment, ``out_cache_loc`` (host int64) and the pending req-to-token writes

@@ -91,27 +91,15 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, reqs: list[Req]) -> SampleResult:
         """logits: float32 [B, V] on the device, row i belongs to reqs[i] -> SampleResult."""
-        logits = self._apply_penalties(self._apply_logit_bias(logits, reqs), reqs)
-        logits = self._ban_stops_before_min_tokens(logits, reqs)
-        params = [r.sampling for r in reqs]
-        greedy = [p.temperature == 0.0 for p in params]
+        logits, probs, is_greedy = self.distribution(logits, reqs)
+        greedy = [r.sampling.temperature == 0.0 for r in reqs]
         want_logprob = any(r.return_logprob for r in reqs)
-        if all(greedy):
+        if probs is None:
             next_ids = logits.argmax(dim=-1)
             logp = torch.log_softmax(logits, dim=-1) if want_logprob else None
         else:
-            # One copy for every row's parameters: temperature, top-k, top-p, min-p, greedy, typical-p.
-            rows = self._dev([[p.temperature or 1.0 for p in params],
-                              [float(p.top_k if p.top_k > 0 else logits.shape[-1]) for p in params],
-                              [p.top_p for p in params], [p.min_p for p in params],
-                              [float(g) for g in greedy], [p.typical_p for p in params]], torch.float32)
-            temps, top_k, top_p, min_p, is_greedy, typical_p = rows.unbind(0)
-            probs = torch.softmax(logits / temps.unsqueeze(1), dim=-1)
-            if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
-                probs = _filter(probs, top_k, top_p, min_p)
-            if any(p.typical_p < 1.0 for p in params):
-                probs = typical(probs, typical_p)
-            noise = self._exponential(probs.shape, reqs)
+            assert is_greedy is not None
+            noise = self.noise(probs.shape, reqs)
             next_ids = (probs / noise).argmax(dim=-1)
             mask = is_greedy.bool()
             if any(greedy):
@@ -129,6 +117,37 @@ class Sampler:
                 result.top_vals, result.top_ids = logp.topk(k, dim=-1)
         return result
 
+    def distribution(self, logits: torch.Tensor, reqs: list[Req]) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                           torch.Tensor | None]:
+        """What each row samples from (also what speculative verification accepts drafts by).
+
+        Args:
+            logits: float32 [B, V] on the device, row i belongs to reqs[i].
+
+        Returns:
+            (the logits after bias, penalties and min-token bans [B, V]; the probabilities
+            after temperature, top-k, top-p, min-p and typical-p [B, V], None when every
+            row is greedy; float32 [B] 1.0 on greedy rows, None when every row is).
+        """
+        logits = self._apply_penalties(self._apply_logit_bias(logits, reqs), reqs)
+        logits = self._ban_stops_before_min_tokens(logits, reqs)
+        params = [r.sampling for r in reqs]
+        greedy = [p.temperature == 0.0 for p in params]
+        if all(greedy):
+            return logits, None, None
+        # One copy for every row's parameters: temperature, top-k, top-p, min-p, greedy, typical-p.
+        rows = self._dev([[p.temperature or 1.0 for p in params],
+                          [float(p.top_k if p.top_k > 0 else logits.shape[-1]) for p in params],
+                          [p.top_p for p in params], [p.min_p for p in params],
+                          [float(g) for g in greedy], [p.typical_p for p in params]], torch.float32)
+        temps, top_k, top_p, min_p, is_greedy, typical_p = rows.unbind(0)
+        probs = torch.softmax(logits / temps.unsqueeze(1), dim=-1)
+        if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
+            probs = _filter(probs, top_k, top_p, min_p)
+        if any(p.typical_p < 1.0 for p in params):
+            probs = typical(probs, typical_p)
+        return logits, probs, is_greedy
+
     def _ban_stops_before_min_tokens(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
         """Below min_new_tokens, EOS (unless ignore_eos) and stop token ids cannot be sampled (as vLLM's min_tokens)."""
         rows, cols = [], []
@@ -143,7 +162,9 @@ class Sampler:
         return logits.index_put((index.select(0, 0), index.select(0, 1)),
                                 torch.full((len(rows),), float("-inf"), device=logits.device))
 
-    def _exponential(self, shape: torch.Size, reqs: list[Req]) -> torch.Tensor:
+    def noise(self, shape: torch.Size, reqs: list[Req]) -> torch.Tensor:
+        """float32 ``shape`` of Exp(1) draws on the device, row i from reqs[i]'s own generator
+        when it has a seed, else from the shared one."""
         noise = torch.empty(shape, dtype=torch.float32, device=self.runtime.device)
         noise.exponential_(generator=self.generator)
         for i, r in enumerate(reqs):

@@ -29,7 +29,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -225,7 +225,8 @@ def _allow_extras(req: Req, bitmask: torch.Tensor, row: int) -> None:
 
 @torch.inference_mode()  # the logits come from the forward pass as inference tensors
 def apply_grammar_masks(logits: torch.Tensor, reqs: list[Req],
-                        to_device: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[tuple[Req, str]]:
+                        to_device: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                        skip: Collection[Req] = ()) -> list[tuple[Req, str]]:
     """Disallowed tokens -> -inf, in place, on the rows of ``reqs`` whose grammar masks this
     position (``Req.gate``); other rows untouched.
 
@@ -233,6 +234,7 @@ def apply_grammar_masks(logits: torch.Tensor, reqs: list[Req],
         logits: float32 [B, V], row i belongs to reqs[i].
         to_device: the step's host-to-device copy (``DeviceRuntime.to_device``: pinned and
             non-blocking on CUDA); default a plain ``.to(logits.device)``.
+        skip: rows masked already (speculative decoding's drafted rows: ``draft_masks``).
     Returns:
         (request, error message) of each row whose grammar failed here (its error state, or
         a mask that allows nothing): the caller ends those requests; their rows are left
@@ -240,7 +242,7 @@ def apply_grammar_masks(logits: torch.Tensor, reqs: list[Req],
         word w = token 32w + j, as xgrammar and llguidance both lay it out); it is the only
         host-to-device copy here.
     """
-    rows = [i for i, r in enumerate(reqs) if r.grammar is not None and r.gate.masks]
+    rows = [i for i, r in enumerate(reqs) if r.grammar is not None and r.gate.masks and r not in skip]
     if not rows:
         return []
     vocab = logits.shape[-1]
@@ -257,15 +259,63 @@ def apply_grammar_masks(logits: torch.Tensor, reqs: list[Req],
             failed.append((req, _failure(req, error, len(req.output_ids) + 1)))
         elif req.gate.extra_token is not None or req.sampling.stop_token_ids:
             _allow_extras(req, bitmask, j)
+    add_bitmask(logits, rows, bitmask, to_device)
+    return failed
+
+
+@torch.inference_mode()
+def add_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor,
+                to_device: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+    """Disallowed tokens -> -inf, in place, on ``logits[rows]``: float32 [B, V] on the device;
+    ``bitmask`` int32 [len(rows), ceil(V/32)] on the host (bit j of word w = token 32w + j)."""
     device = logits.device
     copy = to_device or (lambda t: t.to(device))
     byte_ids = copy(bitmask.view(torch.uint8).reshape(-1)).long()  # little-endian words
-    add = _byte_masks(device).index_select(0, byte_ids).reshape(len(rows), -1).narrow(1, 0, vocab)  # [R, V]
-    if len(rows) == len(reqs):
+    add = _byte_masks(device).index_select(0, byte_ids).reshape(len(rows), -1).narrow(1, 0, logits.shape[-1])
+    if rows == list(range(logits.shape[0])):
         logits.add_(add)
     else:
         logits.index_add_(0, copy(torch.tensor(rows, dtype=torch.int64)), add)
-    return failed
+
+
+def draft_masks(req: Req, drafts: list[int], vocab: int) -> tuple[int, torch.Tensor | None]:
+    """Speculative decoding under a grammar: walk ``req``'s matcher over its drafts, keeping
+    the leading ones the grammar allows (not one that ends it), with the mask at each
+    position, then roll the matcher back to where it was.
+
+    Returns:
+        (n, bitmask int32 [n + 1, ceil(vocab/32)]: the masks of the position after the newest
+        token and after each of the n drafts kept, the request's stop ids allowed where the
+        grammar may end); (0, None) when a mask fails (an error, nothing allowed): the row
+        then decodes one token, and the ordinary mask reports the failure.
+    """
+    g = req.grammar
+    assert g is not None
+    bitmask = torch.zeros((len(drafts) + 1, _words(vocab)), dtype=torch.int32)
+    n = 0  # drafts the matcher has taken
+    ok = True
+    while True:
+        g.fill_bitmask(bitmask, n)
+        if g.error is not None or not bitmask[n].any():
+            ok = False
+            break
+        if req.sampling.stop_token_ids:
+            _allow_extras(req, bitmask, n)
+        if n == len(drafts):
+            break
+        d = drafts[n]
+        if not (0 <= d < vocab and (int(bitmask[n, d // 32]) >> (d % 32)) & 1):
+            break  # the grammar refuses it: the drafts end before it
+        if not g.accept_token(d):
+            ok = False
+            break
+        if g.ended:  # a draft that ends the grammar is left to an ordinary step
+            g.rollback(1)
+            break
+        n += 1
+    if n:
+        g.rollback(n)
+    return (n, bitmask[: n + 1]) if ok and n else (0, None)
 
 
 def accept_grammar_tokens(reqs: list[Req]) -> None:

@@ -80,6 +80,10 @@ class Matcher(Protocol):
         """Advance by ``token``; False when the grammar does not allow it."""
         ...
 
+    def rollback(self, n: int) -> None:
+        """Undo the last ``n`` accepted tokens (speculative decoding's rejected drafts)."""
+        ...
+
     @property
     def ended(self) -> bool:
         """The grammar is complete and nothing can follow (or a stop token was accepted)."""
@@ -126,6 +130,9 @@ class LLGuidanceMatcher:
 
     def accept_token(self, token: int) -> bool:
         return bool(self._m.consume_token(token))
+
+    def rollback(self, n: int) -> None:
+        self._m.rollback(n)
 
     @property
     def ended(self) -> bool:
@@ -195,6 +202,9 @@ class XGrammarMatcher:
 
     def accept_token(self, token: int) -> bool:
         return bool(self._m.accept_token(token))
+
+    def rollback(self, n: int) -> None:
+        self._m.rollback(n)
 
     @property
     def ended(self) -> bool:

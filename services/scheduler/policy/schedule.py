@@ -37,7 +37,7 @@ each other, so a retracted request cannot retract its retractor in turn.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -74,6 +74,9 @@ class Plan:
             (executor/prompt_logprobs.py); None when no request asks.
         pool: the extend rows embedding requests pool (executor/pooling.py), whose pooled
             sums the model runner leaves in ``pooled`` (float32 [E, hidden]); None: none.
+        drafts: per extend request, the draft tokens that follow its newest token (speculative
+            decoding: the row extends newest + drafts; empty for a prompt's extend); [] when
+            no row has drafts.
     """
 
     reqs: list[Req]
@@ -85,11 +88,17 @@ class Plan:
     logprob_hidden: torch.Tensor | None = None
     pool: PoolRows | None = None
     pooled: torch.Tensor | None = None
+    drafts: list[list[int]] = field(default_factory=list)
 
     @property
     def is_decode(self) -> bool:
         """Every request decodes (no extend part)."""
         return self.num_extend == 0
+
+    @property
+    def num_drafted(self) -> int:
+        """Decoding requests that verify drafts this step (``drafts``)."""
+        return sum(1 for d in self.drafts if d)
 
 
 class SchedulePolicy:
@@ -129,6 +138,10 @@ class SchedulePolicy:
     def kv_cached(self) -> int:
         """Rows held only by the prefix cache (evictable)."""
         return self.tree.evictable_size if self.tree else 0
+
+    def alloc_kv(self, n: int) -> torch.Tensor:
+        """``n`` KV rows, evicting from the prefix cache what the free list lacks (see ``kv_room``)."""
+        return self._alloc_kv(n)
 
     def _alloc_kv(self, n: int) -> torch.Tensor:
         short = n - self.kv_pool.available
