@@ -15,8 +15,11 @@ if docker image inspect "$tag" >/dev/null 2>&1; then
     echo "local-base: $tag exists, reused"
     exit 0
 fi
-command -v debootstrap >/dev/null \
-    || DEBIAN_FRONTEND=noninteractive NEEDRESTART_SUSPEND=1 apt-get install -y -q debootstrap >/dev/null
+if ! command -v debootstrap >/dev/null; then
+    export DEBIAN_FRONTEND=noninteractive NEEDRESTART_SUSPEND=1
+    apt-get install -y -q debootstrap >/dev/null \
+        || { apt-get update -q >/dev/null && apt-get install -y -q debootstrap >/dev/null; }
+fi
 root=$(mktemp -d /tmp/ringserve-base.XXXXXX)
 trap 'rm -rf "$root"' EXIT
 start=$(date +%s)

@@ -17,6 +17,11 @@ started=""
 log=$(mktemp /tmp/ringserve-dockerd.XXXXXX.log)
 t0=$(date +%s)
 phase() { echo "test-images: $1 $(( $(date +%s) - t0 )) s"; }
+# apt-get install, after an apt-get update when the package lists do not have the package.
+apt_install() {
+    export DEBIAN_FRONTEND=noninteractive NEEDRESTART_SUSPEND=1
+    apt-get install -y -q "$@" >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q "$@" >/dev/null; }
+}
 
 stop_engine() {
     if [ -n "$started" ]; then
@@ -30,7 +35,7 @@ trap stop_engine EXIT
 
 if ! $DOCKER info >/dev/null 2>&1; then
     if ! command -v dockerd >/dev/null; then
-        DEBIAN_FRONTEND=noninteractive NEEDRESTART_SUSPEND=1 apt-get install -y -q docker.io >/dev/null
+        apt_install docker.io
     fi
     dockerd >"$log" 2>&1 &
     started=$!
