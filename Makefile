@@ -19,7 +19,7 @@ PYTEST_ARGS ?=
 PROTOS := $(wildcard protos/ringserve/v1/*.proto)
 PHASES := $(STAMPS)/phases
 
-.PHONY: setup setup-serve proto model model-all ports-free run test test-unit test-deploy lint images push-images bench bench-deterministic bench-speculative bench-internal-auth bench-tracing bench-detok bench-structured soak gpu-check clean
+.PHONY: setup setup-serve proto model model-all ports-free run test test-unit test-deploy lint images images-cuda image-base image-wheels push-images test-images bench bench-deterministic bench-speculative bench-internal-auth bench-tracing bench-detok bench-structured soak gpu-check clean
 
 # $(call timed,PHASE,COMMAND): run COMMAND and append "PHASE milliseconds" to $(PHASES).
 timed = @mkdir -p $(STAMPS) && t0=$$(date +%s%N) && $(2) && echo "$(1) $$(( ($$(date +%s%N) - t0) / 1000000 ))" >> $(PHASES)
@@ -97,25 +97,65 @@ lint: $(STAMPS)/venv-dev $(STAMPS)/proto
 test-deploy: $(STAMPS)/venv-dev
 	RINGSERVE_CACHE_DIR=$(CACHE_DIR) $(PY) -m pytest -q tests/deploy $(PYTEST_ARGS)
 
-# Container images, built from the repository root with each service's Dockerfile and tagged
-# as the Helm chart's values expect: $(REGISTRY)/ringserve-<service>:$(TAG), the scheduler in
-# two variants, -cpu and -cuda. `make push-images` pushes them. DOCKER_BUILD may be e.g.
-# 'docker buildx build --platform linux/amd64,linux/arm64 --push'.
+# Container images, built from the repository root with deploy/docker/Dockerfile (one target per
+# service) and tagged as the Helm chart's values expect: $(REGISTRY)/ringserve-<service>:$(TAG),
+# the scheduler in two variants, -cpu (`make images`, with the other three) and -cuda
+# (`make images-cuda`). `make push-images` pushes them. DOCKER_BUILD may be e.g.
+# 'docker buildx build --platform linux/amd64,linux/arm64 --push'; IMAGE_BUILD_ARGS is added to
+# every build (e.g. '--network host').
+# PYTHON_IMAGE, the base: the public slim image when the engine has it or can pull it, else
+# LOCAL_BASE, made once from Debian packages (deploy/docker/local-base.sh; root, debootstrap).
+# The offline path: IMAGE_WHEELS (default: pip's find-links folder here, `pip config list`) is
+# linked into the build's wheel folder, deploy/docker/wheels: pip takes those wheels first, and a
+# torch wheel there is the CPU scheduler's torch (the same wheel the virtualenv installed).
 REGISTRY ?= ghcr.io/ringserve
 TAG ?= $(shell sed -n 's/^appVersion: *"\(.*\)"/\1/p' deploy/helm/ringserve/Chart.yaml)
 DOCKER ?= docker
 DOCKER_BUILD ?= $(DOCKER) build
+DOCKERFILE := deploy/docker/Dockerfile
+DEFAULT_PYTHON_IMAGE := python:3.11.11-slim-bookworm
+LOCAL_BASE ?= ringserve-base:bookworm
+# Probed once, when a recipe first needs it (a pull is slow); a dry run (make -n) probes nothing.
+ifneq (,$(findstring n,$(firstword -$(MAKEFLAGS))))
+PYTHON_IMAGE ?= $(DEFAULT_PYTHON_IMAGE)
+else
+PYTHON_IMAGE ?= $(eval PYTHON_IMAGE := $(shell DOCKER=$(DOCKER) deploy/docker/base_image.sh $(DEFAULT_PYTHON_IMAGE) $(LOCAL_BASE)))$(PYTHON_IMAGE)
+endif
+IMAGE_BUILD_ARGS ?=
+IMAGE_WHEELS ?= $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)
 IMAGES := ringserve-gateway:$(TAG) ringserve-tokenizer:$(TAG) ringserve-detokenizer:$(TAG) \
-	ringserve-scheduler:$(TAG)-cpu ringserve-scheduler:$(TAG)-cuda
-images:
-	$(DOCKER_BUILD) -f services/gateway/Dockerfile -t $(REGISTRY)/ringserve-gateway:$(TAG) .
-	$(DOCKER_BUILD) -f services/tokenizer/Dockerfile -t $(REGISTRY)/ringserve-tokenizer:$(TAG) .
-	$(DOCKER_BUILD) -f services/detokenizer/Dockerfile -t $(REGISTRY)/ringserve-detokenizer:$(TAG) .
-	$(DOCKER_BUILD) -f services/scheduler/Dockerfile --build-arg TORCH_VARIANT=cpu -t $(REGISTRY)/ringserve-scheduler:$(TAG)-cpu .
-	$(DOCKER_BUILD) -f services/scheduler/Dockerfile --build-arg TORCH_VARIANT=cu128 -t $(REGISTRY)/ringserve-scheduler:$(TAG)-cuda .
+	ringserve-scheduler:$(TAG)-cpu
+CUDA_IMAGE := ringserve-scheduler:$(TAG)-cuda
+# $(call build_image,TARGET,IMAGE,EXTRA ARGS)
+build_image = $(DOCKER_BUILD) -f $(DOCKERFILE) --target $(1) --build-arg PYTHON_IMAGE=$(PYTHON_IMAGE) $(3) \
+	$(IMAGE_BUILD_ARGS) -t $(REGISTRY)/$(2) .
+image-base:
+	@if [ "$(PYTHON_IMAGE)" = "$(LOCAL_BASE)" ]; then deploy/docker/local-base.sh $(LOCAL_BASE); fi
+image-wheels:
+	@for whl in $(wildcard $(addsuffix /*.whl,$(IMAGE_WHEELS))); do \
+		ln -f $$whl deploy/docker/wheels/ 2>/dev/null || cp -p $$whl deploy/docker/wheels/; done
 
+images: image-base image-wheels
+	$(call build_image,gateway,ringserve-gateway:$(TAG))
+	$(call build_image,tokenizer,ringserve-tokenizer:$(TAG))
+	$(call build_image,detokenizer,ringserve-detokenizer:$(TAG))
+	$(call build_image,scheduler,ringserve-scheduler:$(TAG)-cpu,--build-arg TORCH_VARIANT=cpu)
+
+images-cuda: image-base image-wheels
+	$(call build_image,scheduler,$(CUDA_IMAGE),--build-arg TORCH_VARIANT=cu128)
+
+# Every image `make images` built, and the CUDA scheduler when `make images-cuda` built it.
 push-images:
 	for image in $(IMAGES); do $(DOCKER) push $(REGISTRY)/$$image || exit 1; done
+	if $(DOCKER) image inspect $(REGISTRY)/$(CUDA_IMAGE) >/dev/null 2>&1; then $(DOCKER) push $(REGISTRY)/$(CUDA_IMAGE); fi
+
+# The CPU images built and run as containers (deploy/docker/test_images.sh): the README's
+# examples, a gRPC client, /metrics, no torch in the front images, the gateway's drain and a
+# killed scheduler. Installs and starts the Docker engine when none answers (root), and makes
+# a base image from Debian packages when PYTHON_IMAGE cannot be pulled. Needs `make setup`.
+test-images: setup
+	PY=$(PY) DOCKER=$(DOCKER) CACHE_DIR=$(CACHE_DIR) REGISTRY=$(REGISTRY) TAG=$(TAG) \
+		deploy/docker/test_images.sh $(PYTEST_ARGS)
 
 # ringserve, the transformers baseline and llama.cpp's llama-server (built once from the
 # llama-cpp-python sdist into $(CACHE_DIR)/llama-cpp: about 20 minutes on one core the first

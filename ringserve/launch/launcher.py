@@ -117,8 +117,8 @@ class Launcher:
         if service == "gateway":
             toks = [self.addresses[t] for t in _names("tokenizer", c.tokenizers)]
             target = toks[0] if len(toks) == 1 else "ipv4:" + ",".join(toks)
-            return ["--host", c.host, "--port", str(c.port), "--tokenizer", target, *c.transport.args(),
-                    *c.passed("gateway")]
+            return ["--host", c.host, "--port", str(c.port), "--tokenizer", target,
+                    "--grace-period", str(c.grace_period_s), *c.transport.args(), *c.passed("gateway")]
         port = self.addresses[name].rsplit(":", 1)[1]
         if service == "scheduler":
             return self._scheduler_args(port, self.addresses[_names("detokenizer", c.replicas)[i]], i) \

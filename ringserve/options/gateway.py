@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from ringserve.apikeys import ApiKeys
 from ringserve.grpcutil import Transport
 from ringserve.options import names
-from ringserve.options.common import BY_CHART, HOST, LOG_REQUESTS, TRANSPORT, TracingOptions, api_keys
+from ringserve.options.common import BY_CHART, GRACE_PERIOD, HOST, LOG_REQUESTS, TRANSPORT, TracingOptions, api_keys
 from ringserve.options.spec import Above, AtLeast, option
 
 
@@ -57,6 +57,8 @@ class GatewayOptions:
         "--max-request-body-bytes", 16 * 1024 * 1024, check=Above(0), launch=True,
         chart="config.gateway.maxRequestBodyBytes", help="larger request bodies get HTTP 413 before parsing")
     log_requests: bool = LOG_REQUESTS.field()
+    # On SIGTERM: new requests get 503, in-flight ones this long to finish (services.gateway.drain).
+    grace_period_s: float = GRACE_PERIOD.field()
     tool_call_parser: str | None = option(
         "--tool-call-parser", None, choices=(*names.TOOL_CALL_PARSERS, "none"), launch=True,
         chart="config.gateway.toolCallParser",

@@ -37,6 +37,7 @@ from . import (
 from .backend import TokenizerClient
 from .body import BodyRoute
 from .config import GatewayConfig
+from .drain import Drain, DrainMiddleware
 from .errors import HANDLERS, RETRY_AFTER_S, GatewayError, invalid
 from .metrics import CONTENT_TYPE, GatewayMetrics
 from .metrics_upstream import UpstreamMetrics
@@ -278,6 +279,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, limit=config.max_request_body_bytes)
     if config.api_keys:
         app.add_middleware(ApiKeyMiddleware, api_keys=config.api_keys)
+    # Outermost of these: a draining gateway refuses before any other check (services.gateway.drain).
+    app.state.drain = Drain()
+    app.add_middleware(DrainMiddleware, drain=app.state.drain)
     # Outside Starlette's error middleware too: a 500 carries X-Request-Id and ends its span.
     build_stack = app.build_middleware_stack
     app.build_middleware_stack = lambda: RequestContextMiddleware(build_stack())  # type: ignore[method-assign]

@@ -1,17 +1,17 @@
-"""``ringserve gateway``: parse flags once into a GatewayConfig and serve the app with uvicorn."""
+"""``ringserve gateway``: parse flags once into a GatewayConfig and serve the app with uvicorn,
+draining on SIGTERM (``services.gateway.drain``)."""
 
 from __future__ import annotations
 
 import functools
 import logging
 
-import uvicorn
-
 from ringserve import grpcutil, tracing
 from ringserve.options.parse import ConfigParser
 
 from .app import create_app
 from .config import GatewayConfig
+from .drain import serve
 from .http_server import TimedH11Protocol
 from .request_context import RequestLogFilter
 
@@ -31,15 +31,18 @@ def main(argv: list[str] | None = None) -> None:
     for handler in logging.getLogger().handlers:
         handler.addFilter(RequestLogFilter())
     tracing.setup("gateway", config.tracing)
-    uvicorn.run(
-        create_app(config),
+    app = create_app(config)
+    serve(
+        app,
+        app.state.drain,
+        config.grace_period_s,
         host=config.host,
         port=config.port,
         loop="uvloop",
         # h11 frames responses by the request's HTTP version (see http_server).
-        http=functools.partial(TimedH11Protocol, timeouts=config.http_timeouts),  # type: ignore[arg-type]
+        http=functools.partial(TimedH11Protocol, timeouts=config.http_timeouts),
         log_level="warning",
-        timeout_keep_alive=config.http_timeouts.idle_s,  # type: ignore[arg-type]
+        timeout_keep_alive=config.http_timeouts.idle_s,
     )
 
 

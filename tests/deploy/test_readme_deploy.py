@@ -36,9 +36,9 @@ def test_readme_deploy_commands_hold(helm: Path) -> None:
                                      ["curl", "http://127.0.0.1:8000/v1/models"],
                                      [".venv/bin/python", "examples/grpc_chat.py"]]
     # 1. The image builds: every tag under the registry the install step points at.
-    builds = run_make("-n", *cmds[0][1:]).stdout.splitlines()
+    builds = [b for b in run_make("-n", *cmds[0][1:]).stdout.splitlines() if b.startswith("docker build ")]
     tags = [shlex.split(b)[shlex.split(b).index("-t") + 1] for b in builds]
-    assert len(tags) == 5 and all(t.startswith("registry.example.com/ringserve/ringserve-") for t in tags)
+    assert len(tags) == 4 and all(t.startswith("registry.example.com/ringserve/ringserve-") for t in tags)
     push = run_make("-n", *cmds[1][1:]).stdout
     assert "docker push registry.example.com/ringserve/$image" in push
 

@@ -28,6 +28,7 @@ inferencePool.enabled, by every replica pod (a whole ring per pod). Call with a 
     - --host=0.0.0.0
     - --port={{ .Values.ports.gateway }}
     - --tokenizer={{ $p.tokenizer }}
+    - --grace-period=$(GRACE_PERIOD)
     {{- range $p.metricsUpstreams }}
     - --metrics-upstream={{ . }}
     {{- end }}
