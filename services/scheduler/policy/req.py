@@ -84,6 +84,8 @@ class ReqInput:
     embed: bool = False  # prefill only, then the pooled final hidden states (executor/pooling.py)
     embed_dimensions: int = 0  # with embed: the first this many dimensions (0 = all)
     traceparent: str = ""  # W3C trace context of the request's spans; "": not traced
+    disagg_role: int = 0  # prefill/decode part (services/scheduler/disagg/roles.Role); 0: both here
+    disagg_bootstrap: str = ""  # prefill part: the decode scheduler's address
 
 
 class TokenView(Sequence[int]):
@@ -146,6 +148,8 @@ class Req:
         self.rid = spec.rid
         self.tokenizer_id = spec.tokenizer_id
         self.traceparent = spec.traceparent
+        self.disagg_role = spec.disagg_role
+        self.disagg_bootstrap = spec.disagg_bootstrap
         self.sampling = spec.sampling
         self.return_logprob = spec.return_logprob
         self.top_logprobs_num = spec.top_logprobs_num
