@@ -11,12 +11,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from services.scheduler.disagg.handoff import Handoff
-from services.scheduler.disagg.roles import Role
-from services.scheduler.disagg.transfer import GrpcKvTransfer, KvLayout, pack, pieces
 from services.scheduler.engine.engine import Engine
 from services.scheduler.models import load_model
 from services.scheduler.policy.req import FinishType, ReqInput, SamplingParams
+from tests.helpers.disagg import Pair
 from tests.helpers.engine_steps import Result, collect
 
 
@@ -33,49 +31,6 @@ def det_engine(smollm2_dir, tokenizer, make_engine):
         return engine
 
     return make
-
-
-class Pair:
-    """A prefill engine and a decode engine wired by hand: each handoff is moved piece by piece."""
-
-    def __init__(self, prefill: Engine, decode: Engine):
-        self.prefill, self.decode = prefill, decode
-        self.handoffs: list[Handoff] = []
-        prefill.disagg.on_handoff = lambda handoff: self.handoffs.append(handoff)
-        self.transfer = GrpcKvTransfer()
-        self.moved = 0
-
-    def add(self, spec: ReqInput) -> None:
-        self.decode.add_request(replace(spec, disagg_role=Role.DECODE))
-        self.prefill.add_request(replace(spec, disagg_role=Role.PREFILL, disagg_bootstrap="decode-0"))
-
-    def move(self, handoff: Handoff) -> bool:
-        rows = self.decode.disagg.rows_of(handoff.rid)
-        if rows is None:
-            return False  # not reserved yet: the prefill side waits (backpressure)
-        pool = self.prefill.kv_pool
-        for layer, start, end in pieces(KvLayout.of(pool), int(handoff.src_rows.numel())):
-            self.moved += self.transfer.receive(self.decode.kv_pool, rows,
-                                                pack(pool, handoff.rid, handoff.src_rows, layer, start, end))
-        assert self.decode.disagg.commit(handoff.commit)
-        self.prefill.disagg.handed(handoff.rid)
-        return True
-
-    def run(self) -> dict[str, Result]:
-        results: dict[str, Result] = {}
-        prefill_rows: dict[str, Result] = {}
-        for _ in range(400):  # every request here ends in far fewer steps
-            if not (self.prefill.has_work or self.decode.has_work or self.handoffs):
-                break
-            if (out := self.prefill.step()) is not None:
-                collect(out, prefill_rows)
-            self.handoffs = [h for h in self.handoffs if not self.move(h)]
-            if (out := self.decode.step()) is not None:
-                collect(out, results)
-        else:
-            raise AssertionError(f"not done after 400 steps: {list(self.prefill.reqs)} {list(self.decode.reqs)}")
-        assert prefill_rows == {}  # the decode side alone talks to the detokenizer
-        return results
 
 
 def _requests(chat_ids) -> list[ReqInput]:
@@ -111,6 +66,7 @@ def test_prefill_here_decode_there_equals_one_engine(det_engine, chat_ids):
     for spec in reqs:
         pair.add(spec)
     got = pair.run()
+    assert pair.prefill_rows == {}  # the decode side alone talks to the detokenizer
     assert set(got) == {r.rid for r in reqs}
     for spec in reqs:
         g, w = got[spec.rid], want[spec.rid]
