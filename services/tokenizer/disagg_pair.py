@@ -36,14 +36,15 @@ class Pair:
     def send_req(self, req: scheduler_pb2.TokenizedGenerateReqInput) -> None:
         """Send the decode part, then the prefill part. Raises RequestError (UNAVAILABLE) when
         either stream is down (the decode part, if sent, is aborted)."""
-        part = scheduler_pb2.TokenizedGenerateReqInput()
-        part.CopyFrom(req)
-        part.disagg_role = disagg_pb2.DISAGG_ROLE_DECODE
-        self.decode.send_req(part)
-        part.disagg_role = disagg_pb2.DISAGG_ROLE_PREFILL
-        part.disagg_bootstrap = self.decode.address.scheduler
+        decode_part, prefill_part = scheduler_pb2.TokenizedGenerateReqInput(), scheduler_pb2.TokenizedGenerateReqInput()
+        decode_part.CopyFrom(req)
+        decode_part.disagg_role = disagg_pb2.DISAGG_ROLE_DECODE
+        prefill_part.CopyFrom(req)
+        prefill_part.disagg_role = disagg_pb2.DISAGG_ROLE_PREFILL
+        prefill_part.disagg_bootstrap = self.decode.address.scheduler
+        self.decode.send_req(decode_part)
         try:
-            self.prefill.send_req(part)
+            self.prefill.send_req(prefill_part)
         except RequestError:
             self.decode.send_abort(scheduler_pb2.AbortReq(rid=req.rid, reason="the prefill scheduler is not connected",
                                                           tokenizer_id=req.tokenizer_id))
