@@ -3,17 +3,20 @@
 co-located bf16 ring ``tls_ring`` does, token for token and logprob for logprob; each scheduler
 reports its role; both go back to baseline.
 
-One ring of its own (``pd_ring``): no session ring has a prefill and a decode scheduler.
+One ring of its own (``pd_ring``): no session ring has a prefill and a decode scheduler. Its
+last test kills the decode scheduler.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import httpx
 
 from ringserve.v1 import common_pb2, scheduler_pb2_grpc
+from tests.helpers.ring_requests import chat, read_stream, wait_until
 from tests.helpers.ringstack import launched
 from tests.helpers.tiers import ring_fixture
 
@@ -80,3 +83,24 @@ def test_each_scheduler_reports_its_role_and_goes_back_to_baseline(pd_ring):
     metrics = pd_ring.scrape("scheduler")  # the first scheduler's: the prefill one
     assert metrics[("ringserve:disaggregation_role", (("model_name", pd_ring.model_name),))] == 1
     assert metrics[("ringserve:kv_transfer_bytes_total", (("model_name", pd_ring.model_name),))] > 0
+
+
+async def test_a_killed_decode_scheduler_fails_its_streams_within_2_s(pd_ring):
+    (prefill, _), (decode, _) = pd_ring.replicas()
+    async with httpx.AsyncClient(base_url=pd_ring.base_url, timeout=120) as client:
+        bodies = [chat(pd_ring, [{"role": "user", "content": f"Write a long story about the number {i}."}],
+                       max_tokens=200, stream=True, ignore_eos=True) for i in range(2)]
+        started = [asyncio.Event() for _ in bodies]
+        streams = [asyncio.create_task(read_stream(client, b, e)) for b, e in zip(bodies, started, strict=True)]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)  # both streams decode
+        killed_at = time.monotonic()
+        pd_ring.kill("scheduler", decode)
+        done, _ = await asyncio.wait(streams, timeout=2.0)
+        assert len(done) == 2
+        for task in done:
+            events, ended = task.result()
+            assert ended - killed_at < 2.0 and events[-1] == "[DONE]"
+            assert events[-2]["error"]["type"] == "service_unavailable_error", events[-2]
+            assert f"lost the connection to the scheduler at {decode}" in events[-2]["error"]["message"]
+    await wait_until(lambda: _load(pd_ring, prefill).req_slots_used == 0, 10, "the prefill side idle")
+    assert pd_ring.tokenizer_load().req_states == 0
