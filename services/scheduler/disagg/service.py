@@ -192,7 +192,7 @@ class Served:
 def serve(cfg, loop: EngineLoop, metrics: ServiceMetrics) -> Served:
     """Both sides of a scheduler (``cfg``: its SchedulerConfig; in the running event loop): the
     ``Disagg`` servicer, the sender, the handoff deadline and the metrics."""
-    transfer = make_transfer("grpc")
+    transfer = make_transfer("grpc", loop.engine.runtime.to_device)
     loop.engine.disagg.timeout_s = cfg.disaggregation_transfer_timeout_s
     sender = KvSender(loop, transfer, cfg.internal_auth.metadata(), cfg.disaggregation_transfer_timeout_s)
     register(metrics, cfg.disaggregation_mode, loop, sender if cfg.disaggregation_mode == "prefill" else None)

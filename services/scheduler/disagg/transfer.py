@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -69,9 +69,14 @@ class KvLayout:
 class KvTransfer(ABC):
     """A transfer engine. The decode side publishes ``bootstrap()`` in its reservation; the
     prefill side calls ``send``; an engine that streams bytes has the decode side ``receive``
-    them."""
+    them, through ``to_device``: the receive path's one host-to-device copy
+    (``DeviceRuntime.to_device``, non-blocking from pinned memory on CUDA; None: ``.to`` the
+    pool's device)."""
 
     name: ClassVar[str]
+
+    def __init__(self, to_device: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        self.to_device = to_device
 
     @abstractmethod
     def bootstrap(self) -> bytes:
@@ -147,18 +152,24 @@ class GrpcKvTransfer(KvTransfer):
         if chunk.start < 0 or chunk.start + n > dst_rows.numel():
             raise ValueError(f"KV positions {chunk.start}..{chunk.start + n - 1} are outside the "
                              f"{dst_rows.numel()} reserved rows")
-        rows = dst_rows[chunk.start : chunk.start + n]
-        for buf, data in ((pool.k_buffer[chunk.layer], chunk.k), (pool.v_buffer[chunk.layer], chunk.v)):
-            src = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(buf.dtype).view(n, *buf.shape[1:])
-            buf.index_copy_(0, rows.to(buf.device), src.to(buf.device, non_blocking=True))
+        k, v = pool.k_buffer[chunk.layer], pool.v_buffer[chunk.layer]
+        move = self.to_device or (lambda t: t.to(k.device, non_blocking=True))
+        # Raw bytes go to the device as they are and are viewed there as K and V rows: the
+        # step never waits on this copy, and nothing is read back.
+        host = torch.frombuffer(bytearray(chunk.k + chunk.v), dtype=torch.uint8)
+        k_rows, v_rows = move(host).view(k.dtype).view(2, n, *k.shape[1:]).unbind(0)
+        rows = move(dst_rows[chunk.start : chunk.start + n])
+        k.index_copy_(0, rows, k_rows)
+        v.index_copy_(0, rows, v_rows)
         return 2 * len(chunk.k)
 
 
 ENGINES: dict[str, type[KvTransfer]] = {GrpcKvTransfer.name: GrpcKvTransfer}
 
 
-def make_transfer(name: str) -> KvTransfer:
-    """The engine named ``name``. Raises ValueError naming the engines there are."""
+def make_transfer(name: str, to_device: Callable[[torch.Tensor], torch.Tensor] | None = None) -> KvTransfer:
+    """The engine named ``name``, its host-to-device copy ``to_device``. Raises ValueError
+    naming the engines there are."""
     if name not in ENGINES:
         raise ValueError(f"unknown KV transfer engine {name!r}; available: {sorted(ENGINES)}")
-    return ENGINES[name]()
+    return ENGINES[name](to_device)
