@@ -3,10 +3,12 @@ which pair a request gets, the order and shape of what each member receives, abo
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 
-from ringserve.v1 import common_pb2, disagg_pb2, scheduler_pb2
+from ringserve.v1 import common_pb2, disagg_pb2, scheduler_pb2, tokenizer_pb2
 from services.tokenizer.disagg_pair import Pair
 from services.tokenizer.errors import RequestError, unavailable
 from services.tokenizer.replicas import ReplicaAddress, ReplicaSet
@@ -94,3 +96,33 @@ def test_an_abort_reaches_every_member_up_and_fails_only_when_none_is():
     p.up = False
     with pytest.raises(RequestError):
         pair.send_abort(scheduler_pb2.AbortReq(rid="r"))
+
+
+class PairBalancer:
+    """The ReplicaSet's pick, always the one pair."""
+
+    def __init__(self, pair: Pair):
+        self.pair = pair
+
+    def pick(self, input_ids, outstanding):
+        return self.pair
+
+
+async def test_losing_the_prefill_scheduler_fails_the_pairs_requests_and_aborts_them_on_the_decode_side(manager):
+    p, d = FakeReplica("p0:1", "prefill"), FakeReplica("d0:2", "decode")
+    pair = Pair(p, d)  # type: ignore[arg-type]
+    manager.balancer = PairBalancer(pair)
+    chat = tokenizer_pb2.ChatInput(messages=[tokenizer_pb2.ChatMessage(role="user", content="Hi")])
+    gen = manager.generate(tokenizer_pb2.GenerateReqInput(rid="r", chat=chat, stream=True))
+    task = asyncio.ensure_future(gen.__anext__())
+    await asyncio.sleep(0.01)
+    assert [(m.rid, m.disagg_role) for m in d.sent + p.sent] == [
+        ("r", disagg_pb2.DISAGG_ROLE_DECODE), ("r", disagg_pb2.DISAGG_ROLE_PREFILL)]
+    assert dict(manager.outstanding) == {pair: 1}
+    p.up = False
+    assert manager.fail_all(unavailable("lost the connection to the scheduler at p0:1"), False, replica=p) == 1
+    with pytest.raises(RequestError, match="lost the connection to the scheduler at p0:1"):
+        await asyncio.wait_for(task, 1)
+    assert [(type(m).__name__, m.rid) for m in d.sent[1:]] == [("AbortReq", "r")]  # the decode side frees it
+    assert manager.load().req_states == 0 and dict(manager.outstanding) == {}
+    await gen.aclose()
