@@ -19,7 +19,7 @@ PYTEST_ARGS ?=
 PROTOS := $(wildcard protos/ringserve/v1/*.proto)
 PHASES := $(STAMPS)/phases
 
-.PHONY: setup setup-serve proto model model-all ports-free run test test-unit test-deploy lint images images-cuda image-base image-wheels push-images test-images bench bench-deterministic bench-speculative bench-internal-auth bench-tracing bench-detok bench-structured soak gpu-check clean
+.PHONY: setup setup-serve proto model model-all ports-free run test test-unit test-deploy lint images images-cuda image-base image-wheels push-images test-images bench bench-deterministic bench-speculative bench-internal-auth bench-tracing bench-detok bench-structured bench-pd soak gpu-check clean
 
 # $(call timed,PHASE,COMMAND): run COMMAND and append "PHASE milliseconds" to $(PHASES).
 timed = @mkdir -p $(STAMPS) && t0=$$(date +%s%N) && $(2) && echo "$(1) $$(( ($$(date +%s%N) - t0) / 1000000 ))" >> $(PHASES)
@@ -213,6 +213,14 @@ bench-tracing: setup
 	$(VENV)/bin/ringserve bench compare --model $(MODEL) --skip-hf --json bench/results/tracing.json \
 		--ringserve-variant 'traced:--otlp-traces-endpoint 127.0.0.1:$(OTLP_SINK_PORT) --otlp-traces-sample-ratio 1.0' \
 		$(TRACING_BENCH_ARGS)
+
+# Prefill/decode disaggregation (1 prefill + 1 decode scheduler) against 2 co-located replicas:
+# long (2k-token) and short prompts at concurrency 16; shorten it with e.g.
+# PD_BENCH_ARGS='--long-len 512 --long 4 --short 16'.
+PD_BENCH_ARGS ?=
+bench-pd: setup
+	$(PY) bench/disagg.py --model $(CACHE_DIR)/models/SmolLM2-135M-Instruct --json bench/results/disagg.json \
+		$(PD_BENCH_ARGS)
 
 # A bounded soak run (5 minutes, 64 streams, 20% disconnects, one scheduler kill) that
 # exits non-zero unless every accounting gauge is back to baseline and no request hung;

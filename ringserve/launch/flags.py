@@ -34,4 +34,9 @@ def parse_args(argv: list[str] | None) -> LaunchConfig:
     config: LaunchConfig = parsed.config
     # A KV pool size given goes to every scheduler as it is; no memory share then.
     fraction = None if parsed.given & KV_POOL_SIZES else config.kv_cache_mem_fraction
+    if config.prefill_replicas or config.decode_replicas:  # the replicas are the prefill ones, then the decode ones
+        if not (config.prefill_replicas and config.decode_replicas) or config.replicas != 1:
+            raise SystemExit("ringserve launch: --prefill-replicas and --decode-replicas go together (each at least "
+                             "1), without --replicas")
+        config = dataclasses.replace(config, replicas=config.prefill_replicas + config.decode_replicas)
     return dataclasses.replace(config, forward=parsed.forward, kv_cache_mem_fraction=fraction)

@@ -156,7 +156,8 @@ class Launcher:
                  + (" (gRPC round_robin)" if len(toks) > 1 else "")]
         pairs = zip(_names("scheduler", c.replicas), _names("detokenizer", c.replicas), strict=True)
         for i, (s, d) in enumerate(pairs):
-            lines.append(f"replica {i}: scheduler {self.addresses[s]} -> detokenizer {self.addresses[d]}"
+            part = "" if not c.prefill_replicas else (" (prefill)" if i < c.prefill_replicas else " (decode)")
+            lines.append(f"replica {i}{part}: scheduler {self.addresses[s]} -> detokenizer {self.addresses[d]}"
                          " -> every tokenizer")
         return lines
 
@@ -179,6 +180,8 @@ class Launcher:
             args += ["--tp-size", str(c.tp_size)]
             if c.dist_port:
                 args += ["--dist-port", str(c.dist_port + index)]
+        if c.prefill_replicas:  # disaggregated: the first ones prefill, the others decode
+            args += ["--disaggregation-mode", "prefill" if index < c.prefill_replicas else "decode"]
         if c.kv_cache_mem_fraction is not None:  # no KV pool size given: each replica takes its share
             args += ["--kv-cache-mem-fraction", f"{c.kv_cache_mem_fraction / c.replicas:.6g}"]
         return args + list(c.passed("scheduler"))

@@ -59,6 +59,12 @@ class LaunchOptions:
     replicas: int = option("--replicas", 1, check=AtLeast(1),
                            help="model replicas, each a scheduler with its detokenizer; every tokenizer picks one per "
                                 "request (least outstanding work, then prefix affinity)")
+    prefill_replicas: int = option(
+        "--prefill-replicas", 0, check=AtLeast(0),
+        help="prefill/decode disaggregation: this many prefill schedulers (with --decode-replicas; instead of "
+             "--replicas); each tokenizer pairs a prefill and a decode scheduler per request (docs/disaggregation.md)")
+    decode_replicas: int = option("--decode-replicas", 0, check=AtLeast(0),
+                                  help="prefill/decode disaggregation: this many decode schedulers")
     tp_size: int = option("--tp-size", 1, check=AtLeast(1),
                           help="tensor-parallel ranks per replica (one process and device each; the scheduler starts "
                                "them and exits when one is lost)")

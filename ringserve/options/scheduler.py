@@ -210,3 +210,15 @@ class SchedulerOptions:
     dist_timeout_s: float = option(
         "--dist-timeout", 60.0, check=Above(0), not_in_chart=EXTRA_ARGS,
         help="tensor parallelism: seconds any collective waits for the other ranks before failing")
+    # Prefill/decode disaggregation (docs/disaggregation.md); the launcher sets the mode per scheduler.
+    disaggregation_mode: str = option(
+        "--disaggregation-mode", "null", choices=("null", "prefill", "decode"),
+        not_in_chart="the chart has no prefill and decode scheduler sets yet (docs/disaggregation.md)",
+        help="what this scheduler offers the tokenizers' routers: null = prefill and decode (a replica of its own); "
+             "prefill = prompts, handing KV and first token to a decode scheduler; decode = the rest of requests "
+             "a prefill scheduler started")
+    disaggregation_transfer_timeout_s: float = option(
+        "--disaggregation-transfer-timeout", 30.0, check=Above(0), launch=True,
+        not_in_chart="the chart has no prefill and decode scheduler sets yet (docs/disaggregation.md)",
+        help="seconds a prefill-to-decode handoff (reservation, KV transfer, first token) may take before the request "
+             "ends with DEADLINE_EXCEEDED")

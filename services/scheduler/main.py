@@ -113,6 +113,7 @@ async def serve(cfg: SchedulerConfig, stop: asyncio.Event | None = None,
     from ringserve.metrics import ServiceMetrics
     from ringserve.v1 import scheduler_pb2, scheduler_pb2_grpc
     from services.scheduler.detok_link import DetokenizerLink
+    from services.scheduler.disagg import service as disagg_service
     from services.scheduler.engine.engine import Engine
     from services.scheduler.engine.loop import EngineLoop
     from services.scheduler.executor.tp import TPGroup, rank_threads
@@ -161,10 +162,13 @@ async def serve(cfg: SchedulerConfig, stop: asyncio.Event | None = None,
         metadata=cfg.internal_auth.metadata(),
     )
     servicer = SchedulerServicer(loop, cfg.instance_id, cfg.load_report_interval_s, tp_size=cfg.tp_size,
-                                 model_names=frozenset({cfg.model_name, str(cfg.engine.model)}))
+                                 model_names=frozenset({cfg.model_name, str(cfg.engine.model)}),
+                                 disaggregation_mode=cfg.disaggregation_mode)
     name = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
-    server = await start_server(cfg.address, [(scheduler_pb2_grpc.add_SchedulerServicer_to_server, servicer, name)],
-                                interceptors=cfg.internal_auth.interceptors(name))
+    disagg = disagg_service.serve(cfg, loop, metrics)  # a request's part is per request: every scheduler serves it
+    server = await start_server(cfg.address, [(scheduler_pb2_grpc.add_SchedulerServicer_to_server, servicer, name),
+                                              disagg.registration],
+                                interceptors=cfg.internal_auth.interceptors(name, disagg.registration[2]))
     cfg.internal_auth.log_state(log, f"the Scheduler service on port {server.port}")
     link_task = asyncio.create_task(link.run())
     if stop is None:
@@ -216,6 +220,7 @@ async def serve(cfg: SchedulerConfig, stop: asyncio.Event | None = None,
             group.stop(graceful=not failure)
         link_task.cancel()
         await asyncio.gather(link_task, return_exceptions=True)
+        await disagg.sender.close()
     return 1 if failure else 0
 
 

@@ -27,9 +27,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     """
 
     def __init__(self, loop: EngineLoop, instance_id: str, load_report_interval_s: float = 1.0, tp_size: int = 1,
-                 model_names: frozenset[str] = frozenset()):
+                 model_names: frozenset[str] = frozenset(), disaggregation_mode: str = "null"):
         self.loop = loop
         self.model_names = model_names  # the base model's served name and path: no adapter may take them
+        self.disaggregation_mode = disaggregation_mode
         self.instance_id = instance_id
         self.tp_size = tp_size
         self.load_report_interval_s = load_report_interval_s
@@ -37,7 +38,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self._kv_feed: KvEventFeed | None = None  # made by the first subscriber, in the event loop
 
     def _load_event(self) -> scheduler_pb2.SchedulerEvent:
-        return scheduler_pb2.SchedulerEvent(load=load_to_proto(self.loop.load(), self.instance_id, self.tp_size))
+        return scheduler_pb2.SchedulerEvent(load=self._load())
 
     async def Connect(self, request_iterator, context: grpc.aio.ServicerContext):
         """Bidi stream: hello (AbortReq, empty rid, tokenizer_id), then requests and aborts.
@@ -97,7 +98,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     self.loop.abort(rid=a.rid, tokenizer_id=tokenizer_id, message=reason)
 
     async def GetLoad(self, request: common_pb2.Empty, context: grpc.aio.ServicerContext) -> common_pb2.LoadReport:
-        return load_to_proto(self.loop.load(), self.instance_id, self.tp_size)
+        return self._load()
+
+    def _load(self) -> common_pb2.LoadReport:
+        return load_to_proto(self.loop.load(), self.instance_id, self.tp_size, self.disaggregation_mode)
 
     async def SubscribeKvEvents(self, request: kv_events_pb2.SubscribeKvEventsRequest,
                                 context: grpc.aio.ServicerContext):

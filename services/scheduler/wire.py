@@ -54,6 +54,8 @@ def req_input_from_proto(msg: scheduler_pb2.TokenizedGenerateReqInput, tokenizer
         embed_dimensions=msg.embed_dimensions,
         traceparent=msg.traceparent,
         lora_name=msg.lora_name,
+        disagg_role=msg.disagg_role,
+        disagg_bootstrap=msg.disagg_bootstrap,
     )
 
 
@@ -100,6 +102,9 @@ def step_output_to_proto(out: StepOutput) -> detokenizer_pb2.BatchTokenIDOutput:
     return msg
 
 
-def load_to_proto(stats: LoadStats, instance_id: str, tp_size: int = 1) -> common_pb2.LoadReport:
-    """LoadStats -> LoadReport (the field names are the same), with the replica's tensor-parallel size."""
-    return common_pb2.LoadReport(instance_id=instance_id, tp_size=tp_size, **asdict(stats))
+def load_to_proto(stats: LoadStats, instance_id: str, tp_size: int = 1,
+                  disaggregation_mode: str = "null") -> common_pb2.LoadReport:
+    """LoadStats -> LoadReport (the field names are the same), with the replica's tensor-parallel size
+    and its --disaggregation-mode."""
+    return common_pb2.LoadReport(instance_id=instance_id, tp_size=tp_size, disaggregation_mode=disaggregation_mode,
+                                 **asdict(stats))

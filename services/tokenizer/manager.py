@@ -232,9 +232,12 @@ class TokenizerManager:
         aborted at the scheduler. States are dropped at once: no final row can arrive on
         a lost link.
         """
-        states = [st for st in self.rid_to_state.values() if replica is None or st.replica is replica]
+        states = [st for st in self.rid_to_state.values() if replica is None or st.replica is replica
+                  or replica in getattr(st.replica, "members", ())]  # a prefill/decode pair it is part of
         for st in states:
-            if send_aborts and st.dispatched and not st.abort_sent and st.replica is not None:
+            # A pair's other member still holds the request: it gets the abort whatever the link lost.
+            paired = replica is not None and st.replica is not replica
+            if (send_aborts or paired) and st.dispatched and not st.abort_sent and st.replica is not None:
                 try:
                     st.replica.send_abort(
                         scheduler_pb2.AbortReq(rid=st.rid, reason=error.message, tokenizer_id=self.instance_id)

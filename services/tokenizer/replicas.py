@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 
 from ringserve.v1 import common_pb2, detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from services.tokenizer import disagg_pair
 from services.tokenizer.errors import unavailable
 from services.tokenizer.links import DetokenizerLink, Link, SchedulerLink
 from services.tokenizer.router import Router
@@ -112,6 +113,7 @@ class ReplicaSet:
             raise ValueError(f"a scheduler address is given twice: {names}")
         self.replicas = tuple(replicas)
         self.router = router or Router()
+        self.pairs = disagg_pair.Pairs()
         # Whether a replica can move a token (services.tokenizer.readiness); set by the service.
         self.can_move_tokens: Callable[[Replica], bool] = lambda replica: True
 
@@ -127,6 +129,11 @@ class ReplicaSet:
         if not up:
             raise unavailable(_none_up(self.replicas))
         eligible = {r.name: r for r in up if self.can_move_tokens(r)} or {r.name: r for r in up}
+        if any(disagg_pair.role(r) != "null" for r in eligible.values()):  # prefill/decode schedulers: a pair
+            pair = self.pairs.choose(self.router, input_ids, list(eligible.values()), outstanding)
+            if pair is None:
+                raise disagg_pair.no_pair(list(eligible.values()))
+            return pair  # type: ignore[return-value]  # a Dispatcher, like a Replica
         name = self.router.choose(input_ids, {n: outstanding.get(r, 0) for n, r in eligible.items()})
         self.router.record(input_ids, name)
         return eligible[name]

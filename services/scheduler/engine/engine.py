@@ -15,6 +15,8 @@ from tokenizers import Tokenizer
 
 from ringserve.modelfacts import embedding_facts
 from services.scheduler.config import EngineConfig
+from services.scheduler.disagg.handoff import DisaggState
+from services.scheduler.disagg.roles import Role
 from services.scheduler.engine.observer import EngineObserver
 from services.scheduler.engine.step_state import InFlight, LoadStats, emitted_run, penalised, reads_output_history
 from services.scheduler.executor.build import build_stack, load_engine_model, size_pools
@@ -94,6 +96,7 @@ class Engine:
                                            self.vocab_size)
         self.overlap = self.overlap and self.speculator is None
         self._inflight: InFlight | None = None
+        self.disagg = DisaggState(self)  # prefill/decode handoffs (services/scheduler/disagg)
 
     @classmethod
     def from_config(cls, cfg: EngineConfig, tp: TensorParallel | None = None) -> Engine:
@@ -146,7 +149,15 @@ class Engine:
         if spec.grammar is not None:
             self.grammars.submit(req, spec.grammar)  # joins the queue once compiled
         else:
-            self.policy.waiting.append(req)
+            self._enqueue([req])
+
+    def _enqueue(self, reqs: list[Req]) -> None:
+        """Requests join the waiting queue; a decode-side one waits for its reservation instead."""
+        for req in reqs:
+            if req.disagg_role == Role.DECODE:
+                self.disagg.reserve(req)
+            else:
+                self.policy.waiting.append(req)
 
     def refuse(self, spec: ReqInput, message: str, status: str) -> None:
         """Answer a request that is not admitted (overload, shutdown) with its final FINISH_ABORT row."""
@@ -171,7 +182,7 @@ class Engine:
             victims = list(self.reqs.values())
         for req in victims:
             req.init_sent = req.init_sent and not resend_init
-            if not self.grammars.remove(req):
+            if not self.grammars.remove(req) and not self.disagg.remove(req):
                 self.policy.remove(req)
             del self.reqs[req.rid]
             if self.speculator is not None:
@@ -192,6 +203,7 @@ class Engine:
         self.reqs.clear()
         self._inflight = None
         self.grammars.clear()
+        self.disagg.clear()
         self.policy.reset()
 
     def flush_cache(self) -> bool:
@@ -223,8 +235,9 @@ class Engine:
 
     @property
     def only_compiling(self) -> bool:
-        """Every request held waits for its grammar: a step has nothing to run."""
-        return len(self.reqs) == self.grammars.num_pending and not len(self._out) and self._inflight is None
+        """Every request held waits for its grammar (or a prefill/decode handoff): a step has nothing to run."""
+        held = self.grammars.num_pending + self.disagg.num_held
+        return len(self.reqs) == held and not len(self._out) and self._inflight is None
 
     def step(self) -> StepOutput | None:
         """Run one scheduling step; returns its rows, or None when no row was produced.
@@ -239,6 +252,8 @@ class Engine:
         started = time.monotonic()
         if self.grammars.num_pending:
             self._admit_compiled()
+        if self.disagg.waiting or self.disagg.reserved:
+            self.disagg.poll()
         if self._inflight is not None and not self._can_overlap():
             self._finish(self._inflight)
             self._inflight = None
@@ -327,6 +342,7 @@ class Engine:
             for req, v in step.verified.items():  # rejected drafts' KV rows go back first
                 self.speculator.settle(req, v, self.policy)
         live = [(i, r) for i, r in enumerate(step.reqs) if not r.finished and self.reqs.get(r.rid) is r]
+        live = self.disagg.take_prefilled(live, result)  # prefill parts: handed over, not decoded here
         runs = {i: emitted_run(result, i, step.verified.get(req)) for i, req in live}
         start = {i: len(req.output_ids) for i, req in live}
         # One token per row at a time, so a stop inside a drafted run ends it there.
@@ -362,12 +378,12 @@ class Engine:
         if inflight is None:
             return frozenset()
         return frozenset(r for r in inflight.reqs if len(r.output_ids) + 1 >= r.sampling.max_new_tokens
-                         or r.seq_len + 1 >= self.context_length)
+                         or r.seq_len + 1 >= self.context_length or r.disagg_role == Role.PREFILL)
 
     def _admit_compiled(self) -> None:
         """Queue the requests whose grammar is ready; end those whose grammar failed."""
         ready, failed = self.grammars.take_ready()
-        self.policy.waiting.extend(ready)
+        self._enqueue(ready)
         for req, message, status in failed:
             del self.reqs[req.rid]
             self._emit_abort(req, message, status)
@@ -431,4 +447,5 @@ class Engine:
             num_aborted_reqs=self.num_aborted_reqs,
             num_finished_reqs=self.num_finished_reqs,
             schedule_policy=self.policy.policy,
+            num_transfer_reqs=len(self.disagg.reserved),
         )

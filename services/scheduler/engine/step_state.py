@@ -28,6 +28,7 @@ class LoadStats:
     num_aborted_reqs: int
     num_finished_reqs: int
     schedule_policy: str = "fcfs"  # --schedule-policy: the tokenizer refuses a priority it cannot honour
+    num_transfer_reqs: int = 0  # decode side: reservations waiting for their KV (services/scheduler/disagg)
 
 
 @dataclass

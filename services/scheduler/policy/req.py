@@ -86,6 +86,8 @@ class ReqInput:
     embed_dimensions: int = 0  # with embed: the first this many dimensions (0 = all)
     traceparent: str = ""  # W3C trace context of the request's spans; "": not traced
     lora_name: str = ""  # the LoRA adapter it runs under (services/scheduler/lora); "": the base model
+    disagg_role: int = 0  # prefill/decode part (services/scheduler/disagg/roles.Role); 0: both here
+    disagg_bootstrap: str = ""  # prefill part: the decode scheduler's address
 
 
 class TokenView(Sequence[int]):
@@ -150,6 +152,8 @@ class Req:
         self.rid = spec.rid
         self.tokenizer_id = spec.tokenizer_id
         self.traceparent = spec.traceparent
+        self.disagg_role = spec.disagg_role
+        self.disagg_bootstrap = spec.disagg_bootstrap
         self.sampling = spec.sampling
         self.return_logprob = spec.return_logprob
         self.top_logprobs_num = spec.top_logprobs_num

@@ -1,0 +1,200 @@
+"""The gRPC side of disaggregation: the decode scheduler's ``Disagg`` servicer and the prefill
+scheduler's sender (``KvSender``), both in the scheduler's event loop.
+
+The sender's order for each handoff: ``Reserve`` (waits for the decode side's slot and rows:
+backpressure), the transfer engine's ``send`` into those rows, ``Commit`` with the first token;
+then the engine releases the rows into its prefix cache. Any failure -- the decode scheduler
+unreachable or gone, the rid aborted there, the deadline (``--disaggregation-transfer-timeout``
+for the whole handoff) passed -- ends the request on the prefill side with a FINISH_ABORT row
+that says which, and the tokenizer then aborts it on the decode side too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+
+import grpc
+
+from ringserve import grpcutil
+from ringserve.metrics import Read, ServiceMetrics
+from ringserve.v1 import common_pb2, disagg_pb2, disagg_pb2_grpc
+from services.scheduler.disagg.handoff import Handoff
+from services.scheduler.disagg.transfer import KvLayout, KvTransfer, make_transfer
+from services.scheduler.engine.loop import EngineLoop
+
+log = logging.getLogger(__name__)
+
+ARRIVAL_GRACE_S = 2.0  # Reserve waits this long for a rid the tokenizer has not delivered yet
+
+
+class DisaggServicer(disagg_pb2_grpc.DisaggServicer):
+    """Decode side: ``Reserve``, ``PushKv``, ``Commit`` (protos/ringserve/v1/disagg.proto)."""
+
+    def __init__(self, loop: EngineLoop, transfer: KvTransfer):
+        self.loop = loop
+        self.state = loop.engine.disagg
+        self.transfer = transfer
+        self.layout = KvLayout.of(loop.engine.kv_pool)
+        self._reserved = asyncio.Condition()
+        aio = asyncio.get_running_loop()
+        self.state.on_reserved = lambda rid: aio.call_soon_threadsafe(lambda: aio.create_task(self._notify()))
+
+    async def _notify(self) -> None:
+        async with self._reserved:
+            self._reserved.notify_all()
+
+    async def Reserve(self, request, context):
+        mismatch = self.layout.mismatch(KvLayout.from_proto(request.layout))
+        if mismatch:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, mismatch)
+        started = time.monotonic()
+        while (rows := self.state.rows_of(request.rid)) is None:
+            if request.rid not in self.loop.engine.reqs and time.monotonic() - started > ARRIVAL_GRACE_S:
+                await context.abort(grpc.StatusCode.NOT_FOUND,
+                                    f"request {request.rid!r} is not held by this decode scheduler (aborted?)")
+            async with self._reserved:
+                try:
+                    await asyncio.wait_for(self._reserved.wait(), 0.1)
+                except asyncio.TimeoutError:
+                    pass
+        if rows.numel() != request.num_tokens:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"{rows.numel()} rows are reserved for {request.rid!r}, not {request.num_tokens}")
+        return disagg_pb2.KvReservation(rid=request.rid, kv_rows=rows.tolist(), transfer_engine=self.transfer.name,
+                                        engine_bootstrap=self.transfer.bootstrap())
+
+    async def PushKv(self, request_iterator, context):
+        total = 0
+        pool = self.loop.engine.kv_pool
+
+        def write(chunk: disagg_pb2.KvChunk) -> int:
+            with self.state.lock:  # an abort waits: it never frees rows a piece is landing in
+                rows = self.state.rows_of(chunk.rid)
+                return -1 if rows is None else self.transfer.receive(pool, rows, chunk)
+
+        async for chunk in request_iterator:
+            try:
+                n = await asyncio.to_thread(write, chunk)
+            except ValueError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            if n < 0:
+                await context.abort(grpc.StatusCode.NOT_FOUND, f"request {chunk.rid!r} holds no reservation here")
+            total += n
+        return disagg_pb2.KvPushAck(bytes=total)
+
+    async def Commit(self, request, context):
+        if not await asyncio.wrap_future(self.loop.call(lambda: self.state.commit(request))):
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"request {request.rid!r} holds no reservation here")
+        return common_pb2.Empty()
+
+
+class KvSender:
+    """Prefill side: moves each handoff the engine makes (see the module docstring).
+
+    Args:
+        loop: the engine loop (its engine's ``disagg.on_handoff`` is set here).
+        transfer: the transfer engine.
+        metadata: the ring's internal credential, presented to the decode scheduler.
+        timeout_s: deadline of a whole handoff, from the first token to the commit.
+    """
+
+    def __init__(self, loop: EngineLoop, transfer: KvTransfer, metadata: Sequence[tuple[str, str]], timeout_s: float):
+        self.loop = loop
+        self.transfer = transfer
+        self.metadata = tuple(metadata)
+        self.timeout_s = timeout_s
+        self.layout = KvLayout.of(loop.engine.kv_pool).to_proto()
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self.bytes_sent = 0
+        self.seconds = 0.0
+        aio = asyncio.get_running_loop()
+        loop.engine.disagg.on_handoff = lambda handoff: aio.call_soon_threadsafe(self._start, handoff)
+
+    def _start(self, handoff: Handoff) -> None:
+        task = asyncio.create_task(self._send(handoff))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _channel(self, target: str) -> grpc.aio.Channel:
+        if target not in self._channels:
+            self._channels[target] = grpcutil.channel(target)
+        return self._channels[target]
+
+    async def _send(self, h: Handoff) -> None:
+        error, status = None, "UNAVAILABLE"
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            channel = self._channel(h.bootstrap)
+            stub = disagg_pb2_grpc.DisaggStub(channel)
+            reservation = await stub.Reserve(
+                disagg_pb2.KvReserveRequest(rid=h.rid, num_tokens=int(h.src_rows.numel()), layout=self.layout),
+                timeout=max(0.01, deadline - time.monotonic()), metadata=self.metadata)
+            started = time.monotonic()
+            sent = await self.transfer.send(channel, self.metadata, h.rid, self.loop.engine.kv_pool, h.src_rows,
+                                            reservation, max(0.01, deadline - started))
+            commit = disagg_pb2.KvCommit()
+            commit.CopyFrom(h.commit)
+            commit.transfer_s, commit.transfer_bytes = time.monotonic() - started, sent
+            await stub.Commit(commit, timeout=max(0.01, deadline - time.monotonic()), metadata=self.metadata)
+            self.bytes_sent += sent
+            self.seconds += commit.transfer_s
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                error, status = (f"the KV transfer to the decode scheduler at {h.bootstrap} did not finish within "
+                                 f"{self.timeout_s:g} s (--disaggregation-transfer-timeout)"), "DEADLINE_EXCEEDED"
+            else:
+                error = (f"the handoff to the decode scheduler at {h.bootstrap} failed: {exc.code().name}: "
+                         f"{exc.details()}")
+                status = "CANCELLED" if exc.code() == grpc.StatusCode.NOT_FOUND else "UNAVAILABLE"
+            log.warning("request %s: %s", h.rid, error)
+        self.loop.call(lambda: self.loop.engine.disagg.handed(h.rid, error, status))
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for channel in self._channels.values():
+            await channel.close()
+
+
+def disagg_reads(mode: str, loop: EngineLoop, sender: KvSender | None) -> list[Read]:
+    """The scheduler's disaggregation metrics: its role, and the KV it moved (prefill side: sent;
+    decode side: received and committed)."""
+    state = loop.engine.disagg
+    return [
+        Read("disaggregation_role", "--disaggregation-mode: 0 null (prefill and decode), 1 prefill, 2 decode.",
+             "gauge", lambda: ("null", "prefill", "decode").index(mode)),
+        Read("kv_transfer_bytes", "KV bytes moved between a prefill and a decode scheduler (sent here, or "
+             "received here).", "counter", lambda: sender.bytes_sent if sender else state.transfer_bytes),
+        Read("kv_transfer_seconds", "Seconds KV transfers took, summed (the transfer alone, not the wait for the "
+             "decode side's reservation).", "counter", lambda: sender.seconds if sender else state.transfer_seconds),
+        Read("num_requests_transferring", "Decode side: requests holding a reservation that waits for its KV.",
+             "gauge", lambda: len(state.reserved)),
+    ]
+
+
+def register(metrics: ServiceMetrics, mode: str, loop: EngineLoop, sender: KvSender | None) -> None:
+    """Add ``disagg_reads`` to the scheduler's metrics."""
+    metrics.add_reads(disagg_reads(mode, loop, sender))
+
+
+class Served:
+    """What ``serve`` sets up: the ``Disagg`` registration for ``start_server`` and the sender."""
+
+    def __init__(self, registration: tuple, sender: KvSender):
+        self.registration = registration
+        self.sender = sender
+
+
+def serve(cfg, loop: EngineLoop, metrics: ServiceMetrics) -> Served:
+    """Both sides of a scheduler (``cfg``: its SchedulerConfig; in the running event loop): the
+    ``Disagg`` servicer, the sender, the handoff deadline and the metrics."""
+    transfer = make_transfer("grpc", loop.engine.runtime.to_device)
+    loop.engine.disagg.timeout_s = cfg.disaggregation_transfer_timeout_s
+    sender = KvSender(loop, transfer, cfg.internal_auth.metadata(), cfg.disaggregation_transfer_timeout_s)
+    register(metrics, cfg.disaggregation_mode, loop, sender if cfg.disaggregation_mode == "prefill" else None)
+    name = disagg_pb2.DESCRIPTOR.services_by_name["Disagg"].full_name
+    return Served((disagg_pb2_grpc.add_DisaggServicer_to_server, DisaggServicer(loop, transfer), name), sender)

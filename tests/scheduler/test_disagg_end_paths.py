@@ -1,0 +1,111 @@
+"""Every end of a disaggregated request between two in-process engines (``tests.helpers.disagg``)
+frees the request slot and the KV rows on both sides: an abort before the reservation, while
+the KV moves, after the commit; a pool too full to reserve (backpressure, then it goes on); a
+handoff that failed on the prefill side; a reservation whose commit never comes."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.scheduler.disagg.transfer import KvLayout, pack
+from services.scheduler.engine.engine import Engine
+from services.scheduler.policy.req import FinishType
+from tests.helpers.disagg import Pair
+from tests.helpers.engine_steps import Result, collect
+
+
+@pytest.fixture
+def pair(make_engine) -> Pair:
+    return Pair(make_engine(max_total_tokens=512), make_engine(max_total_tokens=96))
+
+
+def _idle(engine: Engine) -> tuple[int, int, int, int, int]:
+    load = engine.load()
+    return (load.req_slots_used, load.kv_used_tokens, load.num_transfer_reqs, len(engine.reqs),
+            engine.disagg.num_held)
+
+
+def _drain(engine: Engine) -> dict[str, Result]:
+    results: dict[str, Result] = {}
+    while engine.has_work and not engine.only_compiling:
+        if (out := engine.step()) is not None:
+            collect(out, results)
+    if (out := engine.step()) is not None:
+        collect(out, results)
+    return results
+
+
+def test_abort_before_the_reservation_frees_both_sides(pair, greedy_req, chat_ids):
+    pair.add(greedy_req("hog", chat_ids("Say something long. " * 20), max_new_tokens=4))  # 90 of 96 rows
+    pair.add(greedy_req("queued", chat_ids("Hi."), max_new_tokens=4))
+    assert pair.decode.disagg.rows_of("hog") is not None and list(pair.decode.disagg.waiting)[0].rid == "queued"
+    for engine in (pair.decode, pair.prefill):
+        assert engine.abort("queued") == 1 and engine.abort("hog") == 1
+    assert _drain(pair.decode)["queued"].finish.type == FinishType.ABORT
+    _drain(pair.prefill)
+    assert pair.handoffs == [] and _idle(pair.prefill) == _idle(pair.decode) == (0, 0, 0, 0, 0)
+
+
+def test_abort_while_the_kv_moves_writes_nothing_and_frees_both_sides(pair, greedy_req, chat_ids):
+    pair.add(greedy_req("r", chat_ids("Name a river."), max_new_tokens=4))
+    while not pair.handoffs:
+        pair.prefill.step()
+    handoff = pair.handoffs.pop()
+    rows = pair.decode.disagg.rows_of("r")
+    assert rows is not None and pair.prefill.disagg.sending.keys() == {"r"}
+    pool = pair.prefill.kv_pool
+    pair.transfer.receive(pair.decode.kv_pool, rows, pack(pool, "r", handoff.src_rows, 0, 0, 4))  # one piece in
+    assert pair.decode.abort("r") == 1 and pair.prefill.abort("r") == 1
+    assert pair.decode.disagg.rows_of("r") is None  # the next piece finds no rows: PushKv answers NOT_FOUND
+    assert not pair.decode.disagg.commit(handoff.commit)
+    pair.prefill.disagg.handed("r")  # the sender's end, after the abort: nothing left to do
+    assert _drain(pair.decode)["r"].finish.type == FinishType.ABORT
+    assert _drain(pair.prefill)["r"].finish.type == FinishType.ABORT
+    assert _idle(pair.prefill) == _idle(pair.decode) == (0, 0, 0, 0, 0)
+    assert pair.prefill.load().kv_cached_tokens == len(handoff.src_rows)  # its prompt stays cached there
+    assert KvLayout.of(pool).row_bytes * 2 * len(pool.k_buffer) == pool.bytes_per_token()
+
+
+def test_abort_after_the_commit_frees_both_sides(pair, greedy_req, chat_ids):
+    pair.add(greedy_req("r", chat_ids("Name a river."), max_new_tokens=30, ignore_eos=True))
+    for _ in range(20):
+        pair.prefill.step()
+        pair.handoffs = [h for h in pair.handoffs if not pair.move(h)]
+        if pair.decode.policy.running:
+            break
+    assert [r.rid for r in pair.decode.policy.running] == ["r"], (pair.handoffs, pair.decode.disagg.reserved)
+    assert _idle(pair.prefill) == (0, 0, 0, 0, 0)  # its part is done: its rows are cache
+    pair.decode.step()
+    assert pair.decode.abort("r") == 1 and pair.prefill.abort("r") == 0
+    assert _drain(pair.decode)["r"].finish.type == FinishType.ABORT
+    assert _idle(pair.decode) == (0, 0, 0, 0, 0)
+
+
+def test_a_full_decode_pool_holds_the_handoff_back_until_rows_free(pair, greedy_req, chat_ids):
+    long, short = chat_ids("Say something long. " * 20), chat_ids("Hi.")
+    pair.add(greedy_req("hog", long, max_new_tokens=4, ignore_eos=True))
+    pair.add(greedy_req("later", short, max_new_tokens=4, ignore_eos=True))
+    results = pair.run()  # "later" is prefilled at once, reserved and moved only after "hog" ends
+    assert {rid: len(r.output_ids) for rid, r in results.items()} == {"hog": 4, "later": 4}
+    assert pair.decode.kv_pool.size < len(long) + len(short) + 8  # they never fit together
+    assert _idle(pair.prefill) == _idle(pair.decode) == (0, 0, 0, 0, 0)
+
+
+def test_a_failed_handoff_ends_the_request_on_the_prefill_side(pair, greedy_req, chat_ids):
+    pair.add(greedy_req("r", chat_ids("Name a river."), max_new_tokens=4))
+    while not pair.handoffs:
+        pair.prefill.step()
+    pair.prefill.disagg.handed("r", "the handoff to the decode scheduler at decode-0 failed: UNAVAILABLE: gone")
+    row = _drain(pair.prefill)["r"]
+    assert (row.finish.type, row.finish.status, row.output_ids) == (FinishType.ABORT, "UNAVAILABLE", [])
+    assert row.finish.message.endswith("decode-0 failed: UNAVAILABLE: gone") and row.init_rows == [0]
+    assert _idle(pair.prefill) == (0, 0, 0, 0, 0)
+
+
+def test_a_reservation_without_commit_ends_with_deadline_exceeded(pair, greedy_req, chat_ids):
+    pair.decode.disagg.timeout_s = 0.0
+    pair.add(greedy_req("r", chat_ids("Name a river."), max_new_tokens=4))
+    row = _drain(pair.decode)["r"]
+    assert (row.finish.type, row.finish.status) == (FinishType.ABORT, "DEADLINE_EXCEEDED")
+    assert row.finish.message == "the KV transfer did not finish within 0 s (--disaggregation-transfer-timeout)"
+    assert _idle(pair.decode) == (0, 0, 0, 0, 0)

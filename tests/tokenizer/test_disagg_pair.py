@@ -1,0 +1,128 @@
+"""The tokenizer's prefill/decode pairs (services/tokenizer/disagg_pair.py) over fake replicas:
+which pair a request gets, the order and shape of what each member receives, aborts."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from ringserve.v1 import common_pb2, disagg_pb2, scheduler_pb2, tokenizer_pb2
+from services.tokenizer.disagg_pair import Pair
+from services.tokenizer.errors import RequestError, unavailable
+from services.tokenizer.replicas import ReplicaAddress, ReplicaSet
+
+
+class FakeLink:
+    def __init__(self, mode: str):
+        self.last_load = common_pb2.LoadReport(disaggregation_mode=mode)
+
+
+class FakeReplica:
+    """What ReplicaSet and Pair read of a Replica; records what it is sent."""
+
+    def __init__(self, name: str, mode: str, up: bool = True):
+        self.name, self.up = name, up
+        self.address = ReplicaAddress(name, name + "-detok")
+        self.scheduler = FakeLink(mode)
+        self.schedule_policy = "fcfs"
+        self.sent: list[object] = []
+
+    def send_req(self, req: scheduler_pb2.TokenizedGenerateReqInput) -> None:
+        if not self.up:
+            raise unavailable(f"the scheduler at {self.name} is not connected")
+        self.sent.append(req)
+
+    def send_abort(self, abort: scheduler_pb2.AbortReq) -> None:
+        if not self.up:
+            raise unavailable(f"the scheduler at {self.name} is not connected")
+        self.sent.append(abort)
+
+
+def _set(*replicas: FakeReplica) -> ReplicaSet:
+    return ReplicaSet(replicas)  # type: ignore[arg-type]
+
+
+def test_a_cluster_with_both_roles_gets_a_pair_by_least_load_with_prefix_affinity_on_the_prefill_side():
+    p0, p1, d0, d1 = (FakeReplica("p0", "prefill"), FakeReplica("p1", "prefill"), FakeReplica("d0", "decode"),
+                      FakeReplica("d1", "decode"))
+    replicas = _set(p0, p1, d0, d1)
+    prompt = list(range(100))
+    first = replicas.pick(prompt, {})
+    assert isinstance(first, Pair) and first.prefill in (p0, p1) and first.decode is d0  # idle: by name
+    # That pair busy: the other prefill and the other decode replica (least load first).
+    second = replicas.pick(prompt, {first: 1})
+    other = p1 if first.prefill is p0 else p0
+    assert (second.prefill, second.decode) == (other, d1)
+    # Both busy alike: the prefill replica that served the prompt last (prefix affinity).
+    third = replicas.pick(prompt, {first: 1, second: 1})
+    assert (third.prefill, third.decode) == (other, d0)
+    assert replicas.pick(prompt, {}) is third  # one object per pair: outstanding work adds up
+
+
+def test_a_cluster_without_one_role_up_is_unavailable_and_null_replicas_stay_replicas():
+    with pytest.raises(RequestError) as err:
+        _set(FakeReplica("p0", "prefill"), FakeReplica("d0", "decode", up=False)).pick([1, 2], {})
+    assert err.value.status == grpc.StatusCode.UNAVAILABLE
+    assert err.value.message == "no prefill/decode pair is up (the replicas up are prefill)"
+    plain = FakeReplica("r0", "null")
+    assert _set(plain).pick([1, 2], {}) is plain
+
+
+def test_the_decode_part_goes_first_and_the_prefill_part_names_the_decode_scheduler():
+    p, d = FakeReplica("p0:1", "prefill"), FakeReplica("d0:2", "decode")
+    req = scheduler_pb2.TokenizedGenerateReqInput(rid="r", input_ids=[5, 6], tokenizer_id="tok")
+    Pair(p, d).send_req(req)  # type: ignore[arg-type]
+    assert [(m.disagg_role, m.disagg_bootstrap, list(m.input_ids)) for m in d.sent + p.sent] == [
+        (disagg_pb2.DISAGG_ROLE_DECODE, "", [5, 6]), (disagg_pb2.DISAGG_ROLE_PREFILL, "d0:2", [5, 6])]
+    assert req.disagg_role == disagg_pb2.DISAGG_ROLE_NONE  # the caller's message is left as it was
+
+
+def test_a_prefill_scheduler_down_aborts_the_decode_part_and_fails_the_send():
+    p, d = FakeReplica("p0", "prefill", up=False), FakeReplica("d0", "decode")
+    with pytest.raises(RequestError, match="the scheduler at p0 is not connected"):
+        req = scheduler_pb2.TokenizedGenerateReqInput(rid="r", tokenizer_id="tok")
+        Pair(p, d).send_req(req)  # type: ignore[arg-type]
+    assert [type(m).__name__ for m in d.sent] == ["TokenizedGenerateReqInput", "AbortReq"]
+    assert d.sent[1].rid == "r" and d.sent[1].reason == "the prefill scheduler is not connected"
+
+
+def test_an_abort_reaches_every_member_up_and_fails_only_when_none_is():
+    p, d = FakeReplica("p0", "prefill"), FakeReplica("d0", "decode", up=False)
+    pair = Pair(p, d)  # type: ignore[arg-type]
+    pair.send_abort(scheduler_pb2.AbortReq(rid="r"))
+    assert [m.rid for m in p.sent] == ["r"]
+    p.up = False
+    with pytest.raises(RequestError):
+        pair.send_abort(scheduler_pb2.AbortReq(rid="r"))
+
+
+class PairBalancer:
+    """The ReplicaSet's pick, always the one pair."""
+
+    def __init__(self, pair: Pair):
+        self.pair = pair
+
+    def pick(self, input_ids, outstanding):
+        return self.pair
+
+
+async def test_losing_the_prefill_scheduler_fails_the_pairs_requests_and_aborts_them_on_the_decode_side(manager):
+    p, d = FakeReplica("p0:1", "prefill"), FakeReplica("d0:2", "decode")
+    pair = Pair(p, d)  # type: ignore[arg-type]
+    manager.balancer = PairBalancer(pair)
+    chat = tokenizer_pb2.ChatInput(messages=[tokenizer_pb2.ChatMessage(role="user", content="Hi")])
+    gen = manager.generate(tokenizer_pb2.GenerateReqInput(rid="r", chat=chat, stream=True))
+    task = asyncio.ensure_future(gen.__anext__())
+    await asyncio.sleep(0.01)
+    assert [(m.rid, m.disagg_role) for m in d.sent + p.sent] == [
+        ("r", disagg_pb2.DISAGG_ROLE_DECODE), ("r", disagg_pb2.DISAGG_ROLE_PREFILL)]
+    assert dict(manager.outstanding) == {pair: 1}
+    p.up = False
+    assert manager.fail_all(unavailable("lost the connection to the scheduler at p0:1"), False, replica=p) == 1
+    with pytest.raises(RequestError, match="lost the connection to the scheduler at p0:1"):
+        await asyncio.wait_for(task, 1)
+    assert [(type(m).__name__, m.rid) for m in d.sent[1:]] == [("AbortReq", "r")]  # the decode side frees it
+    assert manager.load().req_states == 0 and dict(manager.outstanding) == {}
+    await gen.aclose()
