@@ -213,12 +213,11 @@ class SchedulerOptions:
     # Prefill/decode disaggregation (docs/disaggregation.md); the launcher sets the mode per scheduler.
     disaggregation_mode: str = option(
         "--disaggregation-mode", "null", choices=("null", "prefill", "decode"),
-        not_in_chart="the chart has no prefill and decode scheduler sets yet (docs/disaggregation.md)",
+        not_in_chart=f"{BY_CHART}: prefill and decode in the two replica sets of disaggregation.enabled",
         help="what this scheduler offers the tokenizers' routers: null = prefill and decode (a replica of its own); "
              "prefill = prompts, handing KV and first token to a decode scheduler; decode = the rest of requests "
              "a prefill scheduler started")
     disaggregation_transfer_timeout_s: float = option(
-        "--disaggregation-transfer-timeout", 30.0, check=Above(0), launch=True,
-        not_in_chart="the chart has no prefill and decode scheduler sets yet (docs/disaggregation.md)",
+        "--disaggregation-transfer-timeout", 30.0, check=Above(0), launch=True, chart="disaggregation.transferTimeout",
         help="seconds a prefill-to-decode handoff (reservation, KV transfer, first token) may take before the request "
              "ends with DEADLINE_EXCEEDED")

@@ -13,12 +13,11 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
-from kubernetes_validate import utils as kv_utils
 
 from ringserve.options.parse import ConfigParser
 from ringserve.options.table import SERVICES
-from tests.helpers.crds import crd_schemas, validate_custom
-from tests.helpers.helm import CHART, FULL, K8S_VERSION, NAMESPACE, POOL_SETS, RELEASE, VALUES, by, container, render
+from tests.helpers.crds import crd_schemas, validate_custom, validate_rendered
+from tests.helpers.helm import CHART, FULL, NAMESPACE, POOL_SETS, RELEASE, VALUES, by, container, lint, render
 from tests.helpers.repo import REPO
 
 DOCUMENTED = set(re.findall(r"^\| `(ringserve:[a-z_]+)`", (REPO / "docs" / "metrics.md").read_text(), re.M))
@@ -35,19 +34,8 @@ def replica_pod(docs: list[dict]) -> dict:
 
 @pytest.mark.parametrize("values", POOL_SETS)
 def test_lint_and_validate(helm: Path, rendered: dict[str, list[dict]], values: str) -> None:
-    out = subprocess.run([str(helm), "lint", "--strict", str(CHART), "-f", str(VALUES / f"{values}.yaml")],
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stdout + out.stderr
-    custom = set()
-    for doc in rendered[values]:
-        key = (doc["apiVersion"], doc["kind"])
-        if key == ("monitoring.coreos.com/v1", "ServiceMonitor"):  # no vendored schema: test_helm_chart checks it
-            continue
-        if key in crd_schemas():
-            validate_custom(doc)
-            custom.add(doc["kind"])
-        else:
-            kv_utils.validate(doc, K8S_VERSION, strict=True)
+    lint(helm, values)
+    custom = validate_rendered(rendered[values])
     assert custom == ({"InferencePool"} if values == "inference-pool" else {"ScaledObject"})
 
 

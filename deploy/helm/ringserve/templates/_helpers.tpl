@@ -30,6 +30,9 @@ tokenizer's Services, NetworkPolicies and PodDisruptionBudgets select the replic
 app.kubernetes.io/name: {{ include "ringserve.name" .ctx }}
 app.kubernetes.io/instance: {{ .ctx.Release.Name }}
 app.kubernetes.io/component: {{ include "ringserve.podsOf" . }}
+{{- with include "ringserve.disaggregationMode" .ctx }}
+ringserve.io/disaggregation-mode: {{ . }}
+{{- end }}
 {{- end -}}
 
 {{/* The component whose pods run .component's container: (dict "ctx" $ "component" c). */}}
@@ -60,7 +63,33 @@ scheduler's default tag carries its variant: <tag>-cpu or <tag>-cuda. */}}
 
 {{- define "ringserve.gateway" -}}{{ include "ringserve.fullname" . }}-gateway{{- end -}}
 {{- define "ringserve.tokenizer" -}}{{ include "ringserve.fullname" . }}-tokenizer{{- end -}}
-{{- define "ringserve.replica" -}}{{ include "ringserve.fullname" . }}-replica{{- end -}}
+{{/* A model replica set's name: <fullname>-replica, or in a set's context (ringserve.setContext)
+<fullname>-prefill / -decode. */}}
+{{- define "ringserve.replica" -}}{{ include "ringserve.fullname" . }}-{{ default "replica" .Values.replica.set }}{{- end -}}
+
+{{/* The model replica sets: one, "replica", or under disaggregation.enabled a "prefill" and a
+"decode" set (docs/disaggregation.md), as a JSON list. */}}
+{{- define "ringserve.replicaSets" -}}
+{{- if .Values.disaggregation.enabled }}["prefill", "decode"]{{ else }}["replica"]{{ end -}}
+{{- end -}}
+
+{{/* Fills .out with the root context of one replica set: (dict "ctx" $ "set" name "out" (dict)).
+Its .Values.replica is replica.* overridden by disaggregation.<set>.* (mergeOverwrite: an empty
+value there, {} [] "" 0, leaves replica's), plus "set", the set's name; everything else is $'s. */}}
+{{- define "ringserve.setContext" -}}
+{{- $r := deepCopy .ctx.Values.replica -}}
+{{- if ne .set "replica" -}}
+{{- $r = mergeOverwrite $r (deepCopy (index .ctx.Values.disaggregation .set)) -}}
+{{- end -}}
+{{- $_ := set $r "set" .set -}}
+{{- $_ := set .out "Values" (merge (dict "replica" $r) .ctx.Values) -}}
+{{- $_ := merge .out .ctx -}}
+{{- end -}}
+
+{{/* A set context's --disaggregation-mode: prefill or decode; "" for the replica set and the root. */}}
+{{- define "ringserve.disaggregationMode" -}}
+{{- with .Values.replica.set }}{{ if ne . "replica" }}{{ . }}{{ end }}{{ end -}}
+{{- end -}}
 {{- define "ringserve.grpcApi" -}}{{ include "ringserve.fullname" . }}-grpc-api{{- end -}}
 {{- define "ringserve.config" -}}{{ include "ringserve.fullname" . }}-config{{- end -}}
 
@@ -192,12 +221,19 @@ grpc:
 
 {{/* The tokenizer Deployment's --replica values, a YAML list: every model replica pod
      (<sched>,<detok>) by its StatefulSet DNS name; when an autoscaler sizes the StatefulSet,
-     every name up to its maxReplicas (the tokenizer sends only to replicas that are up). */}}
+     every name up to its maxReplicas (the tokenizer sends only to replicas that are up). Under
+     disaggregation.enabled the prefill set's pods, then the decode set's: each scheduler reports
+     its mode in its LoadReport and the tokenizer pairs them. */}}
 {{- define "ringserve.replicaAddrs" -}}
-{{- $n := ternary .Values.replica.autoscaling.maxReplicas .Values.replica.replicas (ne .Values.replica.autoscaling.mode "") }}
+{{- range $set := include "ringserve.replicaSets" . | fromJsonArray }}
+{{- $c := dict }}
+{{- include "ringserve.setContext" (dict "ctx" $ "set" $set "out" $c) }}
+{{- $r := $c.Values.replica }}
+{{- $n := ternary $r.autoscaling.maxReplicas $r.replicas (ne $r.autoscaling.mode "") }}
 {{- range $i := until (int $n) }}
-{{- $host := include "ringserve.replicaHost" (dict "ctx" $ "index" $i) }}
+{{- $host := include "ringserve.replicaHost" (dict "ctx" $c "index" $i) }}
 - {{ printf "%s:%v,%s:%v" $host $.Values.ports.scheduler $host $.Values.ports.detokenizer }}
+{{- end }}
 {{- end }}
 {{- end -}}
 
