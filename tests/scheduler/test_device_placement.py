@@ -245,7 +245,7 @@ def test_lora_steps_on_fake_cuda_tensors(smollm2_dir, tokenizer, monkeypatch):
         return AdapterWeights(8, 2.0, {(i, m): (torch.zeros(8, fin), torch.zeros(fout, 8))
                                        for i in range(num_layers) for m, (fin, fout) in shapes.items()})
 
-    monkeypatch.setattr(stacked, "sgmv", checked_sgmv)
+    monkeypatch.setattr(stacked, "segmented_kernel", lambda: checked_sgmv)
     monkeypatch.setattr(registry, "read_adapter", read)
     eos = load_eos_ids(smollm2_dir, tokenizer)
     with mode:

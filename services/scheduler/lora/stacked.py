@@ -21,9 +21,17 @@ the grouped torch product instead.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from services.scheduler.kernels.triton_lora import sgmv
+
+def segmented_kernel() -> Callable[..., torch.Tensor]:
+    """``kernels.triton_lora.sgmv``, imported where it runs: triton is the ``cuda`` extra's, and
+    a CPU install has none."""
+    from services.scheduler.kernels.triton_lora import sgmv
+
+    return sgmv
 
 
 class SlotStack:
@@ -85,4 +93,4 @@ class SlotStack:
     def apply(self, x: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, segments: torch.Tensor,
               max_len: int) -> torch.Tensor:
         """``out`` plus each segment's product (``kernels.triton_lora.sgmv``), in place."""
-        return sgmv(x.contiguous(), out, self.a, self.b, self.scales, rows, segments, max_len)
+        return segmented_kernel()(x.contiguous(), out, self.a, self.b, self.scales, rows, segments, max_len)
