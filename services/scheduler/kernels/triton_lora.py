@@ -16,7 +16,9 @@ times the N slices; a program past its segment's end returns at once. Rows of th
 model are in no segment and never read; a slot whose scale is 0 (the adapter leaves this
 linear alone) returns at once too. No host sync: every argument is a device tensor or a
 size the host knows (the longest segment), so the launch never waits for the GPU. Fixed
-tiles (``BLOCKS``). Checked against the grouped torch product under ``TRITON_INTERPRET=1``.
+tiles (``BLOCKS``); the products run through ``tl.dot`` (TF32 on GPUs for float32 weights,
+as in the other kernels here), accumulated in float32. Checked against the grouped torch
+product under ``TRITON_INTERPRET=1``.
 """
 
 from __future__ import annotations
