@@ -219,3 +219,50 @@ def test_step_sequence_on_fake_cuda_tensors(smollm2_dir, tokenizer, backend, gra
     assert runtime.d2h == len(samples) + 3 * sum(scored) + 1 and len(samples) > 10
     if kernels is not None:
         assert kernels.calls["extend_attention"] > 0 and kernels.calls["decode_attention"] > 0
+
+
+def test_lora_steps_on_fake_cuda_tensors(smollm2_dir, tokenizer, monkeypatch):
+    """Steps with adapter rows beside base rows on CUDA: the adapters stacked on the device, the
+    segmented kernel (its launch replaced by a check of its arguments) given device tensors
+    and a host int, and no host sync (a data-dependent read of a fake tensor raises)."""
+    from services.scheduler.lora import registry, stacked
+    from services.scheduler.lora.adapter import AdapterWeights
+
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    runtime = FakeCudaRuntime(mode, tokenizer.token_to_id("Ġthe"))
+    cfg = EngineConfig(model=smollm2_dir, max_running_requests=4, max_total_tokens=128, chunked_prefill_size=32,
+                       attention_backend="torch", disable_cuda_graph=True, overlap_schedule=True, max_loras=2,
+                       max_lora_rank=8)
+    hf = {**json.loads((smollm2_dir / "config.json").read_text()), "num_hidden_layers": 2}
+    launches = []
+
+    def checked_sgmv(x, out, a, b, scales, rows, segments, max_len):
+        assert {t.device for t in (x, out, a, b, scales, rows, segments)} == {CUDA} and isinstance(max_len, int)
+        launches.append((tuple(a.shape), tuple(segments.shape), max_len))
+        return out
+
+    def read(path, shapes, num_layers, max_rank):  # the adapter's tensors, made under the fake mode
+        return AdapterWeights(8, 2.0, {(i, m): (torch.zeros(8, fin), torch.zeros(fout, 8))
+                                       for i in range(num_layers) for m, (fin, fout) in shapes.items()})
+
+    monkeypatch.setattr(stacked, "segmented_kernel", lambda: checked_sgmv)
+    monkeypatch.setattr(registry, "read_adapter", read)
+    eos = load_eos_ids(smollm2_dir, tokenizer)
+    with mode:
+        model = dummy_model(hf, torch.bfloat16, seed=None, attention_backend="torch", runtime=runtime)
+        engine = Engine(model, tokenizer, eos, cfg, runtime)
+        engine.lora.load("ad", "unused")
+        prompt = tokenizer.encode("The quick brown fox jumps over the lazy dog").ids
+        engine.add_request(_req("base", prompt, 3, ignore_eos=True))
+        engine.add_request(ReqInput(rid="lora", input_ids=prompt[:5], lora_name="ad",
+                                    sampling=SamplingParams(temperature=0.0, max_new_tokens=3, ignore_eos=True)))
+        steps = 0
+        while engine.has_work:
+            steps += engine.step() is not None
+    stack = model.layers[0].self_attn.qkv_proj.stack
+    assert stack.a.device == CUDA and tuple(stack.a.shape) == (1, 3 * 16, 576)  # rank 8 padded to 16
+    # 2 layers x 4 linears per step with the adapter's rows (its prefill, then 2 decodes): one
+    # segment of 5 rows, then of 1.
+    assert [(s, n) for _, s, n in launches[::8]] == [((3, 1), 5), ((3, 1), 1), ((3, 1), 1)]
+    assert len(launches) == 3 * 8 and steps == 3
+    assert runtime.d2h == steps  # the sampled ids only

@@ -38,9 +38,9 @@ def test_every_kernel_compiles_for_sm80_and_sm90_within_limits(smollm2_dir, tmp_
     # One row per distinct specialization and target: per target, the attention kernels at
     # head_dim 64, 128, 256 in three dtypes (Gemma 3's 256 with and without its window), plus
     # soft-capping in bf16 at Gemma 3's; the GEMM with and without bias; the RMSNorm at four
-    # row widths; the grouped GEMM's two passes.
+    # row widths; the grouped GEMM's two passes; the segmented LoRA kernel's shrink and expand.
     per_target = {"_decode_kernel": 10, "_extend_kernel": 14, "_matmul_kernel": 6, "_rms_norm_kernel": 12,
-                  "_grouped_gemm_kernel": 6}
+                  "_grouped_gemm_kernel": 6, "_sgmv_kernel": 6}
     assert Counter((r["kernel"], r["target"]) for r in rows) == {
         (k, t.name): n for k, n in per_target.items() for t in TARGETS}
     assert {r["dtype"] for r in rows} == {"fp32", "bf16", "fp16"}
@@ -54,6 +54,8 @@ def test_every_kernel_compiles_for_sm80_and_sm90_within_limits(smollm2_dir, tmp_
         (8, False), (1, True)}
     assert {m for r in rows if r["kernel"] == "_extend_kernel" for m in r["models"]} == MODELS
     assert {m for r in rows if r["kernel"] == "_grouped_gemm_kernel" for m in r["models"]} == {"Qwen3-30B-A3B"}
+    assert consts("_sgmv_kernel", "EXPAND") == {False, True}
+    assert {m for r in rows if r["kernel"] == "_sgmv_kernel" for m in r["models"]} == MODELS
     # Attention at head_dim 256 in fp32 took 255 registers and spilled with 4 warps; 8 fit.
     attention = [r for r in rows if r["kernel"] in ("_decode_kernel", "_extend_kernel")]
     assert [r for r in attention if r["spill_stores"] or r["spill_loads"]] == []

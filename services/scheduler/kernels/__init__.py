@@ -3,9 +3,9 @@
 - ``cpu/`` (C: ``common.h``, ``attention.c``, ``elementwise.c``, ``int8.c``) and
   ``cpu_kernels``, which compiles them into one library in the kernel cache and wraps its
   entry points (the ``cpu`` attention backend's kernels, the int8 linears' GEMMs).
-- ``triton_attention``, ``triton_moe``, ``triton_batch_invariant``: the Triton kernels of the
-  CUDA path (paged attention, the fused-MoE grouped GEMM, the batch-invariant GEMM and
-  RMSNorm).
+- ``triton_attention``, ``triton_moe``, ``triton_batch_invariant``, ``triton_lora``: the
+  Triton kernels of the CUDA path (paged attention, the fused-MoE grouped GEMM, the
+  batch-invariant GEMM and RMSNorm, the segmented LoRA products).
 
 What goes here: C and Triton kernels and their launch wrappers. What the model is made of
 (modules with weights, and which kernel a module calls) is ``layers``; which attention kernel

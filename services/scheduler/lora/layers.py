@@ -8,8 +8,10 @@ runs the base linear on every row, then for each adapter present adds
 ``(x[rows] @ A^T) @ B^T * scale`` to those rows -- a grouped product per adapter, as
 punica's / S-LoRA's segmented kernels compute in one launch (Chen et al. 2023, "Punica";
 Sheng et al. 2023, "S-LoRA"). Rows of no adapter (the base model) get the base output only,
-and a step without adapter rows costs one Python check per wrapped linear. The same torch
-product runs on CUDA (no segmented Triton kernel yet: one matmul pair per adapter present).
+and a step without adapter rows costs one Python check per wrapped linear. That torch product
+is the CPU path; on CUDA the wrapper keeps the adapters stacked by slot (``stacked``) and
+runs the segmented Triton kernel instead (``kernels.triton_lora``: two launches per linear
+whatever the number of adapters present).
 
 Fused linears hold their parts' adapters side by side: q, k and v (gate and up) each have
 their own A; their A's are stacked [k r, in] and their B's placed block-diagonally in a
@@ -35,6 +37,7 @@ from services.scheduler.layers.parallel_linear import (
     RowParallelLinear,
 )
 from services.scheduler.lora.adapter import AdapterWeights
+from services.scheduler.lora.stacked import SlotStack
 
 # (checkpoint module name, the fused linear's shard id) per wrapped linear, in the fused order.
 _PARTS: dict[str, tuple[tuple[str, object], ...]] = {
@@ -51,19 +54,29 @@ class LoraBatch:
     Attributes:
         groups: (slot, int64 [n] packed token rows on the device) per adapter present; empty:
             every row is the base model's.
+        rows, segments, max_len: the same for the segmented kernel: all the groups' rows (int64
+            [n]), the (slot, start, length) table (int64 [3, g]) on the device, the longest
+            group's length.
     """
 
     def __init__(self) -> None:
         self.groups: list[tuple[int, torch.Tensor]] = []
+        self.rows: torch.Tensor | None = None
+        self.segments: torch.Tensor | None = None
+        self.max_len = 0
 
     def set(self, counts: list[tuple[int, int]] | None, rows: torch.Tensor | None) -> None:
         """The step's groups from ``StepBatch.lora`` ((slot, row count) each) and its
-        ``lora_rows`` segment (int64 [n] on the device); None, None: no adapter rows."""
+        ``lora_rows`` segment (int64 [n + 3 g] on the device: ``registry.step_rows``); None,
+        None: no adapter rows. Views of the segment only: no copy, no launch."""
         if counts is None or rows is None:
-            self.groups = []
+            self.groups, self.rows, self.segments, self.max_len = [], None, None, 0
             return
         slots, sizes = zip(*counts, strict=True)
-        self.groups = list(zip(slots, rows.split(list(sizes)), strict=True))
+        n = sum(sizes)
+        self.rows, self.segments, self.max_len = rows.narrow(0, 0, n), rows.narrow(0, n, 3 * len(sizes)).view(
+            3, len(sizes)), max(sizes)
+        self.groups = list(zip(slots, self.rows.split(list(sizes)), strict=True))
 
 
 class LoraLinear(torch.nn.Module):
@@ -74,9 +87,11 @@ class LoraLinear(torch.nn.Module):
             quantization-free batch-invariance made of it).
         target: the parallel linear it was built as (``LoraTarget``: parts, shard arithmetic).
         batch: the model's ``LoraBatch``.
+        stack: the stacked weights (``stacked.SlotStack``) to run the segmented kernel on (the
+            CUDA path), or None: each adapter's own (A, B) and the grouped torch product.
     """
 
-    def __init__(self, base: torch.nn.Module, target: LoraTarget, batch: LoraBatch):
+    def __init__(self, base: torch.nn.Module, target: LoraTarget, batch: LoraBatch, stack: SlotStack | None = None):
         super().__init__()
         self.base = base
         self.parts = _PARTS[target.name]
@@ -85,11 +100,16 @@ class LoraLinear(torch.nn.Module):
         self.batch = batch
         self._load = target.load
         self.adapters: dict[int, tuple[torch.Tensor, torch.Tensor, float]] = {}  # slot -> (A, B, scale)
+        self.stack = stack
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in (this rank's)] -> [T, out (this rank's)]: the base output plus each
         present adapter's product on its rows."""
         out = self.base(x)
+        if self.stack is not None:
+            if self.batch.rows is not None and self.batch.segments is not None:
+                self.stack.apply(x, out, self.batch.rows, self.batch.segments, self.batch.max_len)
+            return out
         for slot, rows in self.batch.groups:
             weights = self.adapters.get(slot)
             if weights is not None:
@@ -102,8 +122,8 @@ class LoraLinear(torch.nn.Module):
         """Hold this rank's shard of ``weights``' A and B for this linear in ``slot`` (nothing
         if the adapter does not adapt any of its parts in ``layer``)."""
         r = weights.rank
-        a_parts, b_parts = [], []
-        for module, shard_id in self.parts:
+        a_parts, b_parts, indices = [], [], []
+        for index, (module, shard_id) in enumerate(self.parts):
             pair = weights.tensors.get((layer, module))
             if pair is None:
                 continue
@@ -118,12 +138,17 @@ class LoraLinear(torch.nn.Module):
                 self._load(b_local, b, shard_id)
                 a_parts.append(a.to(device=device, dtype=dtype))
                 b_parts.append(b_local)
-        if a_parts:
+            indices.append(index)
+        if self.stack is not None:
+            self.stack.place(slot, list(zip(indices, a_parts, b_parts, strict=True)), weights.scale)
+        elif a_parts:
             self.adapters[slot] = (torch.cat(a_parts).contiguous(), torch.cat(b_parts, dim=1).contiguous(),
                                    weights.scale)
 
     def drop_adapter(self, slot: int) -> None:
         self.adapters.pop(slot, None)
+        if self.stack is not None:
+            self.stack.clear(slot)
 
 
 class LoraTarget:
@@ -154,9 +179,13 @@ class LoraModel:
         batch: the model's ``LoraBatch``.
         shapes: adaptable module name -> (in, out) features of the whole linear.
         num_layers: decoder layers.
+
+    Args:
+        segmented: stack the adapters and run the segmented Triton kernel; None: on a CUDA
+            model (the CPU runs the grouped torch product).
     """
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, segmented: bool | None = None):
         self.batch = LoraBatch()
         self.targets: list[LoraTarget] = []
         self.linears: list[LoraLinear] = []
@@ -164,6 +193,7 @@ class LoraModel:
         self.num_layers = len(model.layers)
         self.dtype = model.embed_tokens.weight.dtype
         self.device = model.embed_tokens.weight.device
+        self.segmented = self.device.type == "cuda" if segmented is None else segmented
         for i, layer in enumerate(model.layers):
             for owner in (getattr(layer, "self_attn", None), getattr(layer, "mlp", None)):
                 for name in _PARTS:
@@ -177,7 +207,9 @@ class LoraModel:
         """Place an adapter (checked against ``shapes`` by ``adapter.read_adapter``) in ``slot``."""
         if not self.linears:
             for t in self.targets:
-                wrapper = LoraLinear(getattr(t.owner, t.name), t, self.batch)
+                stack = (SlotStack(len(_PARTS[t.name]), t.in_local, t.out_local, self.dtype, self.device)
+                         if self.segmented else None)
+                wrapper = LoraLinear(getattr(t.owner, t.name), t, self.batch, stack)
                 setattr(t.owner, t.name, wrapper)
                 self.linears.append(wrapper)
         for t, linear in zip(self.targets, self.linears, strict=True):
@@ -200,12 +232,12 @@ def _whole_shapes(base: torch.nn.Linear, name: str, tp: int) -> dict[str, tuple[
     return {_PARTS[name][0][0]: (base.in_features * tp, base.out_features)}
 
 
-def attach_lora(model: torch.nn.Module) -> LoraModel:
-    """Record ``model``'s adaptable linears (``LoraModel``), once: the same one on a second call.
-    Call it before packing or batch-invariance replace the linears."""
+def attach_lora(model: torch.nn.Module, segmented: bool | None = None) -> LoraModel:
+    """Record ``model``'s adaptable linears (``LoraModel``; ``segmented`` as there), once: the
+    same one on a second call. Call it before packing or batch-invariance replace the linears."""
     existing = getattr(model, "lora", None)
     if isinstance(existing, LoraModel):
         return existing
-    lora = LoraModel(model)
+    lora = LoraModel(model, segmented)
     model.lora = lora
     return lora

@@ -159,8 +159,10 @@ def step_rows(slots: list[int | None], token_counts: list[int]) -> tuple[torch.T
         token_counts: each request's tokens in the step (its extend length; 1 for a decode).
 
     Returns:
-        (int64 [n] host rows, grouped by slot in the order of ``groups``; groups: (slot, its
-        row count)), or None when no row has an adapter.
+        (int64 [n + 3 g] host tensor: the n rows grouped by slot in the order of ``groups``,
+        then the segment table of the segmented kernel, each group's slot, start in the rows
+        and length (``layers.LoraBatch.set`` views both); groups: (slot, its row count)), or
+        None when no row has an adapter.
     """
     rows: dict[int, list[int]] = {}
     start = 0
@@ -170,8 +172,10 @@ def step_rows(slots: list[int | None], token_counts: list[int]) -> tuple[torch.T
         start += n
     if not rows:
         return None
-    return (torch.tensor([r for slot in rows for r in rows[slot]], dtype=torch.int64),
-            [(slot, len(r)) for slot, r in rows.items()])
+    sizes = [len(r) for r in rows.values()]
+    starts = list(itertools.accumulate(sizes, initial=0))[:-1]
+    return (torch.tensor([r for slot in rows for r in rows[slot]] + list(rows) + starts + sizes, dtype=torch.int64),
+            list(zip(rows, sizes, strict=True)))
 
 
 

@@ -8,6 +8,8 @@ launch goes through the kernels' own wrappers (which pick tiles and constexprs) 
 
 - mixed: a fresh prompt and an extend after a cached prefix, beside three decodes (the
   extend and decode attention kernels, the fused-MoE grouped GEMM);
+- the same step with a LoRA adapter (rank 16, every linear it can adapt) on the fresh prompt
+  and the decodes (the segmented LoRA kernel's shrink and expand);
 - the same step with deterministic inference (``make_batch_invariant``: the batch-invariant
   GEMM and RMSNorm; extend tokens attended by the decode kernel), and a batch-1 decode step
   with it (the smallest step: where a tile table keyed by the token count would pick its
@@ -35,6 +37,9 @@ from triton.runtime.jit import JITFunction
 from services.scheduler.attention.paged import AttnMetadata, DecodeLayout, ExtendLayout
 from services.scheduler.executor.device import CudaRuntime
 from services.scheduler.layers.batch_invariant import make_batch_invariant
+from services.scheduler.lora.adapter import AdapterWeights
+from services.scheduler.lora.layers import attach_lora
+from services.scheduler.lora.registry import step_rows
 from services.scheduler.models import dummy_model
 from services.scheduler.models.blocks import Attention
 from services.scheduler.policy.kv_pool import TokenToKVPool
@@ -100,6 +105,23 @@ def _step(model: torch.nn.Module, kv: TokenToKVPool, extend: list[tuple[int, int
     model.compute_logits(hidden.index_select(0, i64(len(extend) + len(decode))))
 
 
+def _lora_step(model: torch.nn.Module, kv: TokenToKVPool, extend: list[tuple[int, int]], decode: list[int]) -> None:
+    """``_step`` with an adapter in slot 0 on the first request and the decodes, the others the
+    base model's (``LoraModel`` on a CUDA model: the stacked weights and the segmented kernel)."""
+    lora = attach_lora(model)
+    r = 16
+    lora.add(0, AdapterWeights(r, 2.0, {(i, m): (torch.zeros(r, fin), torch.zeros(fout, r))
+                                        for i in range(lora.num_layers) for m, (fin, fout) in lora.shapes.items()}))
+    slots = [0] + [None] * (len(extend) - 1) + [0] * len(decode)
+    step = step_rows(slots, [n for _, n in extend] + [1] * len(decode))
+    assert step is not None  # slot 0 has rows
+    lora.batch.set(step[1], step[0].to(CUDA))
+    try:
+        _step(model, kv, extend, decode, per_token=False)
+    finally:
+        lora.batch.set(None, None)
+
+
 @contextlib.contextmanager
 def _contiguous_through_the_dispatcher() -> Iterator[None]:
     """``Tensor.contiguous`` as the ``aten.contiguous`` op. The Python method first sets a device
@@ -137,6 +159,8 @@ def record(shapes: dict[str, dict]) -> list[Call]:
                     tag = f"{name} {dtype_name}" + (" softcap" if softcap else "")
                     source[0] = f"{tag} mixed"
                     _step(model, kv, *mixed, per_token=False)
+                    source[0] = f"{tag} lora mixed"
+                    _lora_step(model, kv, *mixed)
                     make_batch_invariant(model, kernels=runtime.batch_invariant_linears)  # the Triton GEMM and RMSNorm
                     source[0] = f"{tag} deterministic mixed"
                     _step(model, kv, *mixed, per_token=True)
