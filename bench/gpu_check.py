@@ -30,8 +30,12 @@ Markdown table appended to ``bench/RESULTS.md``:
    one co-located scheduler, deterministic inference: the same greedy text and logprobs, and
    the KV transfer throughput (``ringserve:kv_transfer_bytes_total`` / ``_seconds_total``)
    over 16 prompts of 4096 tokens; ``lora`` -- two PEFT adapters and the base in one fp32
-   batch against transformers with each adapter merged (every row's logits), and the wall
-   time of such a batch against a base-only one (both eager: the grouped torch product's cost).
+   batch against transformers with each adapter merged (every row's logits), the wall time
+   of such a batch against a base-only one (both eager: the LoRA product's cost), and the
+   segmented Triton LoRA kernel against the grouped torch product on every wrapped linear of
+   one Llama-3-8B-shaped bf16 layer, 4 adapters of rank 16, at 64 decode rows and 4 x 512
+   prefill tokens (where the checkout has the kernel; on the CPU only under
+   ``TRITON_INTERPRET=1``).
 
 Prepared for a machine with CUDA torch, Triton and transformers installed and no network:
 any other package (the ring's own: grpcio, fastapi, ...) comes from a wheel folder made

@@ -12,14 +12,17 @@
   the prefill scheduler's ``ringserve:kv_transfer_bytes_total`` / ``..._seconds_total``.
 - ``check_lora``: two PEFT adapters (made here with peft) and the base model in one batch,
   fp32, against transformers running each adapter merged into the weights (logits at every
-  recorded row, greedy agreement); and the wall time of such a batch against a base-only one
-  of the same size, both eager (the grouped torch product's cost).
+  recorded row, greedy agreement); the wall time of such a batch against a base-only one of
+  the same size, both eager (the cost of the engine's LoRA product); and, where the checkout
+  has the segmented Triton kernel, its time against the grouped torch product on one
+  Llama-3-8B-shaped layer (``lora_kernel_timing``).
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import os
 import subprocess
 import sys
 import time
@@ -38,6 +41,11 @@ ROOT = Path(__file__).resolve().parents[1]
 PLAIN = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 ECHO = "Repeat exactly: The red fox ran over the hill and the red fox slept. The red fox ran over the hill."
 # Two adapters of different ranks and targets (one rsLoRA), as tests/scheduler/test_lora.py makes them.
+# One decoder layer of Llama-3-8B's shapes (bench/gpu_check.py's LLAMA3_8B), a small vocabulary.
+LLAMA3_8B_LAYER = {"architectures": ["LlamaForCausalLM"], "vocab_size": 1024, "hidden_size": 4096,
+                   "intermediate_size": 14336, "num_hidden_layers": 1, "num_attention_heads": 32,
+                   "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5, "max_position_embeddings": 8192,
+                   "tie_word_embeddings": False}
 ADAPTERS = {"qv": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
             "all": dict(r=4, lora_alpha=8, use_rslora=True, target_modules=[
                 "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])}
@@ -223,8 +231,81 @@ def check_lora(model_dir: Path, device: str, quick: bool, workdir: Path) -> dict
         walls[label] = time.perf_counter() - t
     result["batch_wall_s"] = {**{k: round(v, 3) for k, v in walls.items()}, "batch": batch, "new_tokens": new,
                               "ratio": round(walls["two_adapters_and_base"] / walls["base_only"], 3)}
-    result["lora_product"] = "grouped torch (one matmul pair per adapter present), both batches eager"
+    result["lora_product"] = "the engine's own (CUDA: the segmented kernel where the checkout has it), both eager"
+    result["kernel_vs_torch"] = lora_kernel_timing(device, quick)
     return result
+
+
+def lora_kernel_timing(device: str, quick: bool) -> dict:
+    """The segmented Triton LoRA kernel (``kernels.triton_lora``, the CUDA path) against the
+    grouped torch product (the CPU path) on every wrapped linear of one Llama-3-8B-shaped
+    bf16 layer (``quick``: a tiny one), 4 adapters of rank 16 on every module: a decode batch
+    of 64 rows (quick: 10) and a prefill of 4 x 512 tokens (quick: 2 x 8), one row in five on
+    the base. Per batch: ms per layer of the base linears alone, of the linears with each
+    product, and the largest |kernel - torch| / (1 + |torch|). Runs where the checkout has the
+    kernel (``LoraModel(segmented=...)``), on CUDA or under ``TRITON_INTERPRET=1``."""
+    import inspect
+
+    from services.scheduler.executor.device import create_runtime
+    from services.scheduler.lora.adapter import AdapterWeights
+    from services.scheduler.lora.layers import LoraModel
+    from services.scheduler.lora.registry import step_rows
+    from services.scheduler.models import dummy_model
+
+    if "segmented" not in inspect.signature(LoraModel).parameters:
+        return {"skipped": "no segmented LoRA kernel in this checkout"}
+    if not device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
+        return {"skipped": "the kernel needs CUDA or TRITON_INTERPRET=1"}
+    hf = {**LLAMA3_8B_LAYER, "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "head_dim": 16} if quick else LLAMA3_8B_LAYER
+    runtime = create_runtime(torch.device(device))
+    models = {seg: LoraModel(dummy_model(hf, torch.bfloat16, seed=0, runtime=runtime), segmented=seg)
+              for seg in (False, True)}
+    gen = torch.Generator().manual_seed(0)
+    for slot in range(4):
+        shapes = models[False].shapes
+        weights = AdapterWeights(16, 1.0, {(0, m): (torch.randn(16, i, generator=gen) / 64,
+                                                    torch.randn(o, 16, generator=gen) / 64)
+                                           for m, (i, o) in shapes.items()})
+        for m in models.values():
+            m.add(slot, weights)
+    slots = [None, 0, 1, 2, 3]
+    batches = {"decode": ([slots[i % 5] for i in range(10 if quick else 64)], [1] * (10 if quick else 64)),
+               "prefill": ([0, None, 1, 2] if not quick else [0, None], [8 if quick else 512] * (2 if quick else 4))}
+    iters = 2 if quick else 20
+    out: dict = {"layer": "tiny" if quick else "Llama-3-8B"}
+    for name, (req_slots, counts) in batches.items():
+        lora = step_rows(req_slots, counts)
+        assert lora is not None
+        xs = [torch.randn(sum(counts), lin.in_local, generator=gen).to(device, torch.bfloat16)
+              for lin in models[False].linears]
+        for m in models.values():
+            m.batch.set(lora[1], lora[0].to(device))
+        row: dict = {"rows": sum(counts)}
+        row["base_ms"] = _ms([lin.base for lin in models[False].linears], xs, device, iters)
+        row["torch_ms"] = _ms(models[False].linears, xs, device, iters)
+        row["triton_ms"] = _ms(models[True].linears, xs, device, iters)
+        worst = 0.0
+        for a, b, x in zip(models[False].linears, models[True].linears, xs, strict=True):
+            want, got = a(x).float(), b(x).float()
+            worst = max(worst, ((got - want).abs() / (1 + want.abs())).max().item())
+        row["max_rel_err"] = worst
+        out[name] = row
+    return out
+
+
+def _ms(linears: list, xs: list[torch.Tensor], device: str, iters: int) -> float:
+    """Mean wall milliseconds of every ``linears[i](xs[i])`` over ``iters`` runs after 3 warm-up
+    runs (the device synchronized)."""
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    for i in range(3 + iters):
+        if i == 3:
+            sync()
+            t = time.perf_counter()
+        for lin, x in zip(linears, xs, strict=True):
+            lin(x)
+    sync()
+    return round((time.perf_counter() - t) / iters * 1e3, 4)
 
 
 def markdown(r: dict) -> list[str]:
@@ -246,5 +327,6 @@ def markdown(r: dict) -> list[str]:
         lo = r["lora"]
         lines.append(f"- multi-LoRA (two adapters + base, fp32) vs merged: top-1 {lo['top1_agree']}, max abs logit "
                      f"error {json.dumps(lo['logits_max_abs_err'])}; batch wall {json.dumps(lo['batch_wall_s'])} "
-                     f"({lo['lora_product']})")
+                     f"({lo['lora_product']}); segmented Triton kernel vs grouped torch product, every wrapped linear "
+                     f"of one bf16 layer, 4 adapters of rank 16: {json.dumps(lo['kernel_vs_torch'])}")
     return lines
