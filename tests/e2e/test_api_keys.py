@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from ringserve.apikeys import MISSING, WRONG
 from ringserve.client import AsyncRingserveClient, RingserveClient, chat_request
-from ringserve.v1 import common_pb2, kv_events_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+from ringserve.v1 import common_pb2, kv_events_pb2, lora_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from tests.helpers.ring_requests import API_KEYS, bearer, chat
 
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
@@ -47,7 +47,15 @@ REQUESTS = {
     "SubscribeKvEvents": kv_events_pb2.SubscribeKvEventsRequest(snapshot=True),
     "FlushCache": common_pb2.Empty(),
     "Embed": tokenizer_pb2.EmbedRequest(inputs=[tokenizer_pb2.EmbedInput(text="Hello")]),
+    "ListLoraAdapters": common_pb2.Empty(),
+    # With a valid key these two reach the scheduler and are refused there (no such adapter):
+    # past the key check, and nothing changes.
+    "LoadLoraAdapter": lora_pb2.LoadLoraAdapterRequest(lora_name="absent", lora_path="/nonexistent/adapter"),
+    "UnloadLoraAdapter": lora_pb2.UnloadLoraAdapterRequest(lora_name="absent"),
 }
+# The refusal each of those gets with a valid key.
+REFUSED_PAST_THE_KEY = {"LoadLoraAdapter": grpc.StatusCode.INVALID_ARGUMENT,
+                        "UnloadLoraAdapter": grpc.StatusCode.NOT_FOUND}
 
 
 @pytest.fixture
@@ -89,7 +97,8 @@ def test_every_rpc_needs_a_valid_key(ring):
                 assert refusal(stub, method, wrong) == (grpc.StatusCode.UNAUTHENTICATED, WRONG), (method, wrong)
         assert tokenized_calls(ring) == tokenized  # refused before any work
         for key in API_KEYS:
-            out = {method: call(stub, method, bearer(key)) for method in REQUESTS}
+            out = {method: call(stub, method, bearer(key)) for method in REQUESTS if method not in REFUSED_PAST_THE_KEY}
+            assert {m: refusal(stub, m, bearer(key))[0] for m in REFUSED_PAST_THE_KEY} == REFUSED_PAST_THE_KEY
             assert out["Generate"][-1].finish_reason.type == common_pb2.FINISH_LENGTH
             assert out["Generate"][-1].completion_tokens == 4
             assert out["Abort"] == [tokenizer_pb2.AbortResponse(found=False)]
@@ -101,6 +110,7 @@ def test_every_rpc_needs_a_valid_key(ring):
             assert out["GetReadiness"] == [tokenizer_pb2.Readiness(ready=True, replicas=1)]
             assert out["SubscribeKvEvents"][0].snapshot and out["FlushCache"] == [common_pb2.Empty()]
             assert len(out["Embed"][0].embeddings) == 1 and out["Embed"][0].prompt_tokens == 1
+            assert out["ListLoraAdapters"][0].adapters == [] and out["ListLoraAdapters"][0].max_loras == 4
     assert tokenized_calls(ring) == tokenized + 2
     ring.wait_idle()
 
