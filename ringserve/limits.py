@@ -168,3 +168,24 @@ def check_constraint(c: common_pb2.Constraint, default_param: str = "response_fo
             raise _too_large(param, param)
     elif kind in ("json_schema", "regex", "ebnf"):
         check_grammar(kind, getattr(c, kind), param)
+
+
+# A LoRA adapter's name (what requests pass as ``model``) and its path: protocol strings the
+# scheduler keeps and quotes in its refusals, so they are bounded like the gRPC details
+# that carry them (gRPC drops a status whose details, percent-encoded: up to 12 bytes a
+# character, pass 16 KiB, and the call with it).
+MAX_LORA_NAME_CHARS = 256
+MAX_LORA_PATH_CHARS = 1024
+
+
+def check_lora_fields(name: str, path: str = "") -> None:
+    """Refuse a LoRA adapter name over ``MAX_LORA_NAME_CHARS`` or a path over
+    ``MAX_LORA_PATH_CHARS`` characters.
+
+    Raises:
+        LimitExceeded: naming ``lora_name`` or ``lora_path`` (the param).
+    """
+    if len(name) > MAX_LORA_NAME_CHARS:
+        raise LimitExceeded(f"lora_name: longer than {MAX_LORA_NAME_CHARS} characters ({len(name)})", "lora_name")
+    if len(path) > MAX_LORA_PATH_CHARS:
+        raise LimitExceeded(f"lora_path: longer than {MAX_LORA_PATH_CHARS} characters ({len(path)})", "lora_path")

@@ -15,11 +15,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from ringserve.limits import LimitExceeded, check_lora_fields
 from ringserve.token_bytes import byte_level_bytes, byte_token_value
 from ringserve.v1 import common_pb2, scheduler_pb2, tokenizer_pb2
 from services.tokenizer.chat import render_chat
 from services.tokenizer.constraints import gate_reasoning
-from services.tokenizer.errors import INVALID_REQUEST, invalid
+from services.tokenizer.errors import INVALID_REQUEST, invalid, over_limit
 from services.tokenizer.model import ModelFacts
 from services.tokenizer.sampling import (
     check_prompt_logprobs,
@@ -149,6 +150,10 @@ class Preparer:
         Raises:
             RequestError: INVALID_ARGUMENT (see ``prompt_ids`` and ``resolve_sampling_params``).
         """
+        try:
+            check_lora_fields(req.lora_name)
+        except LimitExceeded as exc:
+            raise over_limit(exc) from None
         ids, prompt, param = self.prompt_ids(req)
         check_top_logprobs_num(req.top_logprobs_num)
         check_prompt_logprobs(req, len(ids))

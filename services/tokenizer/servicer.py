@@ -16,10 +16,11 @@ from typing import NoReturn
 import grpc
 
 from ringserve import tracing
+from ringserve.limits import LimitExceeded, check_lora_fields
 from ringserve.metrics import ignore_seconds
 from ringserve.v1 import common_pb2, kv_events_pb2, lora_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from services.tokenizer.embed import Embedder
-from services.tokenizer.errors import RequestError, unavailable
+from services.tokenizer.errors import RequestError, over_limit, unavailable
 from services.tokenizer.kv_relay import KvEventRelay
 from services.tokenizer.lora_relay import relay_lora
 from services.tokenizer.manager import TokenizerManager
@@ -213,6 +214,10 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
     async def _lora(self, context: grpc.aio.ServicerContext, method: str, request: object,
                     everywhere: bool = True) -> lora_pb2.LoraAdapterList:
         try:
+            try:
+                check_lora_fields(getattr(request, "lora_name", ""), getattr(request, "lora_path", ""))
+            except LimitExceeded as exc:
+                raise over_limit(exc) from None
             if self.kv_relay is None:
                 raise unavailable("this tokenizer has no scheduler")
             return await relay_lora(self.kv_relay.replicas.values(), method, request, everywhere)

@@ -140,6 +140,9 @@ def test_bad_adapters_are_refused_and_the_ring_serves(stack, tmp_path):
          400, "expected [576, 4]"),
         ({"lora_name": stack.model_name, "lora_path": write_adapter(tmp_path / "ok")}, 400, "the base model's name"),
         ({"lora_name": "x"}, 400, "lora_path"),
+        ({"lora_name": "é" * 257, "lora_path": write_adapter(tmp_path / "ok2")}, 400,
+         "lora_name: longer than 256 characters (257)"),
+        ({"lora_name": "x", "lora_path": "/" + "é" * 1024}, 400, "lora_path: longer than 1024 characters (1025)"),
     ]
     (tmp_path / "target").mkdir()
     (tmp_path / "target" / "adapter_config.json").write_text(json.dumps(

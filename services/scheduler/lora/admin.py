@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ringserve.limits import LimitExceeded, check_lora_fields
 from ringserve.v1 import lora_pb2
 from services.scheduler.lora.adapter import AdapterError
 from services.scheduler.lora.registry import LoraLimitError, LoraRegistry
@@ -44,6 +45,7 @@ def load_adapter(registry: LoraRegistry | None, request: lora_pb2.LoadLoraAdapte
         LoraRefused: INVALID_ARGUMENT (no name or path, a reserved name, an adapter that
             cannot be served), FAILED_PRECONDITION (LoRA off, the name in use, --max-loras reached).
     """
+    _check_lengths(request.lora_name, request.lora_path)
     if registry is None:
         raise LoraRefused("FAILED_PRECONDITION", OFF)
     name, path = request.lora_name, request.lora_path
@@ -65,11 +67,21 @@ def unload_adapter(registry: LoraRegistry | None,
     """Unload ``request.lora_name`` (requests running on it finish on it); returns the new list.
 
     Raises:
-        LoraRefused: FAILED_PRECONDITION (LoRA off), NOT_FOUND (no adapter of that name).
+        LoraRefused: FAILED_PRECONDITION (LoRA off), NOT_FOUND (no adapter of that name),
+            INVALID_ARGUMENT (a name over ``ringserve.limits.MAX_LORA_NAME_CHARS``).
     """
     if registry is None:
         raise LoraRefused("FAILED_PRECONDITION", OFF)
+    _check_lengths(request.lora_name)
     if request.lora_name not in registry.by_name:
         raise LoraRefused("NOT_FOUND", f"no LoRA adapter named {request.lora_name!r} is loaded")
     registry.unload(request.lora_name)
     return adapter_list(registry)
+
+
+def _check_lengths(name: str, path: str = "") -> None:
+    """INVALID_ARGUMENT for a name or path over ``ringserve.limits``' bounds (the refusals quote them)."""
+    try:
+        check_lora_fields(name, path)
+    except LimitExceeded as exc:
+        raise LoraRefused("INVALID_ARGUMENT", exc.message) from None
