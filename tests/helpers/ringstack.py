@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ringserve.internal_auth import InternalAuth
 from ringserve.launch import free_port, service_processes, stop_launched
 from ringserve.launch import wait_launched as wait_ready
+from ringserve.ports import free_ports
 from ringserve.v1 import common_pb2, detokenizer_pb2_grpc, scheduler_pb2_grpc, tokenizer_pb2_grpc
 
 
@@ -205,8 +206,10 @@ def launched(model_dir: Path, *extra: str, log_path: Path | None = None,
     """
     global launches
     launches += 1
-    ports = {name: free_port() for name in ("http", "tokenizer", "scheduler", "detokenizer")}
-    metrics_ports = {name: free_port() for name in ("tokenizer", "scheduler", "detokenizer")}
+    # Seven distinct ports from one call: one at a time, the kernel may hand a port out twice.
+    picked = iter(free_ports(7))
+    ports = {name: next(picked) for name in ("http", "tokenizer", "scheduler", "detokenizer")}
+    metrics_ports = {name: next(picked) for name in ("tokenizer", "scheduler", "detokenizer")}
     cmd = [
         sys.executable, "-m", "ringserve.cli", "launch", "--model", str(model_dir),
         "--port", str(ports["http"]), "--tokenizer-port", str(ports["tokenizer"]),

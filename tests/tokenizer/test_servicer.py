@@ -242,17 +242,13 @@ async def test_subscription_without_initial_metadata_counts_as_up(smollm2_dir):
 def test_main_serves_until_sigterm(smollm2_dir):
     """The CLI entry: NOT_SERVING without peers, answers GetModelInfo, exits 0 on SIGTERM."""
     import signal
-    import socket
     import subprocess
     import sys
     import time
 
-    def free_port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
+    from ringserve.ports import free_ports
 
-    port, dead = free_port(), free_port()
+    port, dead = free_ports(2)  # distinct: one at a time, the kernel may hand a port out twice
     proc = subprocess.Popen(
         [sys.executable, "-m", "ringserve.cli", "tokenizer", "--model", str(smollm2_dir), "--port", str(port),
          "--scheduler", f"127.0.0.1:{dead}", "--detokenizer", f"127.0.0.1:{dead}", "--served-model-name", "smol",
