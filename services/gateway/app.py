@@ -324,7 +324,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
         client = client_of(request)
         name = await client.check_model(model_id)
         card = await client.model_card()
-        return sse.json_response(_model_entry(name, card.model_path, card.context_length))
+        base = _model_entry(card.served_model_name, card.model_path, card.context_length)
+        entries = await serving_lora.model_entries(client, card, base)  # the entry /v1/models lists
+        return sse.json_response(next((e for e in entries if e["id"] == name), {**entries[0], "id": name}))
 
     serving_lora.add_routes(app, client_of)
 

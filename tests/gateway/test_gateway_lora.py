@@ -53,6 +53,8 @@ async def test_models_list_adapters_with_their_parent(stack, tiny):
     assert [(m["id"], m["root"], m["parent"]) for m in data] == [
         ("smol", "/models/SmolLM2", None), ("tiny", "/adapters/tiny", "smol")]
     assert data[1]["max_model_len"] == 2048
+    for entry in data:  # /v1/models/{id} answers each one's entry as the list has it
+        assert (await stack.client.get(f"/v1/models/{entry['id']}")).json() == entry
 
 
 async def test_load_and_unload_endpoints(stack):
