@@ -178,8 +178,9 @@ async def serve(cfg: SchedulerConfig, stop: asyncio.Event | None = None,
     if group is not None:
         group.watch(lost_rank)
     loop.start()
-    log.info("scheduler %s listening on %s:%d, waiting for detokenizer %s", cfg.instance_id, cfg.host, server.port,
-             cfg.detokenizer)
+    log.info("scheduler %s listening on %s:%d, waiting for detokenizer %s (disaggregation %s, speculative %s)",
+             cfg.instance_id, cfg.host, server.port, cfg.detokenizer, cfg.disaggregation_mode,
+             cfg.engine.speculative_algorithm)
     watchdog_task = None
     try:
         waiter = asyncio.create_task(link.connected.wait())
