@@ -111,10 +111,7 @@ class Sampler:
                     logp = torch.where(mask.unsqueeze(1), torch.log_softmax(logits, dim=-1), logp)
         result = SampleResult(next_ids)
         if logp is not None:
-            result.logprobs = logp.gather(1, next_ids.unsqueeze(1)).squeeze(1)
-            k = max(r.top_logprobs_num for r in reqs)
-            if k > 0:
-                result.top_vals, result.top_ids = logp.topk(k, dim=-1)
+            result.logprobs, result.top_ids, result.top_vals = chosen_logprobs(logp, next_ids, reqs)
         return result
 
     def distribution(self, logits: torch.Tensor, reqs: list[Req]) -> tuple[torch.Tensor, torch.Tensor | None,
@@ -219,6 +216,25 @@ class Sampler:
             scaled = torch.where(vals > 0, vals / penalty, vals * penalty)
             logits.index_copy_(0, rows, torch.where(seen, scaled, vals))
         return logits
+
+
+def chosen_logprobs(logp: torch.Tensor, ids: torch.Tensor, reqs: list[Req]
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The logprob of each row's chosen token and the batch's top logprobs.
+
+    Args:
+        logp: float32 [B, V] log-probabilities; ids: int64 [B], row i's chosen token; reqs:
+            the rows' requests (K is their largest ``top_logprobs_num``).
+
+    Returns:
+        (float32 [B], int64 [B, K] top ids, float32 [B, K] top values), the last two None when K is 0.
+    """
+    chosen = logp.gather(1, ids.unsqueeze(1)).squeeze(1)
+    k = max(r.top_logprobs_num for r in reqs)
+    if k == 0:
+        return chosen, None, None
+    top_vals, top_ids = logp.topk(k, dim=-1)
+    return chosen, top_ids, top_vals
 
 
 def _filter(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

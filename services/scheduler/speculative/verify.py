@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from services.scheduler.executor.device import DeviceRuntime
-from services.scheduler.executor.sampling import Sampler
+from services.scheduler.executor.sampling import Sampler, chosen_logprobs
 from services.scheduler.policy.req import Req
 
 
@@ -88,13 +88,9 @@ def verify(sampler: Sampler, logits: torch.Tensor, reqs: list[Req], drafts: torc
         logp = None
         if want_logprob:
             logp = torch.where(greedy.unsqueeze(1), torch.log_softmax(logits, dim=-1), torch.log(probs))
-    verdicts = Verdicts(accepted, emitted, None, None, None)
-    if logp is not None:
-        verdicts.logprobs = logp.gather(1, emitted.unsqueeze(1)).squeeze(1)
-        k = max(r.top_logprobs_num for r in reqs)
-        if k > 0:
-            verdicts.top_vals, verdicts.top_ids = logp.topk(k, dim=-1)
-    return verdicts
+    if logp is None:
+        return Verdicts(accepted, emitted, None, None, None)
+    return Verdicts(accepted, emitted, *chosen_logprobs(logp, emitted, reqs))
 
 
 def accepted_run(accepted: list[bool]) -> int:
