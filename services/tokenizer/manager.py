@@ -285,12 +285,12 @@ class TokenizerManager:
                 when a link is down or lost; the scheduler's status for an error abort.
         Cancelling or closing the generator before the end aborts every dispatched choice.
         """
-        started = time.perf_counter()
+        started, started_ns = time.perf_counter(), time.time_ns()
         _bounded(self.bounds.check_generate, req)
         prepared = await self.workers.run(self.preparer.prepare, req)
         self.observe_tokenize(time.perf_counter() - started)
         if tracing.tracer is not None:
-            trace_prepared(prepared, started)
+            trace_prepared(prepared, started_ns)
         states = self.dispatch(prepared, req.priority)
         reason = "the Generate call ended before the request finished"
         try:

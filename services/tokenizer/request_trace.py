@@ -52,13 +52,14 @@ def request_id(request: tokenizer_pb2.GenerateReqInput, metadata: Sequence[tuple
     request.rid = given
 
 
-def trace_prepared(prepared: Prepared, started: float) -> None:
-    """Traced: the ``template + tokenize`` span (from ``started``, a ``time.perf_counter()``, to
-    now) under the current span, and that span's ``traceparent`` on every choice to dispatch."""
+def trace_prepared(prepared: Prepared, started_ns: int) -> None:
+    """Traced: the ``template + tokenize`` span (from ``started_ns``, a ``time.time_ns()``, the
+    clock the SDK stamps spans with, so the span never starts before its parent) under the
+    current span, and that span's ``traceparent`` on every choice to dispatch."""
     assert tracing.tracer is not None
     now = time.time_ns()
     span = tracing.tracer.start_span(
-        TOKENIZE_SPAN, start_time=now - int((time.perf_counter() - started) * 1e9),
+        TOKENIZE_SPAN, start_time=started_ns,
         attributes={tracing.RID: prepared.rid, tracing.GEN_AI_USAGE_INPUT_TOKENS: prepared.prompt_len,
                     "ringserve.choices": len(prepared.subs)})
     span.end(now)

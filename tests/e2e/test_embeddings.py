@@ -18,7 +18,7 @@ import pytest
 import torch
 from transformers import AutoModel, AutoTokenizer
 
-from ringserve.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from ringserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from tests.helpers.ringstack import still_serves
 
 TEXTS = [
@@ -154,9 +154,13 @@ def test_http_bad_input_is_a_400_naming_the_field(stack, body, message):
         assert error["message"] == message
 
 
+def _queued(load: common_pb2.LoadReport) -> int:
+    return load.num_running_reqs + load.num_waiting_reqs
+
+
 def test_a_cancelled_embed_frees_its_slots_and_streams_go_on(stack):
     """A gRPC Embed call of 64 long inputs cancelled while they prefill: every input is aborted,
-    a stream beside it finishes with all its tokens, and every gauge is back to zero."""
+    a stream started beside it finishes with all its tokens, and every gauge is back to zero."""
     long_text = "Lorem ipsum dolor sit amet, consectetur adipiscing elit. " * 60
     req = tokenizer_pb2.EmbedRequest(inputs=[tokenizer_pb2.EmbedInput(text=f"{i} {long_text}") for i in range(64)])
     aborted_before = stack.scheduler_load().num_aborted_reqs
@@ -170,13 +174,15 @@ def test_a_cancelled_embed_frees_its_slots_and_streams_go_on(stack):
 
     with grpc.insecure_channel(stack.tokenizer) as ch:
         call = tokenizer_pb2_grpc.TokenizerStub(ch).Embed.future(req, timeout=120, metadata=stack.grpc_metadata)
-        beside = threading.Thread(target=generate)
-        beside.start()
-        deadline = 200
-        while stack.scheduler_load().num_running_reqs == 0 and deadline:
+        # Wait for the embed's inputs to reach the scheduler before the stream starts, so the
+        # slots seen are the embed's and the cancel has requests there to abort.
+        deadline = 400
+        while not _queued(stack.scheduler_load()) and deadline:
             deadline -= 1
             threading.Event().wait(0.05)
         assert stack.scheduler_load().req_slots_used > 0
+        beside = threading.Thread(target=generate)
+        beside.start()
         call.cancel()
         beside.join(120)
     assert call.cancelled()
