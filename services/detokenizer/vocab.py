@@ -23,6 +23,7 @@ verify) is left to the general offset algorithm (``offsets.py``).
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 from dataclasses import dataclass
@@ -107,11 +108,16 @@ def _special_ids(tok: Tokenizer) -> set[int]:
     return {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
 
 
+def _decoder_spec(tok: Tokenizer) -> dict:
+    """The decoder's tokenizer.json entry ({} without one). Serialized from the decoder alone
+    (its pickled state is that JSON): ``tok.to_str()`` would write and parse the whole
+    tokenizer, seconds for a 262k vocabulary."""
+    return {} if tok.decoder is None else json.loads(tok.decoder.__getstate__())
+
+
 def _decoder_kind(tok: Tokenizer) -> tuple[str | None, list[tuple[str, str]]]:
     """Classify the decoder from tokenizer.json: (kind or None, Replace rules to apply)."""
-    import json
-
-    spec = json.loads(tok.to_str()).get("decoder") or {}
+    spec = _decoder_spec(tok)
     if spec.get("type") == "ByteLevel":
         return BYTE_LEVEL, []
     if spec.get("type") != "Sequence":
@@ -136,9 +142,7 @@ def _decoder_kind(tok: Tokenizer) -> tuple[str | None, list[tuple[str, str]]]:
 def byte_fallback_ids(tok: Tokenizer) -> dict[int, int]:
     """Id -> byte value of the ``<0xXX>`` tokens when the decoder has a ByteFallback step,
     else empty."""
-    import json
-
-    if '"ByteFallback"' not in json.dumps(json.loads(tok.to_str()).get("decoder")):
+    if '"ByteFallback"' not in json.dumps(_decoder_spec(tok)):
         return {}
     vocab = tok.get_vocab(with_added_tokens=False)
     return {i: b for t, i in vocab.items() if (b := byte_token_value(t)) is not None}

@@ -8,6 +8,7 @@ import unicodedata
 import zipfile
 
 from ringserve import models
+from services.detokenizer.manager import DetokenizerManager
 from services.detokenizer.vocab import BYTE_FALLBACK, BYTE_LEVEL
 from tests.helpers.repo import CACHE_DIR
 from tests.helpers.textgen import generate
@@ -56,6 +57,7 @@ def test_gemma3_strip_is_llama2_style_and_left_to_the_offset_path(tokenizers, ta
     assert tok.decode(ids) == "Hello world" and gemma.decode(ids) == " Hello world"
     assert tok.decode(ids[1:]) == "world"  # the Strip step: a window's first space is dropped
     assert tables["gemma3-strip"] is None
+    assert not DetokenizerManager(tok).fast  # asked for the fast path, it falls back to offsets
 
 
 def test_each_vocabulary_verifies_for_the_fast_path(tables):
