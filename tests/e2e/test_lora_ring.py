@@ -154,6 +154,7 @@ def test_bad_adapters_are_refused_and_the_ring_serves(stack, tmp_path):
         r = post(stack, "/v1/load_lora_adapter", body)
         assert r.status_code == status, (body, r.text)
         assert message in r.json()["error"]["message"], (body, r.text)
+        assert "scheduler" not in r.json()["error"]["message"], r.text  # no internal address
     models = httpx.get(f"{stack.base_url}/v1/models", headers=stack.http_headers).json()["data"]
     assert [m["id"] for m in models] == [stack.model_name]
     with grpc.insecure_channel(stack.tokenizer) as channel:  # gRPC: an unknown adapter ends the call NOT_FOUND
