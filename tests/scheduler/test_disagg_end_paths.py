@@ -66,6 +66,23 @@ def test_abort_while_the_kv_moves_writes_nothing_and_frees_both_sides(pair, gree
     assert KvLayout.of(pool).row_bytes * 2 * len(pool.k_buffer) == pool.bytes_per_token()
 
 
+def test_an_aborted_reservation_that_the_peer_writes_into_holds_its_rows_until_the_commit(pair, greedy_req, chat_ids):
+    pair.decode.disagg.one_sided = True  # as with the mooncake engine: the prefill side writes the rows itself
+    pair.add(greedy_req("r", chat_ids("Name a river."), max_new_tokens=4))
+    while not pair.handoffs:
+        pair.prefill.step()
+    handoff = pair.handoffs.pop()
+    prompt_len = len(handoff.src_rows)
+    assert pair.decode.abort("r") == 1 and pair.prefill.abort("r") == 1
+    _drain(pair.decode)
+    load = pair.decode.load()
+    assert (load.req_slots_used, load.kv_used_tokens) == (0, prompt_len)  # a write may still be landing
+    assert not pair.decode.disagg.commit(handoff.commit)  # the sender is done: the rows go back
+    pair.prefill.disagg.handed("r")
+    _drain(pair.prefill)
+    assert _idle(pair.prefill) == _idle(pair.decode) == (0, 0, 0, 0, 0) and pair.decode.disagg.landing == {}
+
+
 def test_abort_after_the_commit_frees_both_sides(pair, greedy_req, chat_ids):
     pair.add(greedy_req("r", chat_ids("Name a river."), max_new_tokens=30, ignore_eos=True))
     for _ in range(20):

@@ -1,0 +1,114 @@
+"""The ``mooncake`` transfer engine: a request's K and V rows written from one KV pool into the
+rows another pool reserved, through Mooncake's TCP transport, land there and nowhere else; a
+decode side that stalls or dies mid-handoff ends the send with a clear error, not a hang."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from ringserve.v1 import disagg_pb2
+from services.scheduler.disagg.mooncake import MooncakeKvTransfer, row_runs
+from services.scheduler.disagg.transfer import KvLayout, TransferError
+from services.scheduler.policy.kv_pool import TokenToKVPool
+
+LAYERS, HEADS, DIM, ROWS = 3, 2, 8, 64
+
+# A decode side in a process of its own: it attaches a zeroed pool and prints its bootstrap.
+PEER = f"""
+import sys, time, torch
+from services.scheduler.disagg.mooncake import MooncakeKvTransfer
+from services.scheduler.policy.kv_pool import TokenToKVPool
+pool = TokenToKVPool({ROWS}, {LAYERS}, {HEADS}, {DIM}, torch.float32)
+engine = MooncakeKvTransfer()
+engine.attach(pool, "127.0.0.1")
+print(engine.bootstrap().hex(), flush=True)
+time.sleep(60)
+"""
+
+
+def _pool(fill: float | None = None) -> TokenToKVPool:
+    pool = TokenToKVPool(ROWS, LAYERS, HEADS, DIM, torch.float32)
+    for layer, buf in enumerate([*pool.k_buffer, *pool.v_buffer]):
+        if fill is None:
+            buf.copy_(torch.arange(buf.numel(), dtype=torch.float32).view(buf.shape) + 1000 * layer)
+        else:
+            buf.fill_(fill)
+    return pool
+
+
+def _reservation(dst_rows: list[int], bootstrap: bytes) -> disagg_pb2.KvReservation:
+    return disagg_pb2.KvReservation(rid="r", kv_rows=dst_rows, transfer_engine="mooncake", engine_bootstrap=bootstrap)
+
+
+def test_row_runs_are_consecutive_on_both_sides():
+    src = torch.tensor([5, 6, 7, 20, 21, 3])
+    dst = torch.tensor([10, 11, 12, 13, 40, 41])
+    assert [t.tolist() for t in row_runs(src, dst)] == [[5, 20, 21, 3], [10, 13, 40, 41], [3, 1, 1, 1]]
+
+
+@pytest.fixture(scope="module")
+def engines() -> tuple[MooncakeKvTransfer, MooncakeKvTransfer]:
+    """A prefill side's and a decode side's engine in this process (an engine takes a second to
+    shut down: the module's tests share them)."""
+    prefill, decode = MooncakeKvTransfer(), MooncakeKvTransfer()
+    prefill.attach(_pool(), "127.0.0.1")
+    decode.attach(_pool(fill=0.0), "127.0.0.1")
+    return prefill, decode
+
+
+async def test_rows_land_in_the_reserved_rows_and_nowhere_else(engines):
+    prefill, decode = engines
+    src_pool, dst_pool = prefill.pool, decode.pool
+    src_rows = torch.tensor([5, 6, 7, 20, 21, 3, 30, 31, 32, 33])
+    dst_rows = [10, 11, 12, 13, 40, 41, 50, 51, 52, 53]
+    sent = await prefill.send(None, (), "r", src_pool, src_rows, _reservation(dst_rows, decode.bootstrap()), 10.0)
+
+    assert sent == 2 * LAYERS * len(dst_rows) * KvLayout.of(src_pool).row_bytes
+    others = torch.ones(ROWS + 1, dtype=torch.bool)
+    others[dst_rows] = False
+    sent_bufs, got_bufs = [*src_pool.k_buffer, *src_pool.v_buffer], [*dst_pool.k_buffer, *dst_pool.v_buffer]
+    for src, dst in zip(sent_bufs, got_bufs, strict=True):
+        assert torch.equal(dst[dst_rows], src[src_rows])
+        assert not dst[others].any()
+
+
+async def test_a_reservation_that_does_not_fit_is_refused(engines):
+    prefill, decode = engines
+    with pytest.raises(TransferError, match="rows do not fit 2 prompt positions in a pool of 65 rows"):
+        await prefill.send(None, (), "r", prefill.pool, torch.tensor([1, 2]), _reservation([3, ROWS + 1],
+                                                                                          decode.bootstrap()), 10.0)
+
+
+@pytest.mark.ring
+async def test_a_stalled_or_dead_decode_side_ends_the_send_with_an_error(engines):
+    prefill = engines[0]
+    pool = prefill.pool
+    peer = subprocess.Popen([sys.executable, "-c", PEER], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        bootstrap = bytes.fromhex(peer.stdout.readline().decode())
+        rows = torch.arange(32)
+        reservation = _reservation(list(range(32)), bootstrap)
+        assert await prefill.send(None, (), "r", pool, rows, reservation, 10.0) > 0  # the peer is there
+
+        peer.send_signal(signal.SIGSTOP)  # stalled: the deadline ends the send
+        started = time.monotonic()
+        with pytest.raises(asyncio.TimeoutError):
+            await prefill.send(None, (), "r", pool, rows, reservation, 0.5)
+        assert time.monotonic() - started < 2
+
+        peer.kill()  # gone: Mooncake reports the failed write
+        peer.wait()
+        t0 = time.monotonic()
+        with pytest.raises(TransferError, match="failed to write layer 0's KV to 127.0.0.1:"):
+            await prefill.send(None, (), "r", pool, rows, reservation, 10.0)
+        assert time.monotonic() - t0 < 5
+    finally:
+        peer.kill()
+        peer.wait()
