@@ -66,7 +66,9 @@ def test_abort_while_the_kv_moves_writes_nothing_and_frees_both_sides(pair, gree
     assert KvLayout.of(pool).row_bytes * 2 * len(pool.k_buffer) == pool.bytes_per_token()
 
 
-def test_an_aborted_reservation_that_the_peer_writes_into_holds_its_rows_until_the_commit(pair, greedy_req, chat_ids):
+@pytest.mark.parametrize("end", ["commit", "deadline"])
+def test_an_aborted_reservation_that_the_peer_writes_into_holds_its_rows_until_the_sender_is_done(
+        pair, greedy_req, chat_ids, end):
     pair.decode.disagg.one_sided = True  # as with the mooncake engine: the prefill side writes the rows itself
     pair.add(greedy_req("r", chat_ids("Name a river."), max_new_tokens=4))
     while not pair.handoffs:
@@ -77,7 +79,11 @@ def test_an_aborted_reservation_that_the_peer_writes_into_holds_its_rows_until_t
     _drain(pair.decode)
     load = pair.decode.load()
     assert (load.req_slots_used, load.kv_used_tokens) == (0, prompt_len)  # a write may still be landing
-    assert not pair.decode.disagg.commit(handoff.commit)  # the sender is done: the rows go back
+    if end == "commit":
+        assert not pair.decode.disagg.commit(handoff.commit)  # the sender is done: the rows go back
+    else:
+        pair.decode.disagg.timeout_s = 0.0  # past the handoff's deadline no write lands: the next step frees them
+        pair.decode.step()
     pair.prefill.disagg.handed("r")
     _drain(pair.prefill)
     assert _idle(pair.prefill) == _idle(pair.decode) == (0, 0, 0, 0, 0) and pair.decode.disagg.landing == {}

@@ -85,7 +85,7 @@ class DisaggState:
         self.reserved: dict[str, Reservation] = {}  # decode side: for the commit
         self.sending: dict[str, Req] = {}  # prefill side: while the KV moves
         self.one_sided = False  # the peer writes into reserved rows without this side's lock
-        self.landing: dict[str, tuple[torch.Tensor, float]] = {}  # decode side: aborted rows, freed at the time
+        self.landing: dict[str, tuple[torch.Tensor, float]] = {}  # decode side: aborted rows, since when
         self.on_handoff: Callable[[Handoff], None] = lambda handoff: None  # the sender (service)
         self.on_reserved: Callable[[str], None] = lambda rid: None  # wakes a waiting Reserve call
         self.transfer_bytes = 0  # decode side: bytes committed requests received
@@ -122,10 +122,9 @@ class DisaggState:
             with self.lock:
                 self.reserved[req.rid] = Reservation(req, rows, time.monotonic())
             self.on_reserved(req.rid)
-        now = time.monotonic()
-        for rid in [rid for rid, (_, until) in self.landing.items() if until < now]:
+        overdue = time.monotonic() - self.timeout_s
+        for rid in [rid for rid, (_, since) in self.landing.items() if since < overdue]:
             self.landed(rid)
-        overdue = now - self.timeout_s
         for res in [r for r in self.reserved.values() if r.since < overdue]:
             self.engine.abort(res.req.rid, message=f"the KV transfer did not finish within {self.timeout_s:g} s "
                               "(--disaggregation-transfer-timeout)", status="DEADLINE_EXCEEDED")
@@ -237,7 +236,7 @@ class DisaggState:
             res = self.reserved.pop(req.rid, None)
         if res is not None:
             if self.one_sided:  # the peer may be writing them: freed once it cannot
-                self.landing[req.rid] = (res.rows, time.monotonic() + self.timeout_s)
+                self.landing[req.rid] = (res.rows, time.monotonic())
             else:
                 policy.kv_pool.free(res.rows)
             assert req.req_slot is not None
