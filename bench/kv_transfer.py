@@ -61,7 +61,8 @@ def peer(tokens: int, size: int, page: int) -> None:
         async def PushKv(self, request_iterator, context):
             total = 0
             async for chunk in request_iterator:
-                total += await asyncio.to_thread(grpc_engine.receive, pool, rows, chunk)
+                if chunk.k:  # an empty piece is mooncake's lease (as the scheduler's servicer reads it)
+                    total += await asyncio.to_thread(grpc_engine.receive, pool, rows, chunk)
             return disagg_pb2.KvPushAck(bytes=total)
 
     def commands() -> None:

@@ -68,7 +68,7 @@ async def test_rows_land_in_the_reserved_rows_and_nowhere_else(engines):
     src_pool, dst_pool = prefill.pool, decode.pool
     src_rows = torch.tensor([5, 6, 7, 20, 21, 3, 30, 31, 32, 33])
     dst_rows = [10, 11, 12, 13, 40, 41, 50, 51, 52, 53]
-    sent = await prefill.send(None, (), "r", src_pool, src_rows, _reservation(dst_rows, decode.bootstrap()), 10.0)
+    sent = await prefill.write(src_pool, src_rows, _reservation(dst_rows, decode.bootstrap()), 10.0)
 
     assert sent == 2 * LAYERS * len(dst_rows) * KvLayout.of(src_pool).row_bytes
     others = torch.ones(ROWS + 1, dtype=torch.bool)
@@ -82,8 +82,7 @@ async def test_rows_land_in_the_reserved_rows_and_nowhere_else(engines):
 async def test_a_reservation_that_does_not_fit_is_refused(engines):
     prefill, decode = engines
     with pytest.raises(TransferError, match="rows do not fit 2 prompt positions in a pool of 65 rows"):
-        await prefill.send(None, (), "r", prefill.pool, torch.tensor([1, 2]), _reservation([3, ROWS + 1],
-                                                                                          decode.bootstrap()), 10.0)
+        await prefill.write(prefill.pool, torch.tensor([1, 2]), _reservation([3, ROWS + 1], decode.bootstrap()), 10.0)
 
 
 @pytest.mark.ring
@@ -95,19 +94,19 @@ async def test_a_stalled_or_dead_decode_side_ends_the_send_with_an_error(engines
         bootstrap = bytes.fromhex(peer.stdout.readline().decode())
         rows = torch.arange(32)
         reservation = _reservation(list(range(32)), bootstrap)
-        assert await prefill.send(None, (), "r", pool, rows, reservation, 10.0) > 0  # the peer is there
+        assert await prefill.write(pool, rows, reservation, 10.0) > 0  # the peer is there
 
         peer.send_signal(signal.SIGSTOP)  # stalled: the deadline ends the send
         started = time.monotonic()
         with pytest.raises(asyncio.TimeoutError):
-            await prefill.send(None, (), "r", pool, rows, reservation, 0.5)
+            await prefill.write(pool, rows, reservation, 0.5)
         assert time.monotonic() - started < 2
 
         peer.kill()  # gone: Mooncake reports the failed write
         peer.wait()
         t0 = time.monotonic()
         with pytest.raises(TransferError, match="failed to write layer 0's KV to 127.0.0.1:"):
-            await prefill.send(None, (), "r", pool, rows, reservation, 10.0)
+            await prefill.write(pool, rows, reservation, 10.0)
         assert time.monotonic() - t0 < 5
     finally:
         peer.kill()

@@ -16,10 +16,10 @@ transfer failed, ends with a FINISH_ABORT row that names why.
 
 Nothing here is thread-safe but ``lock``, which the decode side's receiver takes around each
 write into reserved rows, so an abort never frees rows a write is landing in. A transfer engine
-that writes from the peer (``one_sided``: mooncake) cannot take that lock: an aborted
-reservation's rows are held (``landing``) until the prefill side's commit arrives (it finds the
-rid gone) or the handoff deadline passes, and only then freed, so no late write lands in rows
-another request was given.
+that writes from the peer (``one_sided``: mooncake) cannot take that lock: once its reservation
+went out (``lend``) and until the sender says it is done (``writer_done``: its lease stream
+ended, or the commit arrived), an aborted reservation's rows are held (``landing``), at most a
+transfer timeout, and only then freed, so no late write lands in rows another request was given.
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ class Reservation:
     req: Req
     rows: torch.Tensor
     since: float
+    peer_may_write: bool = False  # a one-sided engine's sender has the rows and has not said it is done
 
 
 class DisaggState:
@@ -128,6 +129,24 @@ class DisaggState:
         for res in [r for r in self.reserved.values() if r.since < overdue]:
             self.engine.abort(res.req.rid, message=f"the KV transfer did not finish within {self.timeout_s:g} s "
                               "(--disaggregation-transfer-timeout)", status="DEADLINE_EXCEEDED")
+
+    def lend(self, rid: str) -> torch.Tensor | None:
+        """The reserved rows of ``rid`` as the sender gets them (any thread): from now on, with a
+        one-sided engine, the peer may write them until ``writer_done``. None when not reserved."""
+        with self.lock:
+            res = self.reserved.get(rid)
+            if res is None:
+                return None
+            res.peer_may_write = self.one_sided
+            return res.rows
+
+    def writer_done(self, rid: str) -> None:
+        """The sender of ``rid`` writes no more (engine thread): an aborted reservation's rows go
+        back now, a live one's abort frees them at once."""
+        with self.lock:
+            if (res := self.reserved.get(rid)) is not None:
+                res.peer_may_write = False
+        self.landed(rid)
 
     def landed(self, rid: str) -> None:
         """No write into the aborted reservation of ``rid`` can land any more: free its rows."""
@@ -235,7 +254,7 @@ class DisaggState:
         with self.lock:
             res = self.reserved.pop(req.rid, None)
         if res is not None:
-            if self.one_sided:  # the peer may be writing them: freed once it cannot
+            if res.peer_may_write:  # the peer may be writing them: freed once it cannot
                 self.landing[req.rid] = (res.rows, time.monotonic())
             else:
                 policy.kv_pool.free(res.rows)

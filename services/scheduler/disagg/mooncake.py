@@ -8,8 +8,9 @@ layer's K and V buffer of its KV pool with it. The decode side publishes its ses
 buffers' base addresses in the reservation (``MooncakeBootstrap``); the prefill side turns the
 two page tables (its rows of the prompt, the reserved rows) into runs of rows consecutive on
 both sides and writes each run of one layer's K or V with one request, a layer's requests in
-one batch (``batch_transfer_sync_write``; several past ``MAX_BATCH``), layer by layer. Nothing
-is packed or unpacked: the bytes go from the prefill pool's rows to the decode pool's rows.
+one batch (``batch_transfer_sync_write``; several past ``MAX_BATCH``), layer by layer, while it
+holds a lease on the decode side (``send``). Nothing is packed or unpacked: the bytes go from the
+prefill pool's rows to the decode pool's rows.
 
 The engine's shared library links ``libibverbs.so.1``, ``libnl-3.so.200`` and
 ``libnl-route-3.so.200`` even for TCP. ``make setup`` unpacks the Debian packages that hold them
@@ -27,12 +28,13 @@ import ctypes
 import socket
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ringserve.v1 import disagg_pb2
+from ringserve.v1 import disagg_pb2, disagg_pb2_grpc
 from services.scheduler.disagg.transfer import KvLayout, KvTransfer, TransferError
 from services.scheduler.policy.kv_pool import TokenToKVPool
 
@@ -176,7 +178,15 @@ class MooncakeKvTransfer(KvTransfer):
                                 f"positions in a pool of {boot.buffer_rows} rows")
         return boot, row_runs(src_rows.to(torch.int64), dst_rows)
 
-    async def send(self, channel, metadata, rid, pool, src_rows, reservation, timeout_s):
+    async def write(self, pool: TokenToKVPool, src_rows: torch.Tensor, reservation: disagg_pb2.KvReservation,
+                    timeout_s: float) -> int:
+        """K and V of ``src_rows`` (int64 [n], host) into the reservation's rows, layer by layer;
+        returns the bytes written.
+
+        Raises:
+            TransferError: the reservation does not fit, or a write failed.
+            asyncio.TimeoutError: not done within ``timeout_s``.
+        """
         deadline = time.monotonic() + timeout_s
         boot, runs = self.plan(pool, src_rows, reservation)
         sent = 0
@@ -184,4 +194,24 @@ class MooncakeKvTransfer(KvTransfer):
             # Off the event loop, and a deadline between layers: a stalled peer ends the handoff.
             sent += await asyncio.wait_for(asyncio.to_thread(self.write_layer, boot, runs, layer),
                                            max(0.01, deadline - time.monotonic()))
+        return sent
+
+    async def send(self, channel, metadata, rid, pool, src_rows, reservation, timeout_s):
+        # The writes happen under a lease: a PushKv stream of one empty piece, open while they
+        # run. Its end (or this process's death) tells the decode side no write is landing any
+        # more, so it frees an aborted reservation's rows at once rather than at its deadline.
+        done = asyncio.Event()
+
+        async def lease() -> AsyncIterator[disagg_pb2.KvChunk]:
+            yield disagg_pb2.KvChunk(rid=rid)
+            await done.wait()
+
+        call = disagg_pb2_grpc.DisaggStub(channel).PushKv(lease(), timeout=timeout_s, metadata=metadata)
+        try:
+            sent = await self.write(pool, src_rows, reservation, timeout_s)
+        except BaseException:
+            call.cancel()
+            raise
+        done.set()
+        await call
         return sent

@@ -12,6 +12,7 @@ that says which, and the tokenizer then aborts it on the decode side too.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -51,7 +52,7 @@ class DisaggServicer(disagg_pb2_grpc.DisaggServicer):
         if mismatch:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, mismatch)
         started = time.monotonic()
-        while (rows := self.state.rows_of(request.rid)) is None:
+        while (rows := self.state.lend(request.rid)) is None:
             if request.rid not in self.loop.engine.reqs and time.monotonic() - started > ARRIVAL_GRACE_S:
                 await context.abort(grpc.StatusCode.NOT_FOUND,
                                     f"request {request.rid!r} is not held by this decode scheduler (aborted?)")
@@ -69,20 +70,28 @@ class DisaggServicer(disagg_pb2_grpc.DisaggServicer):
     async def PushKv(self, request_iterator, context):
         total = 0
         pool = self.loop.engine.kv_pool
+        leases: list[str] = []
 
         def write(chunk: disagg_pb2.KvChunk) -> int:
             with self.state.lock:  # an abort waits: it never frees rows a piece is landing in
                 rows = self.state.rows_of(chunk.rid)
                 return -1 if rows is None else self.transfer.receive(pool, rows, chunk)
 
-        async for chunk in request_iterator:
-            try:
-                n = await asyncio.to_thread(write, chunk)
-            except ValueError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            if n < 0:
-                await context.abort(grpc.StatusCode.NOT_FOUND, f"request {chunk.rid!r} holds no reservation here")
-            total += n
+        try:
+            async for chunk in request_iterator:
+                if not chunk.k and not chunk.v:  # a one-sided engine's lease: open while it writes
+                    leases.append(chunk.rid)
+                    continue
+                try:
+                    n = await asyncio.to_thread(write, chunk)
+                except ValueError as exc:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                if n < 0:
+                    await context.abort(grpc.StatusCode.NOT_FOUND, f"request {chunk.rid!r} holds no reservation here")
+                total += n
+        finally:  # ended, failed, or the sender gone (cancelled): it writes no more
+            for rid in leases:
+                self.loop.call(functools.partial(self.state.writer_done, rid))
         return disagg_pb2.KvPushAck(bytes=total)
 
     async def Commit(self, request, context):
