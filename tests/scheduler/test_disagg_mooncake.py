@@ -1,6 +1,7 @@
 """The ``mooncake`` transfer engine: a request's K and V rows written from one KV pool into the
-rows another pool reserved, through Mooncake's TCP transport, land there and nowhere else; a
-decode side that stalls or dies mid-handoff ends the send with a clear error, not a hang."""
+rows another pool reserved, through Mooncake's TCP transport, land there and nowhere else; the
+prefill scheduler's sender writes them under a lease and commits after it; a decode side that
+stalls or dies mid-handoff ends the send with a clear error, not a hang."""
 
 from __future__ import annotations
 
@@ -9,27 +10,37 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
+import grpc
 import pytest
 import torch
 
-from ringserve.v1 import disagg_pb2
+from ringserve.v1 import common_pb2, disagg_pb2, disagg_pb2_grpc
+from services.scheduler.disagg.handoff import Handoff
 from services.scheduler.disagg.mooncake import MooncakeKvTransfer, row_runs
+from services.scheduler.disagg.service import KvSender
 from services.scheduler.disagg.transfer import KvLayout, TransferError
 from services.scheduler.policy.kv_pool import TokenToKVPool
 
 LAYERS, HEADS, DIM, ROWS = 3, 2, 8, 64
 
-# A decode side in a process of its own: it attaches a zeroed pool and prints its bootstrap.
+# A decode side in a process of its own, without torch (it starts in a fraction of the time): a
+# zeroed pool of LAYERS K and V buffers registered with its engine; it prints its bootstrap.
 PEER = f"""
-import sys, time, torch
-from services.scheduler.disagg.mooncake import MooncakeKvTransfer
-from services.scheduler.policy.kv_pool import TokenToKVPool
-pool = TokenToKVPool({ROWS}, {LAYERS}, {HEADS}, {DIM}, torch.float32)
-engine = MooncakeKvTransfer()
-engine.attach(pool, "127.0.0.1")
-print(engine.bootstrap().hex(), flush=True)
-time.sleep(60)
+import ctypes
+from ringserve.v1 import disagg_pb2
+from services.scheduler.disagg.mooncake_native import load_engine
+engine = load_engine()()
+assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+row_bytes = {HEADS * DIM * 4}
+bufs = [ctypes.create_string_buffer({ROWS + 1} * row_bytes) for _ in range({2 * LAYERS})]
+addrs = [ctypes.addressof(b) for b in bufs]
+assert engine.batch_register_memory(addrs, [len(b) for b in bufs]) == 0
+print(disagg_pb2.MooncakeBootstrap(session=f"127.0.0.1:{{engine.get_rpc_port()}}", k_addrs=addrs[:{LAYERS}],
+                                   v_addrs=addrs[{LAYERS}:], row_bytes=row_bytes,
+                                   buffer_rows={ROWS + 1}).SerializeToString().hex(), flush=True)
+input()
 """
 
 
@@ -89,7 +100,8 @@ async def test_a_reservation_that_does_not_fit_is_refused(engines):
 async def test_a_stalled_or_dead_decode_side_ends_the_send_with_an_error(engines):
     prefill = engines[0]
     pool = prefill.pool
-    peer = subprocess.Popen([sys.executable, "-c", PEER], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    peer = subprocess.Popen([sys.executable, "-c", PEER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL)
     try:
         bootstrap = bytes.fromhex(peer.stdout.readline().decode())
         rows = torch.arange(32)
@@ -111,3 +123,60 @@ async def test_a_stalled_or_dead_decode_side_ends_the_send_with_an_error(engines
     finally:
         peer.kill()
         peer.wait()
+
+
+class Decode(disagg_pb2_grpc.DisaggServicer):
+    """A decode scheduler's ``Disagg`` service that answers with ``reservation`` and records the
+    lease stream's pieces and its end, and the commit."""
+
+    def __init__(self, reservation: disagg_pb2.KvReservation):
+        self.reservation = reservation
+        self.events: list[tuple] = []
+
+    async def Reserve(self, request, context):
+        return self.reservation
+
+    async def PushKv(self, request_iterator, context):
+        async for chunk in request_iterator:
+            self.events.append(("piece", chunk.rid, len(chunk.k) + len(chunk.v)))
+        self.events.append(("lease ended",))
+        return disagg_pb2.KvPushAck()
+
+    async def Commit(self, request, context):
+        self.events.append(("commit", request.rid, request.transfer_bytes))
+        return common_pb2.Empty()
+
+
+@pytest.mark.parametrize("engine", ["mooncake", "nixl"])
+async def test_the_sender_writes_under_a_lease_then_commits(engines, engine):
+    prefill, decode = engines
+    for buf in [*decode.pool.k_buffer, *decode.pool.v_buffer]:
+        buf.zero_()
+    src_rows, dst_rows = torch.tensor([40, 41, 42, 7]), [1, 2, 3, 4]
+    service = Decode(disagg_pb2.KvReservation(rid="r", kv_rows=dst_rows, transfer_engine=engine,
+                                              engine_bootstrap=decode.bootstrap()))
+    server = grpc.aio.server()
+    disagg_pb2_grpc.add_DisaggServicer_to_server(service, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    handed: list[tuple] = []
+    disagg = SimpleNamespace(handed=lambda *args: handed.append(args))
+    loop = SimpleNamespace(engine=SimpleNamespace(kv_pool=prefill.pool, disagg=disagg), call=lambda fn: fn())
+    sender = KvSender(loop, prefill, (), 10.0)
+    try:
+        await sender._send(Handoff("r", f"127.0.0.1:{port}", src_rows, disagg_pb2.KvCommit(rid="r", first_token=5)))
+    finally:
+        await sender.close()
+        await server.stop(0)
+    moved = 2 * LAYERS * len(dst_rows) * KvLayout.of(prefill.pool).row_bytes
+    if engine == "nixl":
+        assert handed == [("r", f"the handoff to the decode scheduler at 127.0.0.1:{port} failed: its transfer engine "
+                                "'nixl' is not this scheduler's (mooncake): set the same "
+                                "--disaggregation-transfer-backend on both", "UNAVAILABLE")]
+        assert service.events == [] and sender.bytes_sent == 0
+        return
+    assert handed == [("r", None, "UNAVAILABLE")]  # no error
+    assert service.events == [("piece", "r", 0), ("lease ended",), ("commit", "r", moved)]
+    assert sender.bytes_sent == moved
+    for src, dst in zip(prefill.pool.k_buffer, decode.pool.k_buffer, strict=True):
+        assert torch.equal(dst[dst_rows], src[src_rows])

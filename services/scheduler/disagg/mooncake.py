@@ -13,58 +13,31 @@ holds a lease on the decode side (``send``). Nothing is packed or unpacked: the 
 prefill pool's rows to the decode pool's rows.
 
 The engine's shared library links ``libibverbs.so.1``, ``libnl-3.so.200`` and
-``libnl-route-3.so.200`` even for TCP. ``make setup`` unpacks the Debian packages that hold them
-into ``NATIVE_DIR`` inside the virtualenv (the scheduler's image installs them with apt);
-``load_engine`` loads them from there, globally, before importing ``mooncake``, so neither
-``LD_LIBRARY_PATH`` nor root is needed.
+``libnl-route-3.so.200`` even for TCP: ``mooncake_native.load_engine`` loads them first.
 
-Mooncake's non-CUDA build moves host memory: a KV pool on a GPU is refused at start.
+Mooncake's non-CUDA build moves host memory: a KV pool on a GPU is refused (``service.serve``
+uses ``grpc`` for one).
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import socket
-import sys
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from ringserve.v1 import disagg_pb2, disagg_pb2_grpc
+from services.scheduler.disagg.mooncake_native import load_engine
 from services.scheduler.disagg.transfer import KvLayout, KvTransfer, TransferError
 from services.scheduler.policy.kv_pool import TokenToKVPool
 
-NATIVE_DIR = Path(sys.prefix) / "lib" / "ringserve-native"
-# In load order: libibverbs needs libnl-route-3, which needs libnl-3.
-NATIVE_LIBS = ("libnl-3.so.200", "libnl-route-3.so.200", "libibverbs.so.1")
 WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 # Requests per batch: the TCP transport refuses a batch past its capacity (measured here: 1024
 # requests went, 4096 did not), so a layer of many short runs goes in several.
 MAX_BATCH = 1024
-
-
-def load_engine() -> Any:
-    """Mooncake's ``TransferEngine`` class, after loading its native libraries from ``NATIVE_DIR``
-    (those present there; the system's otherwise).
-
-    Raises:
-        RuntimeError: mooncake is not installed or its libraries are missing, naming the fix.
-    """
-    for name in NATIVE_LIBS:
-        if (NATIVE_DIR / name).exists():
-            ctypes.CDLL(str(NATIVE_DIR / name), mode=ctypes.RTLD_GLOBAL)
-    try:
-        from mooncake.engine import TransferEngine
-    except ImportError as exc:
-        raise RuntimeError(
-            f"the mooncake KV transfer engine cannot be loaded ({exc}): it needs the scheduler extra's "
-            f"mooncake-transfer-engine-non-cuda and the libibverbs1, libnl-3-200 and libnl-route-3-200 libraries "
-            f"(`make setup` unpacks them into {NATIVE_DIR}); or use --disaggregation-transfer-backend grpc") from exc
-    return TransferEngine
 
 
 def row_runs(src: torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
