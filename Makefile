@@ -30,11 +30,11 @@ report_phases = @if [ -s $(PHASES) ]; then \
 
 # Serving only: every service, the model conversion and the stub generator; no test tools,
 # no Triton (the CPU scheduler does not use it).
-setup-serve: $(STAMPS)/venv-serve $(STAMPS)/proto model
+setup-serve: $(STAMPS)/venv-serve $(STAMPS)/native $(STAMPS)/proto model
 	$(report_phases)
 
 # Everything the tests need, on top of serving.
-setup: $(STAMPS)/venv-dev $(STAMPS)/proto model-all
+setup: $(STAMPS)/venv-dev $(STAMPS)/native $(STAMPS)/proto model-all
 	$(report_phases)
 
 $(VENV)/bin/python:
@@ -51,6 +51,18 @@ $(STAMPS)/venv-serve: pyproject.toml | $(VENV)/bin/python
 $(STAMPS)/venv-dev: pyproject.toml | $(VENV)/bin/python
 	$(call timed,install,$(PIP_INSTALL) -e '.[dev]')
 	@touch $@ $(STAMPS)/venv-serve
+
+# The shared libraries Mooncake's transfer engine links (the mooncake KV transfer engine,
+# docs/disaggregation.md) and the machine may lack: the Debian packages' .so files, fetched
+# with apt-get download (no root) and unpacked into NATIVE_DIR, where the scheduler loads them.
+NATIVE_DIR := $(VENV)/lib/ringserve-native
+NATIVE_DEBS := libibverbs1 libnl-3-200 libnl-route-3-200
+$(STAMPS)/native: | $(VENV)/bin/python
+	$(call timed,native,rm -rf $(STAMPS)/debs && mkdir -p $(STAMPS)/debs $(NATIVE_DIR) \
+		&& (cd $(STAMPS)/debs && apt-get download -q $(NATIVE_DEBS) >/dev/null) \
+		&& for deb in $(STAMPS)/debs/*.deb; do dpkg-deb -x $$deb $(STAMPS)/debs/root; done \
+		&& find $(STAMPS)/debs/root -name 'lib*.so.*' -exec cp -P {} $(NATIVE_DIR)/ \; && rm -rf $(STAMPS)/debs)
+	@touch $@
 
 # Python stubs and type stubs for the contract in protos/.
 proto: $(STAMPS)/proto

@@ -89,10 +89,11 @@ def test_each_set_runs_the_replica_pod_with_its_mode(rendered: dict[str, list[di
             assert [c["name"] for c in spec["containers"]] == ["scheduler", "detokenizer"]
             assert [c["name"] for c in spec["initContainers"]] == ["prepare-model"]
             args = container(spec, "scheduler")["args"]
-            added = [f"--disaggregation-mode={replica_set}", f"--disaggregation-transfer-timeout={timeout}"]
+            added = [f"--disaggregation-mode={replica_set}", f"--disaggregation-transfer-timeout={timeout}",
+                     "--disaggregation-transfer-backend=grpc"]
             i = args.index(added[0])
-            assert args[i:i + 2] == added
-            assert args[:i] + args[i + 2:] == container(replica, "scheduler")["args"]
+            assert args[i:i + 3] == added
+            assert args[:i] + args[i + 3:] == container(replica, "scheduler")["args"]
             assert container(spec, "detokenizer")["args"] == container(replica, "detokenizer")["args"]
             if values == "fixed":  # nothing of the set's own: the replica set's resources and placement
                 assert container(spec, "scheduler")["resources"] == container(replica, "scheduler")["resources"]

@@ -71,12 +71,12 @@ def test_every_option_parses_back_from_the_words_that_pass_it_on(tmp_path: Path)
             convert = placed.option.convert or (lambda v: v)
             assert field_value(config, placed.dest) == convert(value), (service, placed.option.flag)
             seen += 1
-    assert seen == 99  # every option with a default, over the four services
+    assert seen == 100  # every option with a default, over the four services
 
 
 def test_the_launcher_passes_each_option_given_to_the_services_that_have_it(tmp_path: Path) -> None:
     passed = pass_through()
-    assert len(passed) == 42
+    assert len(passed) == 43
     for item in passed:
         value = sample(item.placed, tmp_path)
         config = launch_args(["--model", "m", *item.option.argv(value)])

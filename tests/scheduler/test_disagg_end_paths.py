@@ -66,6 +66,32 @@ def test_abort_while_the_kv_moves_writes_nothing_and_frees_both_sides(pair, gree
     assert KvLayout.of(pool).row_bytes * 2 * len(pool.k_buffer) == pool.bytes_per_token()
 
 
+@pytest.mark.parametrize("end", ["lease", "commit", "deadline"])
+def test_an_aborted_reservation_that_the_peer_writes_into_holds_its_rows_until_the_sender_is_done(
+        pair, greedy_req, chat_ids, end):
+    pair.decode.disagg.one_sided = True  # as with the mooncake engine: the prefill side writes the rows itself
+    pair.add(greedy_req("r", chat_ids("Name a river."), max_new_tokens=4))
+    while not pair.handoffs:
+        pair.prefill.step()
+    handoff = pair.handoffs.pop()
+    prompt_len = len(handoff.src_rows)
+    assert pair.decode.disagg.lend("r") is not None  # the Reserve reply: the peer may write from now on
+    assert pair.decode.abort("r") == 1 and pair.prefill.abort("r") == 1
+    _drain(pair.decode)
+    load = pair.decode.load()
+    assert (load.req_slots_used, load.kv_used_tokens) == (0, prompt_len)  # a write may still be landing
+    if end == "lease":
+        pair.decode.disagg.writer_done("r")  # the sender's lease stream ended (done, or the sender gone)
+    elif end == "commit":
+        assert not pair.decode.disagg.commit(handoff.commit)  # the sender is done: the rows go back
+    else:
+        pair.decode.disagg.timeout_s = 0.0  # past the handoff's deadline no write lands: the next step frees them
+        pair.decode.step()
+    pair.prefill.disagg.handed("r")
+    _drain(pair.prefill)
+    assert _idle(pair.prefill) == _idle(pair.decode) == (0, 0, 0, 0, 0) and pair.decode.disagg.landing == {}
+
+
 def test_abort_after_the_commit_frees_both_sides(pair, greedy_req, chat_ids):
     pair.add(greedy_req("r", chat_ids("Name a river."), max_new_tokens=30, ignore_eos=True))
     for _ in range(20):

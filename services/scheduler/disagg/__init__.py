@@ -8,6 +8,8 @@ and hands both over (``handoff.DisaggState.take_prefilled``), the KV moves throu
 (``handoff.DisaggState.commit``). ``service`` is the gRPC side: the decode scheduler's
 ``Disagg`` servicer and the prefill scheduler's sender.
 
-Modules: ``roles`` (the role names), ``transfer`` (the engine interface and its engines),
+Modules: ``roles`` (the role names), ``transfer`` (the engine interface and the ``grpc``
+engine), ``mooncake`` (the ``mooncake`` engine: Mooncake's transfer engine, one-sided writes;
+``mooncake_native`` loads it and the system libraries it links),
 ``handoff`` (the engine-thread state of both sides), ``service`` (gRPC).
 """

@@ -15,7 +15,11 @@ them (``sending``), and on ``handed`` releases them into its own prefix cache --
 transfer failed, ends with a FINISH_ABORT row that names why.
 
 Nothing here is thread-safe but ``lock``, which the decode side's receiver takes around each
-write into reserved rows, so an abort never frees rows a write is landing in.
+write into reserved rows, so an abort never frees rows a write is landing in. A transfer engine
+that writes from the peer (``one_sided``: mooncake) cannot take that lock: once its reservation
+went out (``lend``) and until the sender says it is done (``writer_done``: its lease stream
+ended, or the commit arrived), an aborted reservation's rows are held (``landing``), at most a
+transfer timeout, and only then freed, so no late write lands in rows another request was given.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ class Reservation:
     req: Req
     rows: torch.Tensor
     since: float
+    peer_may_write: bool = False  # a one-sided engine's sender has the rows and has not said it is done
 
 
 class DisaggState:
@@ -80,6 +85,8 @@ class DisaggState:
         self.waiting: deque[Req] = deque()  # decode side: for a slot and rows
         self.reserved: dict[str, Reservation] = {}  # decode side: for the commit
         self.sending: dict[str, Req] = {}  # prefill side: while the KV moves
+        self.one_sided = False  # the peer writes into reserved rows without this side's lock
+        self.landing: dict[str, tuple[torch.Tensor, float]] = {}  # decode side: aborted rows, since when
         self.on_handoff: Callable[[Handoff], None] = lambda handoff: None  # the sender (service)
         self.on_reserved: Callable[[str], None] = lambda rid: None  # wakes a waiting Reserve call
         self.transfer_bytes = 0  # decode side: bytes committed requests received
@@ -117,9 +124,34 @@ class DisaggState:
                 self.reserved[req.rid] = Reservation(req, rows, time.monotonic())
             self.on_reserved(req.rid)
         overdue = time.monotonic() - self.timeout_s
+        for rid in [rid for rid, (_, since) in self.landing.items() if since < overdue]:
+            self.landed(rid)
         for res in [r for r in self.reserved.values() if r.since < overdue]:
             self.engine.abort(res.req.rid, message=f"the KV transfer did not finish within {self.timeout_s:g} s "
                               "(--disaggregation-transfer-timeout)", status="DEADLINE_EXCEEDED")
+
+    def lend(self, rid: str) -> torch.Tensor | None:
+        """The reserved rows of ``rid`` as the sender gets them (any thread): from now on, with a
+        one-sided engine, the peer may write them until ``writer_done``. None when not reserved."""
+        with self.lock:
+            res = self.reserved.get(rid)
+            if res is None:
+                return None
+            res.peer_may_write = self.one_sided
+            return res.rows
+
+    def writer_done(self, rid: str) -> None:
+        """The sender of ``rid`` writes no more (engine thread): an aborted reservation's rows go
+        back now, a live one's abort frees them at once."""
+        with self.lock:
+            if (res := self.reserved.get(rid)) is not None:
+                res.peer_may_write = False
+        self.landed(rid)
+
+    def landed(self, rid: str) -> None:
+        """No write into the aborted reservation of ``rid`` can land any more: free its rows."""
+        if (held := self.landing.pop(rid, None)) is not None:
+            self.engine.policy.kv_pool.free(held[0])
 
     def rows_of(self, rid: str) -> torch.Tensor | None:
         """The reserved rows of ``rid`` (any thread; hold ``lock`` while writing them); None when not reserved."""
@@ -132,6 +164,7 @@ class DisaggState:
         with self.lock:
             res = self.reserved.pop(msg.rid, None)
         if res is None:
+            self.landed(msg.rid)  # the sender is done writing
             return False
         engine, req = self.engine, res.req
         req.kv_len = req.prompt_len
@@ -221,7 +254,10 @@ class DisaggState:
         with self.lock:
             res = self.reserved.pop(req.rid, None)
         if res is not None:
-            policy.kv_pool.free(res.rows)
+            if res.peer_may_write:  # the peer may be writing them: freed once it cannot
+                self.landing[req.rid] = (res.rows, time.monotonic())
+            else:
+                policy.kv_pool.free(res.rows)
             assert req.req_slot is not None
             policy.req_pool.free(req.req_slot)
             req.req_slot = None
@@ -237,3 +273,4 @@ class DisaggState:
         with self.lock:
             self.reserved.clear()
         self.sending.clear()
+        self.landing.clear()

@@ -12,6 +12,7 @@ that says which, and the tokenizer then aborts it on the decode side too.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -22,7 +23,7 @@ from ringserve import grpcutil
 from ringserve.metrics import Read, ServiceMetrics
 from ringserve.v1 import common_pb2, disagg_pb2, disagg_pb2_grpc
 from services.scheduler.disagg.handoff import Handoff
-from services.scheduler.disagg.transfer import KvLayout, KvTransfer, make_transfer
+from services.scheduler.disagg.transfer import GrpcKvTransfer, KvLayout, KvTransfer, TransferError, make_transfer
 from services.scheduler.engine.loop import EngineLoop
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ class DisaggServicer(disagg_pb2_grpc.DisaggServicer):
         if mismatch:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, mismatch)
         started = time.monotonic()
-        while (rows := self.state.rows_of(request.rid)) is None:
+        while (rows := self.state.lend(request.rid)) is None:
             if request.rid not in self.loop.engine.reqs and time.monotonic() - started > ARRIVAL_GRACE_S:
                 await context.abort(grpc.StatusCode.NOT_FOUND,
                                     f"request {request.rid!r} is not held by this decode scheduler (aborted?)")
@@ -69,20 +70,28 @@ class DisaggServicer(disagg_pb2_grpc.DisaggServicer):
     async def PushKv(self, request_iterator, context):
         total = 0
         pool = self.loop.engine.kv_pool
+        leases: list[str] = []
 
         def write(chunk: disagg_pb2.KvChunk) -> int:
             with self.state.lock:  # an abort waits: it never frees rows a piece is landing in
                 rows = self.state.rows_of(chunk.rid)
                 return -1 if rows is None else self.transfer.receive(pool, rows, chunk)
 
-        async for chunk in request_iterator:
-            try:
-                n = await asyncio.to_thread(write, chunk)
-            except ValueError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            if n < 0:
-                await context.abort(grpc.StatusCode.NOT_FOUND, f"request {chunk.rid!r} holds no reservation here")
-            total += n
+        try:
+            async for chunk in request_iterator:
+                if not chunk.k and not chunk.v:  # a one-sided engine's lease: open while it writes
+                    leases.append(chunk.rid)
+                    continue
+                try:
+                    n = await asyncio.to_thread(write, chunk)
+                except ValueError as exc:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                if n < 0:
+                    await context.abort(grpc.StatusCode.NOT_FOUND, f"request {chunk.rid!r} holds no reservation here")
+                total += n
+        finally:  # ended, failed, or the sender gone (cancelled): it writes no more
+            for rid in leases:
+                self.loop.call(functools.partial(self.state.writer_done, rid))
         return disagg_pb2.KvPushAck(bytes=total)
 
     async def Commit(self, request, context):
@@ -107,6 +116,9 @@ class KvSender:
         self.metadata = tuple(metadata)
         self.timeout_s = timeout_s
         self.layout = KvLayout.of(loop.engine.kv_pool).to_proto()
+        # A decode scheduler may name another engine in its reservation (one without a role
+        # streams through gRPC): this side follows it.
+        self._engines = {e.name: e for e in (GrpcKvTransfer(transfer.to_device), transfer)}
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._tasks: set[asyncio.Task] = set()
         self.bytes_sent = 0
@@ -134,8 +146,11 @@ class KvSender:
                 disagg_pb2.KvReserveRequest(rid=h.rid, num_tokens=int(h.src_rows.numel()), layout=self.layout),
                 timeout=max(0.01, deadline - time.monotonic()), metadata=self.metadata)
             started = time.monotonic()
-            sent = await self.transfer.send(channel, self.metadata, h.rid, self.loop.engine.kv_pool, h.src_rows,
-                                            reservation, max(0.01, deadline - started))
+            if (transfer := self._engines.get(reservation.transfer_engine)) is None:
+                raise TransferError(f"its transfer engine {reservation.transfer_engine!r} is not this scheduler's "
+                                    f"({self.transfer.name}): set the same --disaggregation-transfer-backend on both")
+            sent = await transfer.send(channel, self.metadata, h.rid, self.loop.engine.kv_pool, h.src_rows,
+                                       reservation, max(0.01, deadline - started))
             commit = disagg_pb2.KvCommit()
             commit.CopyFrom(h.commit)
             commit.transfer_s, commit.transfer_bytes = time.monotonic() - started, sent
@@ -144,14 +159,22 @@ class KvSender:
             self.seconds += commit.transfer_s
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                error, status = (f"the KV transfer to the decode scheduler at {h.bootstrap} did not finish within "
-                                 f"{self.timeout_s:g} s (--disaggregation-transfer-timeout)"), "DEADLINE_EXCEEDED"
+                error, status = self._late(h), "DEADLINE_EXCEEDED"
             else:
                 error = (f"the handoff to the decode scheduler at {h.bootstrap} failed: {exc.code().name}: "
                          f"{exc.details()}")
                 status = "CANCELLED" if exc.code() == grpc.StatusCode.NOT_FOUND else "UNAVAILABLE"
+        except asyncio.TimeoutError:  # a transfer engine's own deadline
+            error, status = self._late(h), "DEADLINE_EXCEEDED"
+        except TransferError as exc:
+            error = f"the handoff to the decode scheduler at {h.bootstrap} failed: {exc}"
+        if error is not None:
             log.warning("request %s: %s", h.rid, error)
         self.loop.call(lambda: self.loop.engine.disagg.handed(h.rid, error, status))
+
+    def _late(self, h: Handoff) -> str:
+        return (f"the KV transfer to the decode scheduler at {h.bootstrap} did not finish within {self.timeout_s:g} s "
+                "(--disaggregation-transfer-timeout)")
 
     async def close(self) -> None:
         for task in list(self._tasks):
@@ -191,9 +214,20 @@ class Served:
 
 def serve(cfg, loop: EngineLoop, metrics: ServiceMetrics) -> Served:
     """Both sides of a scheduler (``cfg``: its SchedulerConfig; in the running event loop): the
-    ``Disagg`` servicer, the sender, the handoff deadline and the metrics."""
-    transfer = make_transfer("grpc", loop.engine.runtime.to_device)
+    ``Disagg`` servicer, the sender, the handoff deadline and the metrics. A scheduler in a
+    prefill or decode role uses ``--disaggregation-transfer-backend``, attached to its KV pool;
+    one that does both, or whose pool is on a GPU (mooncake's build here moves host memory),
+    streams through gRPC. A decode side's reservation names its engine: the sender follows it."""
+    backend = cfg.disaggregation_transfer_backend if cfg.disaggregation_mode != "null" else "grpc"
+    device = loop.engine.kv_pool.k_buffer[0].device
+    if backend == "mooncake" and device.type != "cpu":
+        log.warning("the mooncake KV transfer engine here (Mooncake's non-CUDA build) moves host memory and the KV "
+                    "pool is on %s: its KV moves through gRPC (the grpc engine)", device)
+        backend = "grpc"
+    transfer = make_transfer(backend, loop.engine.runtime.to_device)
+    transfer.attach(loop.engine.kv_pool, cfg.host)
     loop.engine.disagg.timeout_s = cfg.disaggregation_transfer_timeout_s
+    loop.engine.disagg.one_sided = transfer.one_sided
     sender = KvSender(loop, transfer, cfg.internal_auth.metadata(), cfg.disaggregation_transfer_timeout_s)
     register(metrics, cfg.disaggregation_mode, loop, sender if cfg.disaggregation_mode == "prefill" else None)
     name = disagg_pb2.DESCRIPTOR.services_by_name["Disagg"].full_name

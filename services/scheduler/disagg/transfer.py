@@ -9,9 +9,8 @@ staging buffer of its own.
 by layer, each layer in pieces of at most ``CHUNK_BYTES``; the sender gathers a piece's rows
 with one ``index_select`` per K and V (the byte stream needs them contiguous) and the receiver
 scatters them into its rows with one ``index_copy_`` each. It needs nothing beyond the ring.
-A one-sided engine (Mooncake's transfer engine, NIXL) writes the rows in place instead; on
-this project's CPU machines Mooncake's non-CUDA build moved host memory over TCP only once
-libibverbs was present, so it is not an engine here yet (docs/disaggregation.md).
+``mooncake`` (``disagg/mooncake.py``) writes the rows in place with Mooncake's transfer engine
+instead: one-sided writes from this pool's rows into the reserved rows, no bytes through gRPC.
 """
 
 from __future__ import annotations
@@ -66,6 +65,11 @@ class KvLayout:
                 "and --tp-size on both sides are needed)")
 
 
+class TransferError(Exception):
+    """A transfer engine could not move the rows (the peer gone, its buffers not matching); the
+    handoff ends with UNAVAILABLE and this message."""
+
+
 class KvTransfer(ABC):
     """A transfer engine. The decode side publishes ``bootstrap()`` in its reservation; the
     prefill side calls ``send``; an engine that streams bytes has the decode side ``receive``
@@ -74,9 +78,15 @@ class KvTransfer(ABC):
     pool's device)."""
 
     name: ClassVar[str]
+    one_sided: ClassVar[bool] = False  # the sender writes into the reserved rows itself (no receive)
 
     def __init__(self, to_device: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.to_device = to_device
+
+    @abstractmethod
+    def attach(self, pool: TokenToKVPool, host: str) -> None:
+        """Make ``pool`` reachable by the peer's engine: a scheduler attaches once, before
+        serving; ``host`` is its listen address."""
 
     @abstractmethod
     def bootstrap(self) -> bytes:
@@ -91,6 +101,7 @@ class KvTransfer(ABC):
 
         Raises:
             grpc.aio.AioRpcError: the decode side refused the rows or was unreachable.
+            TransferError: the engine could not write the rows.
             asyncio.TimeoutError: not done within ``timeout_s``.
         """
 
@@ -130,6 +141,9 @@ class GrpcKvTransfer(KvTransfer):
 
     name = "grpc"
 
+    def attach(self, pool, host):
+        pass  # the rows are reached through the scheduler's gRPC server
+
     def bootstrap(self) -> bytes:
         return b""
 
@@ -164,12 +178,16 @@ class GrpcKvTransfer(KvTransfer):
         return 2 * len(chunk.k)
 
 
-ENGINES: dict[str, type[KvTransfer]] = {GrpcKvTransfer.name: GrpcKvTransfer}
+ENGINES = ("grpc", "mooncake")  # --disaggregation-transfer-backend
 
 
 def make_transfer(name: str, to_device: Callable[[torch.Tensor], torch.Tensor] | None = None) -> KvTransfer:
     """The engine named ``name``, its host-to-device copy ``to_device``. Raises ValueError
     naming the engines there are."""
-    if name not in ENGINES:
-        raise ValueError(f"unknown KV transfer engine {name!r}; available: {sorted(ENGINES)}")
-    return ENGINES[name](to_device)
+    if name == "grpc":
+        return GrpcKvTransfer(to_device)
+    if name == "mooncake":
+        # Imported only when chosen: it loads Mooncake's native libraries.
+        from services.scheduler.disagg.mooncake import MooncakeKvTransfer
+        return MooncakeKvTransfer(to_device)
+    raise ValueError(f"unknown KV transfer engine {name!r}; available: {list(ENGINES)}")

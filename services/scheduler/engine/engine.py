@@ -252,7 +252,7 @@ class Engine:
         started = time.monotonic()
         if self.grammars.num_pending:
             self._admit_compiled()
-        if self.disagg.waiting or self.disagg.reserved:
+        if self.disagg.waiting or self.disagg.reserved or self.disagg.landing:
             self.disagg.poll()
         if self._inflight is not None and not self._can_overlap():
             self._finish(self._inflight)
