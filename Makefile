@@ -54,12 +54,14 @@ $(STAMPS)/venv-dev: pyproject.toml | $(VENV)/bin/python
 
 # The shared libraries Mooncake's transfer engine links (the mooncake KV transfer engine,
 # docs/disaggregation.md) and the machine may lack: the Debian packages' .so files, fetched
-# with apt-get download (no root) and unpacked into NATIVE_DIR, where the scheduler loads them.
+# with apt-get download (no root; after an apt-get update when the package lists lack them) and
+# unpacked into NATIVE_DIR, where the scheduler loads them.
 NATIVE_DIR := $(VENV)/lib/ringserve-native
 NATIVE_DEBS := libibverbs1 libnl-3-200 libnl-route-3-200
 $(STAMPS)/native: | $(VENV)/bin/python
 	$(call timed,native,rm -rf $(STAMPS)/debs && mkdir -p $(STAMPS)/debs $(NATIVE_DIR) \
-		&& (cd $(STAMPS)/debs && apt-get download -q $(NATIVE_DEBS) >/dev/null) \
+		&& (cd $(STAMPS)/debs && { apt-get download -q $(NATIVE_DEBS) >/dev/null 2>&1 \
+			|| { apt-get update -q >/dev/null && apt-get download -q $(NATIVE_DEBS) >/dev/null; }; }) \
 		&& for deb in $(STAMPS)/debs/*.deb; do dpkg-deb -x $$deb $(STAMPS)/debs/root; done \
 		&& find $(STAMPS)/debs/root -name 'lib*.so.*' -exec cp -P {} $(NATIVE_DIR)/ \; && rm -rf $(STAMPS)/debs)
 	@touch $@
