@@ -33,52 +33,53 @@ def det_engine(smollm2_dir, tokenizer, make_engine):
     return make
 
 
-CHUNK = 64  # the prefill step's token budget: the three long prompts chunk, the short ones go several a step
+STOPS = (" five", ",")
+CHUNK = 32  # the prefill step's token budget: the two long prompts chunk
 TOPICS = ("rain", "a fox", "the moon", "coffee", "trains", "a garden", "winter", "a river", "bees", "clocks",
           "snow", "a violin", "tides", "maps", "owls", "bridges", "salt", "kites", "a desert", "lanterns", "glass",
           "a harbour", "tea", "thunder", "a forest", "copper", "sails", "a market", "wool", "a canyon", "ink",
-          "a bell")
+          "a bell", "moss", "a kettle")
 
 
 def _requests(chat_ids, raw_ids) -> list[ReqInput]:
-    """45 requests sent at once: three long prompts (chunked at ``CHUNK``), prompt logprobs, stop
-    strings, one-token answers, two n=2 seeded pairs, and short greedy ones (plain text, no chat
-    template) with logprobs and top logprobs (most of them), each a few tokens long. Every row
+    """45 requests sent at once: two long prompts (chunked at ``CHUNK``), prompt logprobs, stop
+    strings, one-token answers, two n=2 seeded pairs, and short greedy ones with logprobs and top
+    logprobs (most of them). All but the long ones are plain text of a few tokens, and every one
+    asks for a few tokens: the test's cost is the tokens its three engines compute. Every row
     that asks for top logprobs asks for 3: a batch computes the top K of its largest ask, and
     tied logprobs (bf16 logits) may come in another order in a batch that asked for another K."""
     reqs = []
-    for k, text in enumerate(("Tell me about lighthouses, the sea, the wind and the ships " * 4,
-                              "Describe a long journey through mountains, valleys, rivers and towns " * 5,
-                              "List the planets, their moons, their rings and their colours " * 5)):
+    for k, text in enumerate(("Tell me about lighthouses, the sea, the wind and the ships " * 2,
+                              "List the planets, their moons, their rings and their colours " * 2)):
         reqs.append(ReqInput(rid=f"long-{k}", input_ids=chat_ids(text), return_logprob=True, top_logprobs_num=3,
-                             sampling=SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)))
-    for k, text in enumerate(("Name a colour.", "Name a fruit.")):
-        reqs.append(ReqInput(rid=f"prompt-lp-{k}", input_ids=chat_ids(text), logprob_start_len=3,
+                             sampling=SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)))
+    for k, text in enumerate(("The colour of grass is", "A fruit that is red:")):
+        reqs.append(ReqInput(rid=f"prompt-lp-{k}", input_ids=raw_ids(text), logprob_start_len=1,
                              prompt_top_logprobs_num=2, return_logprob=True,
-                             sampling=SamplingParams(temperature=0.0, max_new_tokens=4)))
-    for k, stop in enumerate(("\n3", "\n")):
-        reqs.append(ReqInput(rid=f"stop-{k}", input_ids=chat_ids("Count from one to ten in words."),
-                             sampling=SamplingParams(temperature=0.0, max_new_tokens=12, stop=(stop,))))
+                             sampling=SamplingParams(temperature=0.0, max_new_tokens=3)))
+    for k, stop in enumerate(STOPS):
+        reqs.append(ReqInput(rid=f"stop-{k}", input_ids=raw_ids("Counting: one, two, three,"),
+                             sampling=SamplingParams(temperature=0.0, max_new_tokens=8, stop=(stop,))))
     for k in range(2):
-        reqs.append(ReqInput(rid=f"one-{k}", input_ids=chat_ids(f"Say hi to {TOPICS[k]}."),
+        reqs.append(ReqInput(rid=f"one-{k}", input_ids=raw_ids(f"Hello, {TOPICS[k]}"),
                              sampling=SamplingParams(temperature=0.0, max_new_tokens=1)))
     # n=2: two seeded samples of one prompt (their generators' states cross with the first token).
-    for j, text in enumerate(("Write a line about bread.", "Write a line about stone.")):
+    for j, text in enumerate(("A line about bread:", "A line about stone:")):
         for k in range(2):
-            reqs.append(ReqInput(rid=f"n2-{j}-{k}", input_ids=chat_ids(text), return_logprob=True,
-                                 sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=7 + k, max_new_tokens=6,
+            reqs.append(ReqInput(rid=f"n2-{j}-{k}", input_ids=raw_ids(text), return_logprob=True,
+                                 sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=7 + k, max_new_tokens=4,
                                                          ignore_eos=True)))
-    for k, topic in enumerate(TOPICS[:32]):
+    for k, topic in enumerate(TOPICS[:33]):
         reqs.append(ReqInput(rid=f"short-{k}", input_ids=raw_ids(f"A word for {topic}:"), return_logprob=k % 4 != 3,
                              top_logprobs_num=3 if k % 2 else 0,
-                             sampling=SamplingParams(temperature=0.0, max_new_tokens=3, ignore_eos=True)))
+                             sampling=SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)))
     return reqs
 
 
 def _again(reqs: list[ReqInput]) -> list[ReqInput]:
     """5 requests that repeat earlier prompts: prefix-cache hits on the prefill side."""
     return [replace(spec, rid=f"{spec.rid}-again") for spec in reqs if spec.rid in (
-        "long-0", "long-1", "long-2", "n2-0-0", "short-0")]
+        "long-0", "long-1", "n2-0-0", "short-0", "short-1")]
 
 
 def _same(got: dict[str, Result], want: dict[str, Result], reqs: list[ReqInput], suffix: str = "") -> None:
@@ -95,8 +96,8 @@ def _same(got: dict[str, Result], want: dict[str, Result], reqs: list[ReqInput],
 def test_prefill_here_decode_there_equals_one_engine(det_engine, chat_ids, tokenizer):
     reqs = _requests(chat_ids, lambda text: tokenizer.encode(text).ids)
     again = _again(reqs)
-    assert (len(reqs) + len(again), sum(len(r.input_ids) > CHUNK for r in reqs)) == (50, 3)
-    colocated = det_engine(chunked_prefill_size=CHUNK)
+    assert (len(reqs) + len(again), sum(len(r.input_ids) > CHUNK for r in reqs)) == (50, 2)
+    colocated = det_engine()  # prompts whole: chunking does not change a bit
     for spec in reqs:
         colocated.add_request(spec)
     want: dict[str, Result] = {}
@@ -112,7 +113,8 @@ def test_prefill_here_decode_there_equals_one_engine(det_engine, chat_ids, token
     assert set(got) == {r.rid for r in reqs}
     _same(got, want, reqs)
     assert pair.peak_slots == 32  # 32 in flight on the decode side at once, the rest waiting for a slot
-    assert got["stop-0"].finish.type == FinishType.STOP and got["stop-0"].finish.matched_str == "\n3"
+    assert [(got[f"stop-{k}"].finish.type, got[f"stop-{k}"].finish.matched_str) for k in range(len(STOPS))] == [
+        (FinishType.STOP, stop) for stop in STOPS]
     assert all(len(got[f"one-{k}"].output_ids) == 1 and got[f"one-{k}"].finish.type == FinishType.LENGTH
                for k in range(2))
     assert got["n2-0-0"].output_ids != got["n2-0-1"].output_ids  # two samples, not one twice
