@@ -90,6 +90,9 @@ class SchedulerMetrics(EngineObserver):
                  lambda: load().num_running_reqs),
             Read("num_requests_waiting", "Requests waiting for a request slot or KV room.", "gauge",
                  lambda: load().num_waiting_reqs),
+            Read("num_prompt_tokens_waiting", "Prompt tokens of the requests waiting for a request slot or KV room "
+                 "(a retracted request's output included): the prefill tier's autoscaling signal.", "gauge",
+                 lambda: engine.policy.waiting.tokens),
             Read("req_slots_used", "Request slots in use.", "gauge", lambda: engine.req_pool.used),
             Read("tp_size", "Tensor-parallel ranks of this replica (--tp-size); rank 0 alone reports.", "gauge",
                  lambda: engine.tp.size),

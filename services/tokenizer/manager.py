@@ -21,7 +21,8 @@ Life cycle of one request (docs/architecture.md, invariants 2 and 4):
    until the scheduler's final (abort) row arrives, which deletes them.
 6. a lost scheduler or detokenizer link fails every state dispatched to that
    replica with UNAVAILABLE (with several replicas, ``Balancer`` picks one per
-   request and the others' requests go on).
+   request and the others' requests go on); a prefill/decode pair's request whose
+   call saw no output yet goes to another pair instead (``services.tokenizer.disagg_pair``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from ringserve import priority, tracing
 from ringserve.metrics import ignore_seconds
 from ringserve.prompt_bounds import BoundExceeded
 from ringserve.v1 import common_pb2, detokenizer_pb2, scheduler_pb2, tokenizer_pb2
+from services.tokenizer import disagg_pair
 from services.tokenizer.bounds import InputBounds
 from services.tokenizer.dispatch import Balancer, Dispatcher
 from services.tokenizer.errors import DUPLICATE_REQUEST_ID, RequestError, invalid, unavailable
@@ -171,14 +173,18 @@ class TokenizerManager:
             return
         del self.rid_to_state[st.rid]
         if st.dispatched and st.replica is not None:
-            self.outstanding[st.replica] -= 1
-            if not self.outstanding[st.replica]:
-                del self.outstanding[st.replica]
+            self._count(st.replica, -1)
         left = self._parents[st.parent_rid] - 1
         if left:
             self._parents[st.parent_rid] = left
         else:
             del self._parents[st.parent_rid]
+
+    def _count(self, replica: Dispatcher, delta: int) -> None:
+        """Add ``delta`` to ``replica``'s outstanding work (no entry at zero)."""
+        self.outstanding[replica] += delta
+        if not self.outstanding[replica]:
+            del self.outstanding[replica]
 
     def _send_abort(self, st: ReqState, reason: str) -> None:
         """AbortReq for a dispatched, unfinished state; drop it if the scheduler is unreachable."""
@@ -215,7 +221,8 @@ class TokenizerManager:
 
         The Generate call, if any, still receives the final FINISH_ABORT output.
         """
-        states = [st for st in self.rid_to_state.values() if st.rid == rid or st.parent_rid == rid]
+        states = [st for st in self.rid_to_state.values()
+                  if rid in (st.rid, st.parent_rid) or (st.request is not None and st.request.rid == rid)]
         for st in states:
             if st.dispatched:
                 self._send_abort(st, reason)
@@ -230,10 +237,12 @@ class TokenizerManager:
         links went down; the other replicas' requests go on). With ``send_aborts`` (the
         detokenizer link is lost but the scheduler's is up), dispatched requests are also
         aborted at the scheduler. States are dropped at once: no final row can arrive on
-        a lost link.
+        a lost link. A request whose pair's prefill replica is ``replica`` and whose call saw
+        no output goes to another pair instead (``_retry_prefill``) and is not counted.
         """
         states = [st for st in self.rid_to_state.values() if replica is None or st.replica is replica
                   or replica in getattr(st.replica, "members", ())]  # a prefill/decode pair it is part of
+        states = [st for st in states if replica is None or not self._retry_prefill(st, replica)]
         for st in states:
             # A pair's other member still holds the request: it gets the abort whatever the link lost.
             paired = replica is not None and st.replica is not replica
@@ -249,6 +258,20 @@ class TokenizerManager:
             self._forget(st)
             st.event.set()
         return len(states)
+
+    def _retry_prefill(self, st: ReqState, lost: Dispatcher) -> bool:
+        """Move ``st`` to another pair when ``lost`` was its pair's prefill replica and nothing
+        reached its call (``disagg_pair.redispatch``); True when it went."""
+        moved = disagg_pair.redispatch(st, lost, self.balancer, self.outstanding, self.instance_id)
+        if moved is None:
+            return False
+        other, rid = moved
+        self._count(st.replica, -1)
+        self._count(other, 1)
+        del self.rid_to_state[st.rid]
+        st.rid, st.replica, st.retries = rid, other, st.retries + 1
+        self.rid_to_state[rid] = st
+        return True
 
     def handle_batch(self, batch: detokenizer_pb2.BatchStrOutput) -> None:
         """Route each row of a BatchStrOutput to its ReqState (rows of unknown rids are dropped)."""
@@ -269,6 +292,7 @@ class TokenizerManager:
                     self._forget(st)
                 continue
             st.out_list.append(row)
+            st.answered = True
             st.event.set()
 
     # --- Generate ---------------------------------------------------------------------------
@@ -336,6 +360,7 @@ class TokenizerManager:
                 replica.send_req(sub)
                 st.dispatched = True
                 st.replica = replica
+                st.request = sub
                 self.outstanding[replica] += 1
         except BaseException:
             self.release(states, "the request could not be dispatched")

@@ -119,6 +119,9 @@ class ReqState:
     finished: bool = False
     detached: bool = False  # its Generate call is gone; waiting for the final row
     replica: Any = None  # the manager's Dispatcher it was sent to (aborts go there too)
+    request: Any = None  # the TokenizedGenerateReqInput as prepared (its sub-rid), for disagg_pair.redispatch
+    answered: bool = False  # a row reached its call: it is not re-dispatched any more
+    retries: int = 0  # re-dispatches after its prefill scheduler went away
     error: RequestError | None = None
     constraint_param: str | None = None  # the request field of its constraint: names a compile error
     reasoning_open: bool = False  # its prompt opened a reasoning block: said on every output

@@ -130,7 +130,7 @@ def test_hpa_per_set(rendered: dict[str, list[dict]]) -> None:
     docs = rendered["disaggregated"]
     hpas = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "HorizontalPodAutoscaler"}
     assert set(hpas) == {f"{FULL}-gateway", f"{FULL}-prefill", f"{FULL}-decode"}  # the gateway's on CPU
-    expected = {"prefill": (3, {"ringserve_num_requests_waiting": "2"}),
+    expected = {"prefill": (3, {"ringserve_num_requests_waiting": "2", "ringserve_num_prompt_tokens_waiting": "4096"}),
                 "decode": (6, {"ringserve_num_requests_running": "24", "ringserve_kv_cache_usage_perc": "0.7"})}
     for replica_set, (most, targets) in expected.items():
         name = f"{FULL}-{replica_set}"
@@ -142,14 +142,15 @@ def test_hpa_per_set(rendered: dict[str, list[dict]]) -> None:
         assert hpa["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 120
         assert "replicas" not in by(docs, "StatefulSet", name)["spec"]  # the HPA owns it
     rules = yaml.safe_load(by(docs, "ConfigMap", f"{FULL}-prometheus-adapter")["data"]["config.yaml"])["rules"]
-    families = ("num_requests_waiting", "num_requests_running", "kv_cache_usage_perc")
+    families = ("num_requests_waiting", "num_prompt_tokens_waiting", "num_requests_running", "kv_cache_usage_perc")
     assert [r["seriesQuery"] for r in rules] == [f'ringserve:{m}{{namespace!="",pod!=""}}' for m in families]
 
 
 def test_keda_per_set(rendered: dict[str, list[dict]]) -> None:
     docs = rendered["disaggregated-keda"]
     assert not [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("prometheus-adapter")]
-    expected = {"prefill": {"queue-depth": ("ringserve:num_requests_waiting", "3")},
+    expected = {"prefill": {"queue-depth": ("ringserve:num_requests_waiting", "3"),
+                            "waiting-prompt-tokens": ("ringserve:num_prompt_tokens_waiting", "8192")},
                 "decode": {"running-requests": ("ringserve:num_requests_running", "16"),
                            "kv-cache-usage": ("ringserve:kv_cache_usage_perc", "0.8")}}
     objects = {d["metadata"]["name"] for d in docs if d["kind"] == "ScaledObject"}

@@ -24,6 +24,7 @@ class Pair:
         self.transfer = GrpcKvTransfer()
         self.moved = 0
         self.prefill_rows: dict[str, Result] = {}  # what the prefill side emitted (aborts only)
+        self.peak_slots = 0  # the most request slots the decode side held at once (reserved or decoding)
 
     def add(self, spec: ReqInput) -> None:
         self.decode.add_request(replace(spec, disagg_role=Role.DECODE))
@@ -51,6 +52,7 @@ class Pair:
             self.handoffs = [h for h in self.handoffs if not self.move(h)]
             if (out := self.decode.step()) is not None:
                 collect(out, results)
+            self.peak_slots = max(self.peak_slots, self.decode.load().req_slots_used)
         else:
             raise AssertionError(f"not done after 400 steps: {list(self.prefill.reqs)} {list(self.decode.reqs)}")
         return results

@@ -63,6 +63,7 @@ def test_counts_through_chunked_prefill_retraction_and_abort(make_engine, chat_i
     assert m["ringserve:num_decode_steps_total"] == engine.num_decode_steps > 0
     # Idle: gauges back to zero, the pool's size as configured.
     assert m["ringserve:num_requests_running"] == m["ringserve:num_requests_waiting"] == 0
+    assert m["ringserve:num_prompt_tokens_waiting"] == engine.load().num_waiting_prompt_tokens == 0  # after requeues
     assert m["ringserve:req_slots_used"] == m["ringserve:kv_used_tokens"] == m["ringserve:kv_cache_usage_perc"] == 0
     assert m["ringserve:kv_total_tokens"] == size
     assert m["ringserve:req_slots_total"] == 32
@@ -95,9 +96,13 @@ def test_prefix_cache_hits_equal_cached_tokens_and_gauges_follow_occupancy(make_
     engine, metrics = observed(make_engine, max_running_requests=1)
     engine.add_request(greedy_req("run", ids, 8))
     engine.add_request(greedy_req("wait", ids, 8))
+    engine.add_request(greedy_req("gone", ids[:5], 8))
+    assert engine.load().num_waiting_prompt_tokens == 2 * len(ids) + 5
+    engine.abort(rid="gone")
     engine.step()
     m = scrape(metrics)
     assert (m["ringserve:num_requests_running"], m["ringserve:num_requests_waiting"]) == (1, 1)
+    assert m["ringserve:num_prompt_tokens_waiting"] == engine.load().num_waiting_prompt_tokens == len(ids)
     assert m["ringserve:req_slots_used"] == 1
     assert m["ringserve:kv_used_tokens"] == len(ids)  # the prompt; its first output token gets a row next step
     assert m["ringserve:kv_cache_usage_perc"] == len(ids) / engine.kv_pool.size

@@ -8,7 +8,7 @@ import asyncio
 import grpc
 import pytest
 
-from ringserve.v1 import common_pb2, disagg_pb2, scheduler_pb2, tokenizer_pb2
+from ringserve.v1 import common_pb2, detokenizer_pb2, disagg_pb2, scheduler_pb2, tokenizer_pb2
 from services.tokenizer.disagg_pair import Pair
 from services.tokenizer.errors import RequestError, unavailable
 from services.tokenizer.replicas import ReplicaAddress, ReplicaSet
@@ -126,3 +126,96 @@ async def test_losing_the_prefill_scheduler_fails_the_pairs_requests_and_aborts_
     assert [(type(m).__name__, m.rid) for m in d.sent[1:]] == [("AbortReq", "r")]  # the decode side frees it
     assert manager.load().req_states == 0 and dict(manager.outstanding) == {}
     await gen.aclose()
+
+
+def _generate(manager, rid: str, n: int = 1):
+    """A streaming Generate call's generator and the task awaiting its first output."""
+    chat = tokenizer_pb2.ChatInput(messages=[tokenizer_pb2.ChatMessage(role="user", content="Hi")])
+    sampling = common_pb2.SamplingParams(n=n, temperature=0.5 if n > 1 else 0.0)
+    gen = manager.generate(tokenizer_pb2.GenerateReqInput(rid=rid, chat=chat, stream=True, sampling_params=sampling))
+    return gen, asyncio.ensure_future(gen.__anext__())
+
+
+def _row(rid: str, finish: int = common_pb2.FINISH_NONE) -> detokenizer_pb2.BatchStrOutput:
+    return detokenizer_pb2.BatchStrOutput(
+        rids=[rid], texts=["Hello"], new_token_counts=[1], output_ids=[9], prompt_tokens=[0], completion_tokens=[1],
+        cached_tokens=[0], finish_reasons=[common_pb2.FinishReason(type=finish)])
+
+
+def _sent(replica: FakeReplica) -> list[tuple[str, str]]:
+    return [(type(m).__name__, m.rid) for m in replica.sent]
+
+
+async def test_a_lost_prefill_scheduler_sends_the_request_to_another_pair_and_frees_the_old_reservation(manager):
+    p0, p1, d0 = FakeReplica("p0", "prefill"), FakeReplica("p1", "prefill"), FakeReplica("d0", "decode")
+    manager.balancer = _set(p0, p1, d0)
+    gen, first = _generate(manager, "r")
+    await asyncio.sleep(0.01)
+    old = manager.rid_to_state["r"].replica
+    lost, other = (p0, p1) if old.prefill is p0 else (p1, p0)
+    lost.up = False
+    assert manager.fail_all(unavailable("lost the connection to the scheduler"), False, replica=lost) == 0
+    # The old decode part is aborted before the new one arrives, on the same decode scheduler here.
+    assert _sent(d0) == [("TokenizedGenerateReqInput", "r"), ("AbortReq", "r"),
+                         ("TokenizedGenerateReqInput", "r/retry1")]
+    assert [(m.rid, m.disagg_role, m.disagg_bootstrap) for m in other.sent] == [
+        ("r/retry1", disagg_pb2.DISAGG_ROLE_PREFILL, "d0")]
+    new = manager.balancer.pairs._pairs[(other.name, "d0")]
+    assert dict(manager.outstanding) == {new: 1} and set(manager.rid_to_state) == {"r/retry1"}
+    # The old decode side's final abort row reaches nothing; the new attempt's rows reach the call.
+    manager.handle_batch(_row("r", common_pb2.FINISH_ABORT))
+    manager.handle_batch(_row("r/retry1", common_pb2.FINISH_LENGTH))
+    out = await asyncio.wait_for(first, 1)
+    assert (out.rid, out.text, list(out.output_ids), out.finish_reason.type) == ("r", "Hello", [9],
+                                                                                 common_pb2.FINISH_LENGTH)
+    await gen.aclose()
+    assert manager.load().req_states == 0 and dict(manager.outstanding) == {}
+
+
+async def test_a_retried_request_is_aborted_by_its_call_rid_and_fails_when_its_second_prefill_goes_too(manager):
+    p0, p1, d0 = FakeReplica("p0", "prefill"), FakeReplica("p1", "prefill"), FakeReplica("d0", "decode")
+    manager.balancer = _set(p0, p1, d0)
+    gen, first = _generate(manager, "q", n=2)
+    await asyncio.sleep(0.01)
+    lost = manager.rid_to_state["q-0"].replica.prefill
+    lost.up = False
+    assert manager.fail_all(unavailable("lost p"), False, replica=lost) == 0
+    assert set(manager.rid_to_state) == {"q-0/retry1", "q-1/retry1"}
+    assert manager.abort("q-1")  # the call's sub-rid reaches the attempt
+    assert [m.rid for m in d0.sent if isinstance(m, scheduler_pb2.AbortReq)][-1] == "q-1/retry1"
+    lost.up = True  # back, but the retry is spent: losing the second prefill scheduler fails the call
+    second = manager.rid_to_state["q-0/retry1"].replica.prefill
+    second.up = False
+    assert manager.fail_all(unavailable("lost the second"), False, replica=second) == 2
+    with pytest.raises(RequestError, match="lost the second"):
+        await asyncio.wait_for(first, 1)
+    await gen.aclose()
+    assert manager.load().req_states == 0 and dict(manager.outstanding) == {}
+
+
+async def test_a_request_whose_call_saw_output_or_that_has_no_other_prefill_fails_fast(manager):
+    p0, p1, d0 = FakeReplica("p0", "prefill"), FakeReplica("p1", "prefill"), FakeReplica("d0", "decode")
+    manager.balancer = _set(p0, p1, d0)
+    gen, first = _generate(manager, "s")
+    await asyncio.sleep(0.01)
+    manager.handle_batch(_row("s"))  # the first token is on its way to the client
+    assert (await asyncio.wait_for(first, 1)).text == "Hello"
+    lost = manager.rid_to_state["s"].replica.prefill
+    lost.up = False
+    assert manager.fail_all(unavailable("lost p"), False, replica=lost) == 1
+    with pytest.raises(RequestError, match="lost p"):
+        await gen.__anext__()
+    assert [n for n, _ in _sent(d0)] == ["TokenizedGenerateReqInput", "AbortReq"]  # not sent again
+
+    manager.balancer = _set(p0, d0)  # one prefill scheduler: nothing else is eligible
+    p0.up, d0.sent = True, []
+    gen, first = _generate(manager, "t")
+    await asyncio.sleep(0.01)
+    p0.up = False
+    assert manager.fail_all(unavailable("lost p0"), False, replica=p0) == 1
+    with pytest.raises(RequestError, match="lost p0") as err:
+        await asyncio.wait_for(first, 1)
+    assert err.value.status == grpc.StatusCode.UNAVAILABLE and _sent(d0) == [
+        ("TokenizedGenerateReqInput", "t"), ("AbortReq", "t")]
+    await gen.aclose()
+    assert manager.load().req_states == 0 and dict(manager.outstanding) == {}

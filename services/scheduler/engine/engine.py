@@ -448,4 +448,5 @@ class Engine:
             num_finished_reqs=self.num_finished_reqs,
             schedule_policy=self.policy.policy,
             num_transfer_reqs=len(self.disagg.reserved),
+            num_waiting_prompt_tokens=self.policy.waiting.tokens,
         )

@@ -29,6 +29,7 @@ class LoadStats:
     num_finished_reqs: int
     schedule_policy: str = "fcfs"  # --schedule-policy: the tokenizer refuses a priority it cannot honour
     num_transfer_reqs: int = 0  # decode side: reservations waiting for their KV (services/scheduler/disagg)
+    num_waiting_prompt_tokens: int = 0  # tokens the waiting queue's requests will prefill
 
 
 @dataclass

@@ -12,6 +12,10 @@ Arrival is a number the queue gives a request when it first joins (``Req.arrival
 clock: two requests that join in one step keep the order they joined in. Kept sorted in a
 list (insertion by bisection); the queue is read in order every step (admission takes its
 head, ``lpm`` sorts it, the gauges count it), which a heap would not give.
+
+``tokens`` counts the tokens its requests will prefill (prompt, and a retracted request's
+output so far), kept as they join and leave: the load report reads it from another thread,
+where summing over the list while the engine changes it would not be safe.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ class WaitingQueue:
         self.by_priority = by_priority
         self._reqs: list[Req] = []
         self._arrivals = itertools.count()
+        self.tokens = 0  # sum of seq_len over the queue (a waiting request's does not change)
 
     def append(self, req: Req) -> None:
         """A request joins: it gets its arrival number and goes to its place."""
@@ -57,6 +62,7 @@ class WaitingQueue:
         self._insert(req, front=True)
 
     def _insert(self, req: Req, front: bool) -> None:
+        self.tokens += req.seq_len
         if self.by_priority:
             bisect.insort(self._reqs, req, key=priority_order)
         elif front:
@@ -66,11 +72,14 @@ class WaitingQueue:
 
     def popleft(self) -> Req:
         """Take the head. Raises IndexError when empty."""
-        return self._reqs.pop(0)
+        req = self._reqs.pop(0)
+        self.tokens -= req.seq_len
+        return req
 
     def remove(self, req: Req) -> None:
         """Drop a waiting request (an abort). Raises ValueError when it does not wait here."""
         self._reqs.remove(req)
+        self.tokens -= req.seq_len
 
     def reorder(self, key: Callable[[Req], Any]) -> None:
         """Sort the queue by ``key`` (stable: equal keys keep their order), as ``lpm`` does each step."""
@@ -78,6 +87,7 @@ class WaitingQueue:
 
     def clear(self) -> None:
         self._reqs.clear()
+        self.tokens = 0
 
     def __getitem__(self, i: int) -> Req:
         return self._reqs[i]
