@@ -157,3 +157,27 @@ def test_filters_give_a_row_the_same_bits_whatever_its_batch():
     assert torch.equal(alone, batched[:1]) and torch.equal(batched[1:], probs[1:])
     assert torch.equal(row_sum(probs[:1]), row_sum(probs)[:1])
     assert 0 < int((alone > 0).sum()) <= 40 and abs(float(alone.sum()) - 1.0) < 1e-5
+
+
+def test_top_logprobs_order_ties_by_id_whatever_k():
+    """Equal logprobs come by ascending token id and a row's first n are the same for every k >= n
+    (topk alone gave topk(20)[:3] != topk(3) on tied bf16 logits); also on fake CUDA tensors."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from services.scheduler.executor.sampling import top_logprobs
+
+    torch.manual_seed(0)
+    logp = torch.randint(-6, 0, (64, 500)).float()  # six distinct values: ties everywhere
+    logp[0, 7] = -float("inf")
+    logp[1] = -float("inf")
+    logp[1, 400] = 0.0
+    # The reference: a stable descending sort keeps equal values in ascending id order.
+    ref_vals, ref_ids = logp.sort(dim=-1, descending=True, stable=True)
+    for k in (1, 3, 20, 133, 500):
+        vals, ids = top_logprobs(logp, k)
+        assert torch.equal(ids, ref_ids[:, :k]) and torch.equal(vals, ref_vals[:, :k]), k
+    assert top_logprobs(logp, 3)[1].tolist()[1] == [400, 0, 1]
+    with FakeTensorMode():
+        vals, ids = top_logprobs(torch.empty(4, 64, device="cuda"), 5)
+    assert (tuple(vals.shape), ids.dtype, ids.device.type) == ((4, 5), torch.int64, "cuda")

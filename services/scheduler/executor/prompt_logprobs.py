@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from services.scheduler.executor.device import DeviceRuntime
+from services.scheduler.executor.sampling import top_logprobs
 from services.scheduler.models.base import CausalLM
 from services.scheduler.policy.req import Req
 from services.scheduler.policy.schedule import Plan
@@ -81,7 +82,7 @@ def score_prompts(model: CausalLM, runtime: DeviceRuntime, plan: Plan, spans: li
         logp = torch.log_softmax(model.compute_logits(hidden.narrow(0, a, n)), dim=-1)  # [S, V] fp32
         vals.append(logp.gather(1, targets.narrow(0, a, n).unsqueeze(1)).squeeze(1))
         if k:
-            tops.append(logp.topk(k, dim=-1))
+            tops.append(top_logprobs(logp, k))
     chosen = runtime.to_host(torch.cat(vals)).tolist()
     top_vals = runtime.to_host(torch.cat([v for v, _ in tops])).tolist() if k else None
     top_ids = runtime.to_host(torch.cat([i for _, i in tops])).tolist() if k else None

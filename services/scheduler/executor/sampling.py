@@ -233,8 +233,34 @@ def chosen_logprobs(logp: torch.Tensor, ids: torch.Tensor, reqs: list[Req]
     k = max(r.top_logprobs_num for r in reqs)
     if k == 0:
         return chosen, None, None
-    top_vals, top_ids = logp.topk(k, dim=-1)
+    top_vals, top_ids = top_logprobs(logp, k)
     return chosen, top_ids, top_vals
+
+
+def top_logprobs(logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's k highest logprobs, highest first and equal ones by ascending token id.
+
+    ``topk`` alone orders (and, at the k-th value, picks) equal logprobs in an order that depends
+    on k, and bf16 logits tie often: a row's first n entries would then depend on the largest
+    ``top_logprobs`` of the batch it shares. Here they are the same for every k >= n. No host
+    sync: the k-th value t bounds the set (every value above t, then the lowest ids equal to t),
+    whose k members are sorted by id and then, stably, by value.
+
+    Args:
+        logp: float32 [R, V]; k: 1 <= k <= V.
+
+    Returns:
+        (float32 [R, k] values, int64 [R, k] token ids).
+    """
+    t = logp.topk(k, dim=-1).values.narrow(1, k - 1, 1)  # [R, 1]: the k-th value (ties or not)
+    above = logp > t
+    equal = logp == t
+    room = k - above.sum(dim=-1, keepdim=True)  # how many ids equal to t belong to the set
+    chosen = above | (equal & (equal.cumsum(dim=-1) <= room))  # exactly k per row
+    ids = chosen.to(logp.dtype).topk(k, dim=-1).indices.sort(dim=-1).values  # the set, by id
+    vals = logp.gather(1, ids)
+    vals, order = vals.sort(dim=-1, descending=True, stable=True)
+    return vals, ids.gather(1, order)
 
 
 def _filter(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
