@@ -115,6 +115,37 @@ def test_weight_only_kernels_give_each_others_bits(linear):
         assert torch.equal(linear(x, "w8"), linear(x, "w8bf16"))
 
 
+@pytest.mark.skipif(not (quant.cpu_runs_int8() and quant._lib().rs_w8_amx_available()),
+                    reason="this CPU (or kernel) has no AMX-BF16: int8wo runs the AVX-512 kernels here")
+def test_amx_kernel_matches_float64_reference_and_a_rows_bits_do_not_depend_on_its_batch():
+    g = torch.Generator().manual_seed(6)
+    linear = Int8Linear(torch.randn(200, 320, generator=g) * 0.05, torch.randn(200, generator=g))  # K: 10 x 32
+    assert linear.can_run("w8amx", torch.bfloat16) and not linear.can_run("w8amx", torch.float32)
+    x = torch.randn(37, 320, generator=g).bfloat16()  # 3 row tiles, the last of 5 rows
+    batched = linear(x, "w8amx")
+    ref = x.double() @ dequantize(linear.packed, linear.scale, 200, 320).double().T + linear.bias.double()
+    assert torch.allclose(batched.double(), ref, rtol=2 ** -8, atol=1e-3)  # the bf16 output's rounding
+    for i in (0, 1, 15, 16, 17, 36):
+        assert torch.equal(linear(x[i : i + 1], "w8amx"), batched[i : i + 1])
+    assert torch.equal(linear(x[15:33], "w8amx"), batched[15:33])
+
+
+def test_int8wo_runs_the_amx_kernel_at_every_row_count_or_at_none(monkeypatch, tmp_path, linear):
+    """Its bits differ from w8/w8bf16's: the family that wins most row buckets runs them all (ties: AMX)."""
+    monkeypatch.setattr(quant, "_plan_cache_path", lambda: tmp_path / "plan.json")
+    model = torch.nn.Sequential(linear)
+    try:
+        for amx_wins, expected in ((2, "w8amx"), (1, "w8")):
+            timings = {r: {"w8": 1.0, "w8bf16": 3.0, "w8amx": 0.5 if i < amx_wins else 2.0}
+                       for i, r in enumerate(reversed(quant.ROW_BUCKETS))}
+            monkeypatch.setattr(quant, "measure_kernels", lambda lin, dtype, t=timings: t)
+            (tmp_path / "plan.json").unlink(missing_ok=True)
+            quant.choose_kernels(model, torch.bfloat16, quant.WEIGHT_ONLY)
+            assert linear.kernels == tuple((r, expected) for r in quant.ROW_BUCKETS)
+    finally:
+        linear.kernels = ((1, "w8a8"),)
+
+
 @needs_vnni
 def test_fix_kernels_pins_only_a_w8a8_and_weight_only_mix(linear):
     model = torch.nn.Sequential(linear)

@@ -15,6 +15,10 @@ interleaved so that a thread reads its weights as one sequential stream):
 - ``w8bf16``: weight-only for bf16 activations and many rows: each 16-channel block widened
   once per call to bf16 (exact) and run with AVX-512-BF16 ``vdpbf16ps`` on every row. ``w8``
   sums in ``vdpbf16ps``'s order, one FMA chain per output, so the two give the same bits.
+- ``w8amx``: weight-only for bf16 activations on AMX-BF16 tiles (``kernels/cpu/amx.c``): on
+  CPUs with AMX, oneDNN's bf16 GEMM runs on the tiles and the AVX-512 weight-only kernels
+  were 2.6x slower than bf16 at 64 rows. It sums in another order than ``w8``/``w8bf16``
+  (its own bits, batch-invariant too), so ``int8wo`` runs it at every row count or at none.
 
 ``int8`` runs, per weight shape and per row-count bucket (``ROW_BUCKETS``), whichever kernel
 measured faster, once per CPU, thread count and kernel build, kept in the kernel cache
@@ -54,8 +58,9 @@ from services.scheduler.layers.linear import PackedLinear
 log = logging.getLogger(__name__)
 
 QUANTIZATION_METHODS = names.QUANTIZATION_METHODS  # the flag's choices; check_supported refuses others
-KERNELS = ("w8a8", "w8", "w8bf16")  # rs_int8_linear's kernel ids, in order
-WEIGHT_ONLY = ("w8", "w8bf16")
+KERNEL_IDS = ("w8a8", "w8", "w8bf16", "w8amx")  # rs_int8_linear's kernel ids, in order
+KERNELS = KERNEL_IDS[:3]  # what ``int8`` chooses from (fix_kernels knows their bits)
+WEIGHT_ONLY = ("w8", "w8bf16", "w8amx")  # what ``int8wo`` chooses from
 ROW_BUCKETS = (1, 4, 16, 64)  # a call of M rows runs the kernel measured for the largest bucket <= M
 
 
@@ -93,6 +98,7 @@ def _lib() -> ctypes.CDLL:
     p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.rs_int8_available.argtypes, lib.rs_int8_available.restype = [], ctypes.c_int
     lib.rs_w8_bf16_available.argtypes, lib.rs_w8_bf16_available.restype = [], ctypes.c_int
+    lib.rs_w8_amx_available.argtypes, lib.rs_w8_amx_available.restype = [], ctypes.c_int
     lib.rs_int8_linear.argtypes = [i, i, p, p, p, ctypes.c_float, i64, i64, i64, p, p, p, p, p, i64, i, i]
     lib.rs_int8_linear.restype = None
     return lib
@@ -167,9 +173,12 @@ class Int8Linear(torch.nn.Module):
 
     def can_run(self, kernel: str, dtype: torch.dtype) -> bool:
         """Whether ``kernel`` runs this linear on ``dtype`` activations here (``w8bf16``: bf16
-        activations, in_features a multiple of 4, a CPU with AVX-512-BF16)."""
+        activations, in_features a multiple of 4, a CPU with AVX-512-BF16; ``w8amx``: bf16
+        activations, in_features a multiple of 32, a CPU and kernel with AMX-BF16)."""
+        if kernel == "w8amx":
+            return dtype == torch.bfloat16 and self.in_features % 32 == 0 and bool(_lib().rs_w8_amx_available())
         if kernel != "w8bf16":
-            return kernel in KERNELS
+            return kernel in KERNEL_IDS
         return dtype == torch.bfloat16 and self.in_features == self.k_padded and bool(_lib().rs_w8_bf16_available())
 
     def kernel_for(self, rows: int) -> str:
@@ -185,7 +194,7 @@ class Int8Linear(torch.nn.Module):
         """x: [T, in_features] bf16 or fp32 -> [T, out_features] in x's dtype (the LM head: ``out_dtype``).
 
         Args:
-            kernel: one of ``KERNELS`` (default: ``kernel_for(T)``; see ``can_run``).
+            kernel: one of ``KERNEL_IDS`` (default: ``kernel_for(T)``; see ``can_run``).
             norm: (weight [in_features], eps, residual [T, in_features] or None): the input is
                 ``add_rms_norm(x, weight, eps, residual)`` (``kernels.cpu_kernels``; the
                 residual updated in place), computed in the same C call.
@@ -207,8 +216,8 @@ class Int8Linear(torch.nn.Module):
         if t == 0:
             return out
         kernel = kernel or self.kernel_for(t)
-        if kernel == "w8bf16" and not (in_bf16 and self.in_features == self.k_padded):
-            kernel = "w8"
+        if kernel in ("w8bf16", "w8amx") and not self.can_run(kernel, x.dtype):
+            kernel = "w8"  # fp32 activations (the kernels were chosen for the model's bf16)
         pre, weight, eps, residual = 0, None, 0.0, None
         if norm is not None:
             pre, (weight, eps, residual) = 1, norm
@@ -216,7 +225,7 @@ class Int8Linear(torch.nn.Module):
             residual = None if residual is None else residual.data_ptr()
         elif silu_and_mul:
             pre = 2
-        _lib().rs_int8_linear(KERNELS.index(kernel), pre, x.data_ptr(), residual, weight, eps, t, self.in_features,
+        _lib().rs_int8_linear(KERNEL_IDS.index(kernel), pre, x.data_ptr(), residual, weight, eps, t, self.in_features,
                               self.k_padded, self.packed.data_ptr(), self.scale.data_ptr(), self.comp.data_ptr(),
                               None if self.bias is None else self.bias.data_ptr(), out.data_ptr(), self.out_features,
                               in_bf16, int(out.dtype == torch.bfloat16))
@@ -270,14 +279,14 @@ def _plan_cache_path():
 
 
 def measure_kernels(linear: Int8Linear, dtype: torch.dtype, repeats: int = 20) -> dict[int, dict[str, float]]:
-    """Median milliseconds of each kernel of ``KERNELS`` that can run (``Int8Linear.can_run``) on
+    """Median milliseconds of each kernel of ``KERNEL_IDS`` that can run (``Int8Linear.can_run``) on
     ``linear`` at each of ``ROW_BUCKETS`` rows (random ``dtype`` activations, this thread's torch
     thread count)."""
     times: dict[int, dict[str, float]] = {}
     for rows in ROW_BUCKETS:
         x = torch.randn(rows, linear.in_features).to(dtype)
         times[rows] = {}
-        for kernel in (k for k in KERNELS if linear.can_run(k, dtype)):
+        for kernel in (k for k in KERNEL_IDS if linear.can_run(k, dtype)):
             linear(x, kernel)  # warm: first touch of the weights
             samples = []
             for _ in range(repeats):
@@ -310,6 +319,11 @@ def choose_kernels(model: torch.nn.Module, dtype: torch.dtype,
         timings = {int(r): t for r, t in known[key].items()}
         used[linear.shape_key] = timings
         linear.kernels = tuple((r, min((k for k in t if k in allowed), key=t.get)) for r, t in sorted(timings.items()))
+        chosen = [k for _, k in linear.kernels]
+        if "w8amx" in chosen and len(set(chosen)) > 1:  # other bits than w8/w8bf16: all buckets or none
+            family = ("w8amx",) if 2 * chosen.count("w8amx") >= len(chosen) else ("w8", "w8bf16")
+            linear.kernels = tuple((r, min((k for k in t if k in allowed and k in family), key=t.get))
+                                   for r, t in sorted(timings.items()))
     if changed:
         save_json(path, known, "int8 kernel timings")
     return used
@@ -335,5 +349,5 @@ def describe(model: torch.nn.Module) -> str:
     parts = []
     for rows in (1, 64):
         kinds = [m.kernel_for(rows) for m in linears]
-        parts.append(f"at {rows} rows " + ", ".join(f"{kinds.count(k)} {k}" for k in KERNELS if k in kinds))
+        parts.append(f"at {rows} rows " + ", ".join(f"{kinds.count(k)} {k}" for k in KERNEL_IDS if k in kinds))
     return f"{len(linears)} int8 linears ({'; '.join(parts)})"
