@@ -17,6 +17,7 @@ Run it under the ring's wait policy (``OMP_WAIT_POLICY=PASSIVE``) unless the cor
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from pathlib import Path
@@ -54,6 +55,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=8, help="timed decode steps per side and round")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", type=Path, default=None,
+                   help="write the medians here (ringserve bench compare --engine-alone-json reads them)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     new_tokens = a.rounds * len(MODES) * (a.steps + 1) + 4
@@ -96,8 +99,12 @@ def main(argv: list[str] | None = None) -> dict:
             vs_bf16 = f"{pool / ms['none', batch, 'pool']:.2f}x" if "none" in engines else ""
             name = "bf16" if quant == "none" else quant
             print(f"| {name} | {batch} | {omp:.2f} | {pool:.2f} | {omp / pool:.2f}x | {floor} | {vs_bf16} |")
-    return {"bandwidth_gbps": bandwidth, "floors_ms": floors,
-            "step_ms": {f"{q} {b} {m}": v for (q, b, m), v in ms.items()}}
+    out = {"bandwidth_gbps": bandwidth, "floors_ms": floors,
+           "step_ms": {f"{q} {b} {m}": v for (q, b, m), v in ms.items()}}
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps(out, indent=1))
+    return out
 
 
 if __name__ == "__main__":

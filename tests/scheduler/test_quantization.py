@@ -130,32 +130,28 @@ def test_amx_kernel_matches_float64_reference_and_a_rows_bits_do_not_depend_on_i
     assert torch.equal(linear(x[15:33], "w8amx"), batched[15:33])
 
 
-def test_int8wo_runs_the_amx_kernel_at_every_row_count_or_at_none(monkeypatch, tmp_path, linear):
-    """Its bits differ from w8/w8bf16's: the family that wins most row buckets runs them all (ties: AMX)."""
-    monkeypatch.setattr(quant, "_plan_cache_path", lambda: tmp_path / "plan.json")
-    model = torch.nn.Sequential(linear)
-    try:
-        for amx_wins, expected in ((2, "w8amx"), (1, "w8")):
-            timings = {r: {"w8": 1.0, "w8bf16": 3.0, "w8amx": 0.5 if i < amx_wins else 2.0}
-                       for i, r in enumerate(reversed(quant.ROW_BUCKETS))}
-            monkeypatch.setattr(quant, "measure_kernels", lambda lin, dtype, t=timings: t)
-            (tmp_path / "plan.json").unlink(missing_ok=True)
-            quant.choose_kernels(model, torch.bfloat16, quant.WEIGHT_ONLY)
-            assert linear.kernels == tuple((r, expected) for r in quant.ROW_BUCKETS)
-    finally:
-        linear.kernels = ((1, "w8a8"),)
-
-
 @needs_vnni
-def test_fix_kernels_pins_only_a_w8a8_and_weight_only_mix(linear):
+def test_fix_kernels_pins_only_a_mix_of_kernel_families(linear):
     model = torch.nn.Sequential(linear)
     try:
         linear.kernels = ((1, "w8"), (16, "w8bf16"))
         assert quant.fix_kernels(model) == 0 and linear.kernels == ((1, "w8"), (16, "w8bf16"))
         linear.kernels = ((1, "w8"), (4, "w8"), (16, "w8a8"), (64, "w8a8"))
         assert quant.fix_kernels(model) == 1 and linear.kernels == ((1, "w8"),)  # a tie: the fewest rows' kernel
+        linear.kernels = ((1, "w8"), (4, "w8amx"), (16, "w8amx"), (64, "w8bf16"))  # AMX: other bits than w8's
+        assert quant.fix_kernels(model) == 1 and linear.kernels == ((1, "w8amx"),)
+        # with timings: the family whose worst bucket loses least (w8amx: 2x at 1 row; w8: 6x at 64)
+        linear.timings = {1: {"w8": 0.15, "w8bf16": 0.33, "w8amx": 0.3}, 4: {"w8": 0.26, "w8bf16": 0.7, "w8amx": 0.3},
+                          16: {"w8": 0.87, "w8bf16": 0.84, "w8amx": 0.38},
+                          64: {"w8": 3.0, "w8bf16": 2.6, "w8amx": 0.5}}
+        linear.kernels = ((1, "w8"), (4, "w8"), (16, "w8amx"), (64, "w8amx"))
+        assert quant.fix_kernels(model) == 1 and linear.kernels == ((1, "w8amx"),)
+        linear.timings[16]["w8bf16"], linear.timings[64]["w8bf16"] = 0.4, 0.55  # now AMX's 2x is the worst loss
+        linear.kernels = ((1, "w8"), (4, "w8"), (16, "w8amx"), (64, "w8amx"))
+        assert quant.fix_kernels(model) == 1
+        assert linear.kernels == ((1, "w8"), (4, "w8"), (16, "w8bf16"), (64, "w8bf16"))
     finally:
-        linear.kernels = ((1, "w8a8"),)
+        linear.kernels, linear.timings = ((1, "w8a8"),), {}
 
 
 @needs_vnni

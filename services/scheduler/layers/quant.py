@@ -17,8 +17,9 @@ interleaved so that a thread reads its weights as one sequential stream):
   sums in ``vdpbf16ps``'s order, one FMA chain per output, so the two give the same bits.
 - ``w8amx``: weight-only for bf16 activations on AMX-BF16 tiles (``kernels/cpu/amx.c``): on
   CPUs with AMX, oneDNN's bf16 GEMM runs on the tiles and the AVX-512 weight-only kernels
-  were 2.6x slower than bf16 at 64 rows. It sums in another order than ``w8``/``w8bf16``
-  (its own bits, batch-invariant too), so ``int8wo`` runs it at every row count or at none.
+  were 2.6x slower than bf16 at 64 rows. Batch-invariant too, but its sums are not
+  ``w8``'s bits (the tiles' internal order), so deterministic inference pins a linear that
+  mixes them (``fix_kernels``).
 
 ``int8`` runs, per weight shape and per row-count bucket (``ROW_BUCKETS``), whichever kernel
 measured faster, once per CPU, thread count and kernel build, kept in the kernel cache
@@ -36,7 +37,8 @@ bf16 oneDNN; W8A8 in C won every SmolLM2 shape at 1 and 64 rows (``bench/int8_ke
 Deterministic inference: ``w8a8`` is batch-invariant by construction (an exact int32 sum,
 per-row scales), and so are ``w8``/``w8bf16`` (one order whatever the tile, the same bits as
 each other); switching between W8A8 and weight-only with the row count is not, so
-``fix_kernels`` pins one of the two per shape (``int8`` only).
+``fix_kernels`` pins one of the two per shape (and ``int8wo``'s ``w8amx``, whose bits
+differ from ``w8``'s, against the other two).
 
 Needs AVX-512-VNNI (AMX-INT8 CPUs have it too): elsewhere ``check_supported`` raises.
 """
@@ -165,6 +167,7 @@ class Int8Linear(torch.nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self.k_padded = packed.shape[1] * 4
         self.kernels: tuple[tuple[int, str], ...] = ((1, "w8a8"),)
+        self.timings: dict[int, dict[str, float]] = {}  # choose_kernels': {rows: {allowed kernel: ms}}
         self.out_dtype: torch.dtype | None = None  # None: x's; float32 for the LM head (see quantize_model)
 
     @property
@@ -319,25 +322,43 @@ def choose_kernels(model: torch.nn.Module, dtype: torch.dtype,
         timings = {int(r): t for r, t in known[key].items()}
         used[linear.shape_key] = timings
         linear.kernels = tuple((r, min((k for k in t if k in allowed), key=t.get)) for r, t in sorted(timings.items()))
-        chosen = [k for _, k in linear.kernels]
-        if "w8amx" in chosen and len(set(chosen)) > 1:  # other bits than w8/w8bf16: all buckets or none
-            family = ("w8amx",) if 2 * chosen.count("w8amx") >= len(chosen) else ("w8", "w8bf16")
-            linear.kernels = tuple((r, min((k for k in t if k in allowed and k in family), key=t.get))
-                                   for r, t in sorted(timings.items()))
+        linear.timings = {r: {k: ms for k, ms in t.items() if k in allowed} for r, t in timings.items()}
     if changed:
         save_json(path, known, "int8 kernel timings")
     return used
 
 
+# Kernels that give each other's bits: a linear may switch within a family with the row count.
+FAMILY = {"w8a8": 0, "w8": 1, "w8bf16": 1, "w8amx": 2}
+
+
+def _regret(timings: dict[int, dict[str, float]], family: tuple[str, ...]) -> float:
+    """How many times slower than each bucket's fastest kernel ``family``'s best is, at its worst bucket."""
+    return max(min(ms for k, ms in b.items() if k in family) / min(b.values()) for b in timings.values())
+
+
 def fix_kernels(model: torch.nn.Module) -> int:
-    """Deterministic inference: pin each ``Int8Linear`` whose kernels mix W8A8 and weight-only
-    (``int8``) to one kernel for every row count (the one it chose for the most row buckets;
-    on a tie the one of the fewest rows), so a row's bits do not depend on its batch; the
-    weight-only kernels give each other's bits and stay as chosen. Returns how many were pinned."""
+    """Deterministic inference: pin each ``Int8Linear`` whose kernels mix families (``FAMILY``:
+    W8A8 and weight-only in ``int8``; ``w8amx`` and the AVX-512 weight-only ones in ``int8wo``)
+    to one kernel for every row count, so a row's bits do not depend on its batch; ``w8`` and
+    ``w8bf16`` give each other's bits and stay as chosen. The kernel: with ``w8amx`` in the mix
+    and ``choose_kernels``' timings, the family whose slowest bucket is least slower than that
+    bucket's fastest kernel (``w8amx`` loses ~2x at one row and wins ~6x at 64 on SmolLM2's
+    shapes: counting buckets would pin the 6x loss); otherwise the one chosen for the most
+    row buckets (on a tie the one of the fewest rows). Returns how many were pinned."""
     pinned = 0
     for linear in int8_linears(model):
         chosen = [k for _, k in linear.kernels]
-        if "w8a8" in chosen and len(set(chosen)) > 1:
+        if "w8amx" in chosen and len(set(chosen)) > 1 and "w8a8" not in chosen and linear.timings:
+            t = linear.timings
+            if _regret(t, ("w8amx",)) <= _regret(t, ("w8", "w8bf16")):
+                linear.kernels = ((1, "w8amx"),)
+            else:
+                linear.kernels = tuple((r, min((k for k in t[r] if k != "w8amx"), key=t[r].get))
+                                       for r, _ in linear.kernels)
+            pinned += 1
+            continue
+        if len({FAMILY[k] for k in chosen}) > 1:
             linear.kernels = ((1, max(chosen, key=chosen.count)),)  # max keeps the first of equal counts
             pinned += 1
     return pinned
