@@ -3,10 +3,10 @@
 ``PYTHONPATH=. OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/cpu_pool.py --model DIR``.
 
 One engine per weight format (bf16, ``int8``, ``int8wo``), all decoding at once. In each of
-``--rounds`` rounds every engine runs ``--steps`` decode steps with the C kernels' parallel
-regions on OpenMP and ``--steps`` on the persistent worker pool (``kernels/cpu/parallel.c``),
-the order alternating between rounds, so a machine shared with other work loads both sides
-alike. Prints the median step of each side, their ratio (OpenMP / pool: above 1 the pool is
+``--rounds`` rounds every engine runs ``--steps`` pairs of decode steps, one with the C
+kernels' parallel regions on OpenMP and one on the persistent worker pool
+(``kernels/cpu/parallel.c``), which first alternating, so a machine shared with other work
+loads both sides alike. Prints the median step of each side, their ratio (OpenMP / pool: above 1 the pool is
 faster), each format's batch-1 floor (weight bytes / measured copy bandwidth) and the pool's
 step over it, and each format's step over bf16's. In bf16 only attention, rotary, RMSNorm and
 SiLU run on the pool (oneDNN runs the matmuls with torch's OpenMP threads).
@@ -35,15 +35,11 @@ FLOOR_FORMAT = {"none": "bfloat16", "int8": "int8", "int8wo": "int8"}  # ringser
 MODES = {"openmp": False, "pool": True}
 
 
-def timed_steps(engine: Engine, steps: int) -> list[float]:
-    """Wall ms of each of ``steps`` decode steps (after one untimed step)."""
+def timed_step(engine: Engine) -> float:
+    """Wall ms of one decode step."""
+    t0 = time.perf_counter()
     engine.step()
-    out = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        engine.step()
-        out.append((time.perf_counter() - t0) * 1e3)
-    return out
+    return (time.perf_counter() - t0) * 1e3
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -53,13 +49,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--steps", type=int, default=8, help="timed decode steps per side and round")
+    p.add_argument("--steps", type=int, default=8, help="timed decode steps per side, engine and round")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", type=Path, default=None,
                    help="write the medians here (ringserve bench compare --engine-alone-json reads them)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    new_tokens = a.rounds * len(MODES) * (a.steps + 1) + 4
+    new_tokens = a.rounds * (len(MODES) * a.steps + 1) + 4
     engines = {}
     for quant in a.quantization:
         cfg = EngineConfig(model=a.model, dtype="bfloat16", attention_backend="cpu",
@@ -76,11 +72,12 @@ def main(argv: list[str] | None = None) -> dict:
             start_decoding(engine, batch, a.prompt_len, new_tokens)
         samples: dict[tuple[str, str], list[float]] = {(q, m): [] for q in engines for m in MODES}
         for r in range(a.rounds):
-            order = list(MODES) if r % 2 == 0 else list(reversed(MODES))
             for quant, engine in engines.items():
-                for mode in order:
-                    cpu_kernels.set_worker_pool(MODES[mode])
-                    samples[quant, mode] += timed_steps(engine, a.steps)
+                engine.step()  # untimed: the first step after another engine's
+                for i in range(a.steps):  # the sides alternate step by step (order too): both see the same load
+                    for mode in list(MODES)[:: 1 if (r + i) % 2 == 0 else -1]:
+                        cpu_kernels.set_worker_pool(MODES[mode])
+                        samples[quant, mode].append(timed_step(engine))
         cpu_kernels.set_worker_pool(True)
         for engine in engines.values():
             engine.abort()
