@@ -22,7 +22,8 @@ Build: ``$CC`` (default ``cc``) with ``-O3 -march=native -fopenmp``, the ``.c`` 
 ``$RINGSERVE_CACHE_DIR/kernels`` (default ``~/.cache/ringserve/kernels``); about a second.
 Threads: every kernel's parallel region runs on the library's persistent worker pool
 (``cpu/parallel.c``: N-1 workers started on first use in a process, woken per region, spinning
-at most 50 us after it and then sleeping on a futex), with the calling thread's torch thread
+at most 50 us after it -- not at all while other processes contend for the cores -- and then
+sleeping on a futex), with the calling thread's torch thread
 count (torch loads ``libgomp.so.1`` first, so the library reads torch's ``set_num_threads``);
 ``set_worker_pool(False)`` runs them as OpenMP regions instead (the A/B of ``bench/cpu_pool.py``).
 ctypes releases the GIL during each call.
