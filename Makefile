@@ -185,8 +185,10 @@ $(LLAMA_GGUF_Q8): | setup
 	$(PY) bench/baselines/requantize_gguf.py $(LLAMA_GGUF) $@
 bench: setup $(LLAMA_GGUF_Q8)
 	bin=$$(PIP=$(CURDIR)/$(VENV)/bin/pip bench/baselines/build_llama_server.sh $(CACHE_DIR)) && \
+	OMP_WAIT_POLICY=PASSIVE $(PY) bench/cpu_pool.py --model $(MODEL) --json bench/results/engine_alone.json && \
 	$(VENV)/bin/ringserve bench compare --model $(MODEL) --json bench/results/compare.json \
 		--ringserve-variant 'int8:--quantization int8' --ringserve-variant 'int8wo:--quantization int8wo' \
+		--engine-alone-json bench/results/engine_alone.json \
 		--llama-server-bin $$bin --llama-gguf $(LLAMA_GGUF) --llama-gguf $(LLAMA_GGUF_Q8) $(BENCH_ARGS)
 
 # Deterministic inference (the default for bf16 on the CPU) against the same server with it

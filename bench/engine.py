@@ -56,10 +56,14 @@ def preset_dir(model: Path, preset: str, out: Path) -> Path:
     return out
 
 
-def decode_step_ms(engine: Engine, batch: int, prompt_len: int, steps: int) -> tuple[float, float]:
-    """Median wall time and median process CPU time of one decode step (ms, ms) at
-    ``batch`` requests of ``prompt_len`` tokens."""
-    params = SamplingParams(temperature=0.0, max_new_tokens=steps + 2, ignore_eos=True)
+def start_decoding(engine: Engine, batch: int, prompt_len: int, new_tokens: int) -> None:
+    """Add ``batch`` greedy requests of ``prompt_len`` tokens (``new_tokens`` each, EOS ignored)
+    and step until all of them are prefilled and decoding.
+
+    Raises:
+        ValueError: the engine refused a request.
+    """
+    params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
     for i in range(batch):
         ids = [(i * 7919 + j * 31) % 40000 + 100 for j in range(prompt_len)]
         engine.add_request(ReqInput(rid=f"b{batch}-{i}", input_ids=ids, sampling=params))
@@ -67,6 +71,12 @@ def decode_step_ms(engine: Engine, batch: int, prompt_len: int, steps: int) -> t
         out = engine.step()
         if out is not None and any(f is not None and f.type == FinishType.ABORT for f in out.finish_reasons):
             raise ValueError(f"a benchmark request was refused: {out.finish_reasons}")
+
+
+def decode_step_ms(engine: Engine, batch: int, prompt_len: int, steps: int) -> tuple[float, float]:
+    """Median wall time and median process CPU time of one decode step (ms, ms) at
+    ``batch`` requests of ``prompt_len`` tokens."""
+    start_decoding(engine, batch, prompt_len, steps + 2)
     times, cpu = [], []
     for _ in range(steps):
         t, c = time.perf_counter(), time.process_time()

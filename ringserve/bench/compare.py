@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ringserve.bench.dataset import local_tokenizer_info, random_requests
-from ringserve.bench.floor import BYTES_PER_ELEMENT, copy_bandwidth_gbps, decode_floor_ms
+from ringserve.bench.floor import BYTES_PER_ELEMENT, copy_bandwidth_gbps, decode_floor_ms, itl_ratios
 from ringserve.bench.serve import ServeConfig, run_benchmark
 from ringserve.bench.workloads import chat_requests, copy_requests
 from ringserve.launch import free_port
@@ -200,6 +200,24 @@ def _ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b else "-"
 
 
+def ringserve_quantization(args: argparse.Namespace) -> dict[str, str]:
+    """Each ringserve server's ``--quantization`` value ("none" without one), by server name."""
+    def quantization(flags: list[str]) -> str:
+        return flags[flags.index("--quantization") + 1] if "--quantization" in flags[:-1] else "none"
+
+    out = {f"ringserve-{v.partition(':')[0]}": quantization(args.ringserve_arg + v.partition(":")[2].split())
+           for v in args.ringserve_variant}
+    return {**out, "ringserve": quantization(args.ringserve_arg)}
+
+
+def engine_alone_ms(path: Path, quantization: dict[str, str]) -> dict[str, float]:
+    """The pool's batch-1 decode step (ms) of each server's weights from ``bench/cpu_pool.py
+    --json``'s file ({"step_ms": {"<quantization> 1 pool": ms}}), by server; servers whose
+    weights it did not run are left out."""
+    steps = json.loads(Path(path).read_text())["step_ms"]
+    return {s: steps[f"{q} 1 pool"] for s, q in quantization.items() if f"{q} 1 pool" in steps}
+
+
 def format_table(results: dict[str, dict[int, dict]], levels: list[int]) -> str:
     """Markdown table: per level and server, completed/failed, output tok/s, medians (ms), and
     each ringserve's (the default's and every ``ringserve-NAME`` variant's) output-throughput
@@ -254,6 +272,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workload", choices=["random", "copy", "chat"], default="random",
                    help="random: random-id prompts to /v1/completions; copy: chat prompts asking to repeat a passage "
                         "of about --input-len tokens; chat: short requests for prose (ringserve.bench.workloads)")
+    p.add_argument("--engine-alone-json", type=Path, default=None,
+                   help="bench/cpu_pool.py --json's output: each ringserve's served ITL over its engine-alone step")
     p.add_argument("--json", default=None)
     p.add_argument("--disable-progress", action="store_true")
     args = p.parse_args(argv)
@@ -282,6 +302,11 @@ def main(argv: list[str] | None = None) -> None:
               f"row, {spec['accepted_tokens']:.0f} of {spec['draft_tokens']:.0f} drafts accepted")
     print(f"decode-step floor at batch 1 (weight bytes / {bandwidth:.1f} GB/s copy bandwidth): "
           + ", ".join(f"{f} {ms:.1f} ms" for f, ms in floors.items()))
+    if 1 in args.concurrency:
+        quant = ringserve_quantization(args)
+        engine_ms = engine_alone_ms(args.engine_alone_json, quant) if args.engine_alone_json else {}
+        print(itl_ratios({s: results[s][1]["median_itl_ms"] for s in quant},
+                         {s: floors["int8" if q != "none" else args.dtype] for s, q in quant.items()}, engine_ms))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         with open(args.json, "w") as f:

@@ -53,3 +53,17 @@ def decode_floor_ms(model_dir: Path, dtype: str, bandwidth_gbps: float) -> float
     embedding lookup only one row.
     """
     return param_count(model_dir) * BYTES_PER_ELEMENT[dtype] / (bandwidth_gbps * 1e9) * 1000
+
+
+def itl_ratios(itl_ms: dict[str, float], floor_ms: dict[str, float], engine_ms: dict[str, float]) -> str:
+    """One line: each server's served median ITL at concurrency 1 over the batch-1 floor of its
+    weights (``floor_ms``, by server) and over the engine alone's batch-1 decode step
+    (``engine_ms``, by server; servers without one get the floor ratio only). What a served
+    token costs beyond the bytes it must read, and beyond the engine's own step."""
+    parts = []
+    for server, itl in itl_ms.items():
+        part = f"{server} {itl / floor_ms[server]:.1f}x the floor"
+        if server in engine_ms:
+            part += f", {itl / engine_ms[server]:.2f}x the engine alone ({engine_ms[server]:.1f} ms)"
+        parts.append(part)
+    return "served median ITL at concurrency 1: " + "; ".join(parts)

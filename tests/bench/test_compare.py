@@ -7,8 +7,16 @@ import os
 
 import pytest
 
-from ringserve.bench.compare import build_servers, format_table, gguf_format, prompts_for, vm_hwm_mib
-from ringserve.bench.floor import BYTES_PER_ELEMENT
+from ringserve.bench.compare import (
+    build_servers,
+    engine_alone_ms,
+    format_table,
+    gguf_format,
+    prompts_for,
+    ringserve_quantization,
+    vm_hwm_mib,
+)
+from ringserve.bench.floor import BYTES_PER_ELEMENT, itl_ratios
 
 
 def _summary(tok_s: float, itl_ms: float) -> dict:
@@ -71,3 +79,19 @@ def test_ringserve_variants_run_beside_the_default():
     args.ringserve_variant = ["no-flags"]
     with pytest.raises(SystemExit, match="expected NAME:FLAGS"):
         build_servers(args)
+
+
+def test_served_itl_over_the_floor_and_the_engine_alone(tmp_path):
+    args = argparse.Namespace(ringserve_arg=["--max-running-requests", "64"],
+                              ringserve_variant=["int8:--quantization int8", "wo:--quantization int8wo --seed 1",
+                                                 "det:--disable-deterministic-inference"])
+    quant = ringserve_quantization(args)
+    assert quant == {"ringserve-int8": "int8", "ringserve-wo": "int8wo", "ringserve-det": "none", "ringserve": "none"}
+    path = tmp_path / "engine.json"  # what bench/cpu_pool.py --json writes
+    path.write_text('{"step_ms": {"none 1 pool": 20.0, "int8 1 pool": 10.0, "int8 64 pool": 70.0}}')
+    engine = engine_alone_ms(path, quant)
+    assert engine == {"ringserve-int8": 10.0, "ringserve-det": 20.0, "ringserve": 20.0}
+    line = itl_ratios({"ringserve-int8": 15.0, "ringserve-wo": 30.0}, {"ringserve-int8": 5.0, "ringserve-wo": 5.0},
+                      engine)
+    assert line == ("served median ITL at concurrency 1: ringserve-int8 3.0x the floor, 1.50x the engine alone "
+                    "(10.0 ms); ringserve-wo 6.0x the floor")

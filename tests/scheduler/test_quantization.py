@@ -115,16 +115,43 @@ def test_weight_only_kernels_give_each_others_bits(linear):
         assert torch.equal(linear(x, "w8"), linear(x, "w8bf16"))
 
 
+@pytest.mark.skipif(not (quant.cpu_runs_int8() and quant._lib().rs_w8_amx_available()),
+                    reason="this CPU (or kernel) has no AMX-BF16: int8wo runs the AVX-512 kernels here")
+def test_amx_kernel_matches_float64_reference_and_a_rows_bits_do_not_depend_on_its_batch():
+    g = torch.Generator().manual_seed(6)
+    linear = Int8Linear(torch.randn(200, 320, generator=g) * 0.05, torch.randn(200, generator=g))  # K: 10 x 32
+    assert linear.can_run("w8amx", torch.bfloat16) and not linear.can_run("w8amx", torch.float32)
+    x = torch.randn(37, 320, generator=g).bfloat16()  # 3 row tiles, the last of 5 rows
+    batched = linear(x, "w8amx")
+    ref = x.double() @ dequantize(linear.packed, linear.scale, 200, 320).double().T + linear.bias.double()
+    assert torch.allclose(batched.double(), ref, rtol=2 ** -8, atol=1e-3)  # the bf16 output's rounding
+    for i in (0, 1, 15, 16, 17, 36):
+        assert torch.equal(linear(x[i : i + 1], "w8amx"), batched[i : i + 1])
+    assert torch.equal(linear(x[15:33], "w8amx"), batched[15:33])
+
+
 @needs_vnni
-def test_fix_kernels_pins_only_a_w8a8_and_weight_only_mix(linear):
+def test_fix_kernels_pins_only_a_mix_of_kernel_families(linear):
     model = torch.nn.Sequential(linear)
     try:
         linear.kernels = ((1, "w8"), (16, "w8bf16"))
         assert quant.fix_kernels(model) == 0 and linear.kernels == ((1, "w8"), (16, "w8bf16"))
         linear.kernels = ((1, "w8"), (4, "w8"), (16, "w8a8"), (64, "w8a8"))
         assert quant.fix_kernels(model) == 1 and linear.kernels == ((1, "w8"),)  # a tie: the fewest rows' kernel
+        linear.kernels = ((1, "w8"), (4, "w8amx"), (16, "w8amx"), (64, "w8bf16"))  # AMX: other bits than w8's
+        assert quant.fix_kernels(model) == 1 and linear.kernels == ((1, "w8amx"),)
+        # with timings: the family whose worst bucket loses least (w8amx: 2x at 1 row; w8: 6x at 64)
+        linear.timings = {1: {"w8": 0.15, "w8bf16": 0.33, "w8amx": 0.3}, 4: {"w8": 0.26, "w8bf16": 0.7, "w8amx": 0.3},
+                          16: {"w8": 0.87, "w8bf16": 0.84, "w8amx": 0.38},
+                          64: {"w8": 3.0, "w8bf16": 2.6, "w8amx": 0.5}}
+        linear.kernels = ((1, "w8"), (4, "w8"), (16, "w8amx"), (64, "w8amx"))
+        assert quant.fix_kernels(model) == 1 and linear.kernels == ((1, "w8amx"),)
+        linear.timings[16]["w8bf16"], linear.timings[64]["w8bf16"] = 0.4, 0.55  # now AMX's 2x is the worst loss
+        linear.kernels = ((1, "w8"), (4, "w8"), (16, "w8amx"), (64, "w8amx"))
+        assert quant.fix_kernels(model) == 1
+        assert linear.kernels == ((1, "w8"), (4, "w8"), (16, "w8bf16"), (64, "w8bf16"))
     finally:
-        linear.kernels = ((1, "w8a8"),)
+        linear.kernels, linear.timings = ((1, "w8a8"),), {}
 
 
 @needs_vnni

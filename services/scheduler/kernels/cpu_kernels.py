@@ -5,7 +5,7 @@ per-op overhead was ~9 ms of a 32 ms step (one core); at batch 64 the torch deco
 attention gathered every request's K/V rows into a copy before two matmuls read it, ~30 %
 of the step. Four kernels replace them (``cpu/attention.c`` and ``cpu/elementwise.c`` have the
 algorithms; ``cpu/int8.c`` holds the int8 linears of ``layers.quant``, ``cpu/common.h`` what
-they share):
+they share, ``cpu/parallel.c`` their parallel regions):
 
 - ``decode_attention``: reads each request's K/V rows in place in the paged pool.
 - ``rotary_store``: rotary on q and k of the fused qkv output, k and v into the pool.
@@ -20,8 +20,13 @@ keeps scores, probabilities and the value sum in fp32 and rounds once, at its ou
 Build: ``$CC`` (default ``cc``) with ``-O3 -march=native -fopenmp``, the ``.c`` files of
 ``cpu/`` into one library, once per source (every file of ``cpu/``), compiler and CPU, into
 ``$RINGSERVE_CACHE_DIR/kernels`` (default ``~/.cache/ringserve/kernels``); about a second.
-The library shares torch's OpenMP runtime (torch loads ``libgomp.so.1`` first), so its
-parallel loops use the calling thread's torch thread count. ctypes releases the GIL during each call.
+Threads: every kernel's parallel region runs on the library's persistent worker pool
+(``cpu/parallel.c``: N-1 workers started on first use in a process, woken per region, spinning
+at most 50 us after it -- not at all while other processes contend for the cores -- and then
+sleeping on a futex), with the calling thread's torch thread
+count (torch loads ``libgomp.so.1`` first, so the library reads torch's ``set_num_threads``);
+``set_worker_pool(False)`` runs them as OpenMP regions instead (the A/B of ``bench/cpu_pool.py``).
+ctypes releases the GIL during each call.
 """
 
 from __future__ import annotations
@@ -139,7 +144,21 @@ def library() -> ctypes.CDLL:
     lib.rs_silu_and_mul.argtypes = [_P, _P, _I64, _I64, _I]
     for fn in (lib.rs_decode_attention, lib.rs_rotary_store, lib.rs_add_rms_norm, lib.rs_silu_and_mul):
         fn.restype = None
+    lib.rs_set_pool.argtypes, lib.rs_set_pool.restype = [_I], _I
+    lib.rs_pool_threads.argtypes, lib.rs_pool_threads.restype = [], _I
     return lib
+
+
+def set_worker_pool(on: bool) -> bool:
+    """Run the kernels' parallel regions on the library's worker pool (True, the default) or as
+    OpenMP regions (False); returns the previous setting. Results are the same either way
+    (each output is computed by one thread in a fixed order); only the speed differs."""
+    return bool(library().rs_set_pool(int(on)))
+
+
+def pool_threads() -> int:
+    """Threads of the worker pool in this process (1 until a parallel region has run on it)."""
+    return int(library().rs_pool_threads())
 
 
 def _kind(t: torch.Tensor) -> int:

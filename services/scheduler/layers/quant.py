@@ -15,6 +15,11 @@ interleaved so that a thread reads its weights as one sequential stream):
 - ``w8bf16``: weight-only for bf16 activations and many rows: each 16-channel block widened
   once per call to bf16 (exact) and run with AVX-512-BF16 ``vdpbf16ps`` on every row. ``w8``
   sums in ``vdpbf16ps``'s order, one FMA chain per output, so the two give the same bits.
+- ``w8amx``: weight-only for bf16 activations on AMX-BF16 tiles (``kernels/cpu/amx.c``): on
+  CPUs with AMX, oneDNN's bf16 GEMM runs on the tiles and the AVX-512 weight-only kernels
+  were 2.6x slower than bf16 at 64 rows. Batch-invariant too, but its sums are not
+  ``w8``'s bits (the tiles' internal order), so deterministic inference pins a linear that
+  mixes them (``fix_kernels``).
 
 ``int8`` runs, per weight shape and per row-count bucket (``ROW_BUCKETS``), whichever kernel
 measured faster, once per CPU, thread count and kernel build, kept in the kernel cache
@@ -32,7 +37,8 @@ bf16 oneDNN; W8A8 in C won every SmolLM2 shape at 1 and 64 rows (``bench/int8_ke
 Deterministic inference: ``w8a8`` is batch-invariant by construction (an exact int32 sum,
 per-row scales), and so are ``w8``/``w8bf16`` (one order whatever the tile, the same bits as
 each other); switching between W8A8 and weight-only with the row count is not, so
-``fix_kernels`` pins one of the two per shape (``int8`` only).
+``fix_kernels`` pins one of the two per shape (and ``int8wo``'s ``w8amx``, whose bits
+differ from ``w8``'s, against the other two).
 
 Needs AVX-512-VNNI (AMX-INT8 CPUs have it too): elsewhere ``check_supported`` raises.
 """
@@ -54,8 +60,9 @@ from services.scheduler.layers.linear import PackedLinear
 log = logging.getLogger(__name__)
 
 QUANTIZATION_METHODS = names.QUANTIZATION_METHODS  # the flag's choices; check_supported refuses others
-KERNELS = ("w8a8", "w8", "w8bf16")  # rs_int8_linear's kernel ids, in order
-WEIGHT_ONLY = ("w8", "w8bf16")
+KERNEL_IDS = ("w8a8", "w8", "w8bf16", "w8amx")  # rs_int8_linear's kernel ids, in order
+KERNELS = KERNEL_IDS[:3]  # what ``int8`` chooses from (fix_kernels knows their bits)
+WEIGHT_ONLY = ("w8", "w8bf16", "w8amx")  # what ``int8wo`` chooses from
 ROW_BUCKETS = (1, 4, 16, 64)  # a call of M rows runs the kernel measured for the largest bucket <= M
 
 
@@ -93,6 +100,7 @@ def _lib() -> ctypes.CDLL:
     p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.rs_int8_available.argtypes, lib.rs_int8_available.restype = [], ctypes.c_int
     lib.rs_w8_bf16_available.argtypes, lib.rs_w8_bf16_available.restype = [], ctypes.c_int
+    lib.rs_w8_amx_available.argtypes, lib.rs_w8_amx_available.restype = [], ctypes.c_int
     lib.rs_int8_linear.argtypes = [i, i, p, p, p, ctypes.c_float, i64, i64, i64, p, p, p, p, p, i64, i, i]
     lib.rs_int8_linear.restype = None
     return lib
@@ -159,6 +167,7 @@ class Int8Linear(torch.nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self.k_padded = packed.shape[1] * 4
         self.kernels: tuple[tuple[int, str], ...] = ((1, "w8a8"),)
+        self.timings: dict[int, dict[str, float]] = {}  # choose_kernels': {rows: {allowed kernel: ms}}
         self.out_dtype: torch.dtype | None = None  # None: x's; float32 for the LM head (see quantize_model)
 
     @property
@@ -167,9 +176,12 @@ class Int8Linear(torch.nn.Module):
 
     def can_run(self, kernel: str, dtype: torch.dtype) -> bool:
         """Whether ``kernel`` runs this linear on ``dtype`` activations here (``w8bf16``: bf16
-        activations, in_features a multiple of 4, a CPU with AVX-512-BF16)."""
+        activations, in_features a multiple of 4, a CPU with AVX-512-BF16; ``w8amx``: bf16
+        activations, in_features a multiple of 32, a CPU and kernel with AMX-BF16)."""
+        if kernel == "w8amx":
+            return dtype == torch.bfloat16 and self.in_features % 32 == 0 and bool(_lib().rs_w8_amx_available())
         if kernel != "w8bf16":
-            return kernel in KERNELS
+            return kernel in KERNEL_IDS
         return dtype == torch.bfloat16 and self.in_features == self.k_padded and bool(_lib().rs_w8_bf16_available())
 
     def kernel_for(self, rows: int) -> str:
@@ -185,7 +197,7 @@ class Int8Linear(torch.nn.Module):
         """x: [T, in_features] bf16 or fp32 -> [T, out_features] in x's dtype (the LM head: ``out_dtype``).
 
         Args:
-            kernel: one of ``KERNELS`` (default: ``kernel_for(T)``; see ``can_run``).
+            kernel: one of ``KERNEL_IDS`` (default: ``kernel_for(T)``; see ``can_run``).
             norm: (weight [in_features], eps, residual [T, in_features] or None): the input is
                 ``add_rms_norm(x, weight, eps, residual)`` (``kernels.cpu_kernels``; the
                 residual updated in place), computed in the same C call.
@@ -207,8 +219,8 @@ class Int8Linear(torch.nn.Module):
         if t == 0:
             return out
         kernel = kernel or self.kernel_for(t)
-        if kernel == "w8bf16" and not (in_bf16 and self.in_features == self.k_padded):
-            kernel = "w8"
+        if kernel in ("w8bf16", "w8amx") and not self.can_run(kernel, x.dtype):
+            kernel = "w8"  # fp32 activations (the kernels were chosen for the model's bf16)
         pre, weight, eps, residual = 0, None, 0.0, None
         if norm is not None:
             pre, (weight, eps, residual) = 1, norm
@@ -216,7 +228,7 @@ class Int8Linear(torch.nn.Module):
             residual = None if residual is None else residual.data_ptr()
         elif silu_and_mul:
             pre = 2
-        _lib().rs_int8_linear(KERNELS.index(kernel), pre, x.data_ptr(), residual, weight, eps, t, self.in_features,
+        _lib().rs_int8_linear(KERNEL_IDS.index(kernel), pre, x.data_ptr(), residual, weight, eps, t, self.in_features,
                               self.k_padded, self.packed.data_ptr(), self.scale.data_ptr(), self.comp.data_ptr(),
                               None if self.bias is None else self.bias.data_ptr(), out.data_ptr(), self.out_features,
                               in_bf16, int(out.dtype == torch.bfloat16))
@@ -270,14 +282,14 @@ def _plan_cache_path():
 
 
 def measure_kernels(linear: Int8Linear, dtype: torch.dtype, repeats: int = 20) -> dict[int, dict[str, float]]:
-    """Median milliseconds of each kernel of ``KERNELS`` that can run (``Int8Linear.can_run``) on
+    """Median milliseconds of each kernel of ``KERNEL_IDS`` that can run (``Int8Linear.can_run``) on
     ``linear`` at each of ``ROW_BUCKETS`` rows (random ``dtype`` activations, this thread's torch
     thread count)."""
     times: dict[int, dict[str, float]] = {}
     for rows in ROW_BUCKETS:
         x = torch.randn(rows, linear.in_features).to(dtype)
         times[rows] = {}
-        for kernel in (k for k in KERNELS if linear.can_run(k, dtype)):
+        for kernel in (k for k in KERNEL_IDS if linear.can_run(k, dtype)):
             linear(x, kernel)  # warm: first touch of the weights
             samples = []
             for _ in range(repeats):
@@ -310,20 +322,43 @@ def choose_kernels(model: torch.nn.Module, dtype: torch.dtype,
         timings = {int(r): t for r, t in known[key].items()}
         used[linear.shape_key] = timings
         linear.kernels = tuple((r, min((k for k in t if k in allowed), key=t.get)) for r, t in sorted(timings.items()))
+        linear.timings = {r: {k: ms for k, ms in t.items() if k in allowed} for r, t in timings.items()}
     if changed:
         save_json(path, known, "int8 kernel timings")
     return used
 
 
+# Kernels that give each other's bits: a linear may switch within a family with the row count.
+FAMILY = {"w8a8": 0, "w8": 1, "w8bf16": 1, "w8amx": 2}
+
+
+def _regret(timings: dict[int, dict[str, float]], family: tuple[str, ...]) -> float:
+    """How many times slower than each bucket's fastest kernel ``family``'s best is, at its worst bucket."""
+    return max(min(ms for k, ms in b.items() if k in family) / min(b.values()) for b in timings.values())
+
+
 def fix_kernels(model: torch.nn.Module) -> int:
-    """Deterministic inference: pin each ``Int8Linear`` whose kernels mix W8A8 and weight-only
-    (``int8``) to one kernel for every row count (the one it chose for the most row buckets;
-    on a tie the one of the fewest rows), so a row's bits do not depend on its batch; the
-    weight-only kernels give each other's bits and stay as chosen. Returns how many were pinned."""
+    """Deterministic inference: pin each ``Int8Linear`` whose kernels mix families (``FAMILY``:
+    W8A8 and weight-only in ``int8``; ``w8amx`` and the AVX-512 weight-only ones in ``int8wo``)
+    to one kernel for every row count, so a row's bits do not depend on its batch; ``w8`` and
+    ``w8bf16`` give each other's bits and stay as chosen. The kernel: with ``w8amx`` in the mix
+    and ``choose_kernels``' timings, the family whose slowest bucket is least slower than that
+    bucket's fastest kernel (``w8amx`` loses ~2x at one row and wins ~6x at 64 on SmolLM2's
+    shapes: counting buckets would pin the 6x loss); otherwise the one chosen for the most
+    row buckets (on a tie the one of the fewest rows). Returns how many were pinned."""
     pinned = 0
     for linear in int8_linears(model):
         chosen = [k for _, k in linear.kernels]
-        if "w8a8" in chosen and len(set(chosen)) > 1:
+        if "w8amx" in chosen and len(set(chosen)) > 1 and "w8a8" not in chosen and linear.timings:
+            t = linear.timings
+            if _regret(t, ("w8amx",)) <= _regret(t, ("w8", "w8bf16")):
+                linear.kernels = ((1, "w8amx"),)
+            else:
+                linear.kernels = tuple((r, min((k for k in t[r] if k != "w8amx"), key=t[r].get))
+                                       for r, _ in linear.kernels)
+            pinned += 1
+            continue
+        if len({FAMILY[k] for k in chosen}) > 1:
             linear.kernels = ((1, max(chosen, key=chosen.count)),)  # max keeps the first of equal counts
             pinned += 1
     return pinned
@@ -335,5 +370,5 @@ def describe(model: torch.nn.Module) -> str:
     parts = []
     for rows in (1, 64):
         kinds = [m.kernel_for(rows) for m in linears]
-        parts.append(f"at {rows} rows " + ", ".join(f"{kinds.count(k)} {k}" for k in KERNELS if k in kinds))
+        parts.append(f"at {rows} rows " + ", ".join(f"{kinds.count(k)} {k}" for k in KERNEL_IDS if k in kinds))
     return f"{len(linears)} int8 linears ({'; '.join(parts)})"

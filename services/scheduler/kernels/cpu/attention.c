@@ -16,6 +16,8 @@
  */
 #include "common.h"
 
+#include <stdatomic.h>
+
 /* Soft-capping of n scores in place: cap * tanh(s / cap) (cap > 0). */
 static void soft_cap(float *s, int64_t n, float cap) {
     for (int64_t i = 0; i < n; i++) s[i] = cap * tanhf(s[i] / cap);
@@ -141,6 +143,81 @@ static inline __attribute__((always_inline)) void decode_one_avx512(
 }
 #endif
 
+typedef struct {
+    const void *q, *k_buf, *v_buf;
+    const int64_t *kv_indices, *rows, *seq_lens;
+    void *out;
+    int64_t idx_stride, B, Hq, Hkv, D, window;
+    float scale, softcap;
+    int is_bf16;
+    _Atomic int64_t next;  /* the next (request, KV head) item to take */
+} attn_args;
+
+/* Threads take (request, KV head) items one at a time from a shared counter (requests'
+ * lengths differ); which thread computes an item does not change its result. */
+static void attention_task(void *ctx, int tid, int nth) {
+    (void)tid;
+    (void)nth;
+    attn_args *a = ctx;
+    const void *q = a->q, *k_buf = a->k_buf, *v_buf = a->v_buf;
+    const int64_t *kv_indices = a->kv_indices, *rows = a->rows, *seq_lens = a->seq_lens;
+    void *out = a->out;
+    const int64_t idx_stride = a->idx_stride, Hq = a->Hq, Hkv = a->Hkv, D = a->D, window = a->window;
+    const float scale = a->scale, softcap = a->softcap;
+    const int is_bf16 = a->is_bf16;
+    const int64_t max_len = idx_stride;
+    const int64_t G = Hq / Hkv;
+    const int64_t es = is_bf16 ? 2 : 4;
+    float *qf = malloc(sizeof(float) * G * D);
+    float *acc = malloc(sizeof(float) * G * D);
+    float *scores = malloc(sizeof(float) * G * (max_len > 0 ? max_len : 1));
+    for (int64_t item; (item = atomic_fetch_add(&a->next, 1)) < a->B * Hkv;) {
+        const int64_t b = item / Hkv, h = item % Hkv;
+        int64_t L = seq_lens[b] < max_len ? seq_lens[b] : max_len;
+        const int64_t first = window > 0 && L > window ? L - window : 0;
+        L -= first;
+        const int64_t head0 = b * Hq + h * G;
+        if (L <= 0) {
+            memset((char *)out + head0 * D * es, 0, G * D * es);
+            continue;
+        }
+        for (int64_t e = 0; e < G * D; e++) qf[e] = load(q, head0 * D + e, is_bf16) * scale;
+        const int64_t *idx = kv_indices + (rows ? rows[b] : b) * idx_stride + first;
+        char *out_row = (char *)out + head0 * D * es;
+#if HAVE_AVX512
+        const char *kh = (const char *)k_buf + h * D * es, *vh = (const char *)v_buf + h * D * es;
+        if (D == 64 && is_bf16) {
+            decode_one_avx512(qf, kh, vh, idx, L, Hkv * D * es, G, 64, scores, out_row, softcap, 1);
+            continue;
+        } else if (D == 64) {
+            decode_one_avx512(qf, kh, vh, idx, L, Hkv * D * es, G, 64, scores, out_row, softcap, 0);
+            continue;
+        } else if (D == 128 && is_bf16) {
+            decode_one_avx512(qf, kh, vh, idx, L, Hkv * D * es, G, 128, scores, out_row, softcap, 1);
+            continue;
+        } else if (D == 128) {
+            decode_one_avx512(qf, kh, vh, idx, L, Hkv * D * es, G, 128, scores, out_row, softcap, 0);
+            continue;
+        } else if (D == 256 && is_bf16) {
+            decode_one_avx512(qf, kh, vh, idx, L, Hkv * D * es, G, 256, scores, out_row, softcap, 1);
+            continue;
+        } else if (D == 256) {
+            decode_one_avx512(qf, kh, vh, idx, L, Hkv * D * es, G, 256, scores, out_row, softcap, 0);
+            continue;
+        }
+#endif
+        if (is_bf16)
+            decode_one_bf16(qf, (const bf16_t *)k_buf + h * D, (const bf16_t *)v_buf + h * D, idx, L,
+                            Hkv * D, G, D, scores, acc, out_row, softcap, 1);
+        else
+            decode_one_f32(qf, (const float *)k_buf + h * D, (const float *)v_buf + h * D, idx, L,
+                           Hkv * D, G, D, scores, acc, out_row, softcap, 0);
+    }
+    free(qf);
+    free(acc);
+    free(scores);
+}
+
 /* q: [B, Hq, D]; k_buf, v_buf: [N, Hkv, D]; kv_indices: int64 [R, idx_stride]; rows: int64
  * [B], the row of kv_indices that query b reads, or NULL for row b (R = B); the first
  * seq_lens[b] entries of that row are used, clamped to idx_stride; seq_lens: int64 [B]; a
@@ -156,74 +233,34 @@ void rs_decode_attention(const void *q, const void *k_buf, const void *v_buf, co
                          int64_t idx_stride, const int64_t *rows, const int64_t *seq_lens, void *out, int64_t B,
                          int64_t Hq, int64_t Hkv, int64_t D, float scale, int64_t window, float softcap,
                          int is_bf16) {
-    const int64_t max_len = idx_stride;
-    const int64_t G = Hq / Hkv;
-    const int64_t es = is_bf16 ? 2 : 4;
-#pragma omp parallel if (B * Hkv > 1)
-    {
-        float *qf = malloc(sizeof(float) * G * D);
-        float *acc = malloc(sizeof(float) * G * D);
-        float *scores = malloc(sizeof(float) * G * (max_len > 0 ? max_len : 1));
-#pragma omp for collapse(2) schedule(dynamic, 1)
-        for (int64_t b = 0; b < B; b++) {
-            for (int64_t h = 0; h < Hkv; h++) {
-                int64_t L = seq_lens[b] < max_len ? seq_lens[b] : max_len;
-                const int64_t first = window > 0 && L > window ? L - window : 0;
-                L -= first;
-                const int64_t head0 = b * Hq + h * G;
-                if (L <= 0) {
-                    memset((char *)out + head0 * D * es, 0, G * D * es);
-                    continue;
-                }
-                for (int64_t e = 0; e < G * D; e++) qf[e] = load(q, head0 * D + e, is_bf16) * scale;
-                const int64_t *idx = kv_indices + (rows ? rows[b] : b) * idx_stride + first;
-                char *out_row = (char *)out + head0 * D * es;
-#if HAVE_AVX512
-                const char *kh = (const char *)k_buf + h * D * es, *vh = (const char *)v_buf + h * D * es;
-                if (D == 64 && is_bf16) {
-                    decode_one_avx512(qf, kh, vh, idx, L, Hkv * D * es, G, 64, scores, out_row, softcap, 1);
-                    continue;
-                } else if (D == 64) {
-                    decode_one_avx512(qf, kh, vh, idx, L, Hkv * D * es, G, 64, scores, out_row, softcap, 0);
-                    continue;
-                } else if (D == 128 && is_bf16) {
-                    decode_one_avx512(qf, kh, vh, idx, L, Hkv * D * es, G, 128, scores, out_row, softcap, 1);
-                    continue;
-                } else if (D == 128) {
-                    decode_one_avx512(qf, kh, vh, idx, L, Hkv * D * es, G, 128, scores, out_row, softcap, 0);
-                    continue;
-                } else if (D == 256 && is_bf16) {
-                    decode_one_avx512(qf, kh, vh, idx, L, Hkv * D * es, G, 256, scores, out_row, softcap, 1);
-                    continue;
-                } else if (D == 256) {
-                    decode_one_avx512(qf, kh, vh, idx, L, Hkv * D * es, G, 256, scores, out_row, softcap, 0);
-                    continue;
-                }
-#endif
-                if (is_bf16)
-                    decode_one_bf16(qf, (const bf16_t *)k_buf + h * D, (const bf16_t *)v_buf + h * D, idx, L,
-                                    Hkv * D, G, D, scores, acc, out_row, softcap, 1);
-                else
-                    decode_one_f32(qf, (const float *)k_buf + h * D, (const float *)v_buf + h * D, idx, L,
-                                   Hkv * D, G, D, scores, acc, out_row, softcap, 0);
-            }
-        }
-        free(qf);
-        free(acc);
-        free(scores);
-    }
+    attn_args a = {q, k_buf, v_buf, kv_indices, rows, seq_lens, out, idx_stride, B, Hq, Hkv, D, window,
+                   scale, softcap, is_bf16, 0};
+    rs_parallel(attention_task, &a, B * Hkv > 1);
 }
 
 /* qkv: [T, qkv_stride] rows holding Hq q heads, Hkv k heads, Hkv v heads of D elements;
  * cos, sin: [T, D]; loc: int64 [T] pool rows; q_out: [T, Hq, D]; k_buf, v_buf: [N, Hkv, D].
  * Per element, as the torch reference: round(round(x * cos) + round(rotate_half(x) * sin)). */
-void rs_rotary_store(const void *qkv, int64_t qkv_stride, const void *cos, const void *sin, const int64_t *loc,
-                     void *q_out, void *k_buf, void *v_buf, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
-                     int is_bf16) {
+typedef struct {
+    const void *qkv, *cos, *sin;
+    const int64_t *loc;
+    void *q_out, *k_buf, *v_buf;
+    int64_t qkv_stride, T, Hq, Hkv, D;
+    int is_bf16;
+} rotary_args;
+
+static void rotary_task(void *ctx, int tid, int nth) {
+    const rotary_args *a = ctx;
+    const void *qkv = a->qkv, *cos = a->cos, *sin = a->sin;
+    const int64_t *loc = a->loc;
+    void *q_out = a->q_out, *k_buf = a->k_buf, *v_buf = a->v_buf;
+    const int64_t qkv_stride = a->qkv_stride, Hq = a->Hq, Hkv = a->Hkv, D = a->D;
+    const int is_bf16 = a->is_bf16;
     const int64_t half = D / 2;
     const int64_t es = is_bf16 ? 2 : 4;
-#pragma omp parallel for if (T > 16)
-    for (int64_t t = 0; t < T; t++) {
+    int64_t t0, t1;
+    rs_split(a->T, tid, nth, &t0, &t1);
+    for (int64_t t = t0; t < t1; t++) {
         const int64_t row = t * qkv_stride;
         for (int64_t head = 0; head < Hq + Hkv; head++) {
             const int64_t x0 = row + head * D;
@@ -247,4 +284,11 @@ void rs_rotary_store(const void *qkv, int64_t qkv_stride, const void *cos, const
         memcpy((char *)v_buf + loc[t] * Hkv * D * es, (const char *)qkv + (row + (Hq + Hkv) * D) * es,
                Hkv * D * es);
     }
+}
+
+void rs_rotary_store(const void *qkv, int64_t qkv_stride, const void *cos, const void *sin, const int64_t *loc,
+                     void *q_out, void *k_buf, void *v_buf, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
+                     int is_bf16) {
+    rotary_args a = {qkv, cos, sin, loc, q_out, k_buf, v_buf, qkv_stride, T, Hq, Hkv, D, is_bf16};
+    rs_parallel(rotary_task, &a, T > 16);
 }

@@ -4,9 +4,10 @@
  * exp, fixed-order lane sums, their AVX-512 forms, and the exported kernels' prototypes.
  *
  * Tensors are passed as raw pointers to contiguous data; is_bf16 selects bfloat16 (as
- * uint16 bits) or float32 elements. OpenMP threads come from the caller's thread (torch
- * loads libgomp first, so this library shares torch's runtime and thread count). Every file
- * is compiled with -ffp-contract=off, so no multiply-add is fused behind the code's back.
+ * uint16 bits) or float32 elements. Parallel regions go through rs_parallel (parallel.c:
+ * a persistent worker pool, or OpenMP), with the caller's thread count (torch loads libgomp
+ * first, so this library shares torch's runtime and thread count). Every file is compiled
+ * with -ffp-contract=off, so no multiply-add is fused behind the code's back.
  */
 #ifndef RS_COMMON_H
 #define RS_COMMON_H
@@ -128,6 +129,24 @@ static inline __attribute__((always_inline)) void store16_bf16(bf16_t *p, __m512
 #define HAVE_AVX512 0
 #endif
 
+/* A parallel region's work: thread tid of nth (tid 0 is the caller). */
+typedef void (*rs_task)(void *ctx, int tid, int nth);
+/* fn(ctx, tid, nth) on every thread of a region (parallel.c); parallel == 0: on the caller alone. */
+void rs_parallel(rs_task fn, void *ctx, int parallel);
+/* Every thread of the region waits for the others (nth: the task's). */
+void rs_barrier(int nth);
+/* Thread tid's share [*first, *last) of n items, contiguous and in order: n * tid / nth on. */
+static inline void rs_split(int64_t n, int tid, int nth, int64_t *first, int64_t *last) {
+    *first = n * tid / nth;
+    *last = n * (tid + 1) / nth;
+}
+
+/* Row-range forms of rs_add_rms_norm and rs_silu_and_mul (elementwise.c), for kernels that run
+ * them inside their own region; v: H floats of scratch. */
+void rs_add_rms_norm_rows(const void *x, void *residual, const void *weight, void *out, int64_t t0, int64_t t1,
+                          int64_t H, float eps, int is_bf16, float *v);
+void rs_silu_and_mul_rows(const void *gate_up, void *out, int64_t t0, int64_t t1, int64_t I, int is_bf16);
+
 /* The library's entry points (kernels/cpu_kernels.py and layers/quant.py bind them through
  * ctypes); each file's comments say what they compute. */
 void rs_decode_attention(const void *q, const void *k_buf, const void *v_buf, const int64_t *kv_indices,
@@ -140,6 +159,8 @@ void rs_rotary_store(const void *qkv, int64_t qkv_stride, const void *cos, const
 void rs_add_rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t T, int64_t H,
                      float eps, int is_bf16);
 void rs_silu_and_mul(const void *gate_up, void *out, int64_t T, int64_t I, int is_bf16);
+int rs_set_pool(int on);
+int rs_pool_threads(void);
 int rs_int8_available(void);
 int rs_w8_bf16_available(void);
 void rs_int8_linear(int kernel, int pre, const void *x, void *residual, const void *norm_w, float eps, int64_t M,

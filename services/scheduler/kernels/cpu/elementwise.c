@@ -11,41 +11,59 @@
 
 /* x, out: [T, H]; residual: [T, H] or NULL; weight: [H]. With a residual: residual =
  * round(residual + x) in place, then normalize it; without: normalize x. out =
- * round(weight * round(v * rsqrt(mean(v^2) + eps))), v in fp32: transformers' LlamaRMSNorm. */
-void rs_add_rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t T, int64_t H,
-                     float eps, int is_bf16) {
-#pragma omp parallel if (T > 16)
-    {
-        float *v = malloc(sizeof(float) * H);
-#pragma omp for
-        for (int64_t t = 0; t < T; t++) {
-            const int64_t o = t * H;
-            if (residual) {
-                for (int64_t i = 0; i < H; i++) {
-                    v[i] = round_to(load(residual, o + i, is_bf16) + load(x, o + i, is_bf16), is_bf16);
-                    store(residual, o + i, v[i], is_bf16);
-                }
-            } else {
-                for (int64_t i = 0; i < H; i++) v[i] = load(x, o + i, is_bf16);
+ * round(weight * round(v * rsqrt(mean(v^2) + eps))), v in fp32: transformers' LlamaRMSNorm.
+ * Rows t0 .. t1-1 (v: H floats of scratch). */
+void rs_add_rms_norm_rows(const void *x, void *residual, const void *weight, void *out, int64_t t0, int64_t t1,
+                          int64_t H, float eps, int is_bf16, float *v) {
+    for (int64_t t = t0; t < t1; t++) {
+        const int64_t o = t * H;
+        if (residual) {
+            for (int64_t i = 0; i < H; i++) {
+                v[i] = round_to(load(residual, o + i, is_bf16) + load(x, o + i, is_bf16), is_bf16);
+                store(residual, o + i, v[i], is_bf16);
             }
-            float part[LANES] = {0};
-            int64_t i = 0;
-            for (; i + LANES <= H; i += LANES)
-                for (int l = 0; l < LANES; l++) part[l] += v[i + l] * v[i + l];
-            for (int l = 0; i < H; i++, l++) part[l] += v[i] * v[i];
-            const float ss = sum_lanes(part);
-            const float inv = 1.0f / sqrtf(ss / (float)H + eps);
-            for (int64_t i = 0; i < H; i++)
-                store(out, o + i, load(weight, i, is_bf16) * round_to(v[i] * inv, is_bf16), is_bf16);
+        } else {
+            for (int64_t i = 0; i < H; i++) v[i] = load(x, o + i, is_bf16);
         }
-        free(v);
+        float part[LANES] = {0};
+        int64_t i = 0;
+        for (; i + LANES <= H; i += LANES)
+            for (int l = 0; l < LANES; l++) part[l] += v[i + l] * v[i + l];
+        for (int l = 0; i < H; i++, l++) part[l] += v[i] * v[i];
+        const float ss = sum_lanes(part);
+        const float inv = 1.0f / sqrtf(ss / (float)H + eps);
+        for (int64_t i = 0; i < H; i++)
+            store(out, o + i, load(weight, i, is_bf16) * round_to(v[i] * inv, is_bf16), is_bf16);
     }
 }
 
-/* gate_up: [T, 2I] (gate then up); out: [T, I] = round(round(silu(gate)) * up). */
-void rs_silu_and_mul(const void *gate_up, void *out, int64_t T, int64_t I, int is_bf16) {
-#pragma omp parallel for if (T > 16)
-    for (int64_t t = 0; t < T; t++) {
+typedef struct {
+    const void *x, *weight;
+    void *residual, *out;
+    int64_t T, H;
+    float eps;
+    int is_bf16;
+} norm_args;
+
+static void norm_task(void *ctx, int tid, int nth) {
+    const norm_args *a = ctx;
+    int64_t t0, t1;
+    rs_split(a->T, tid, nth, &t0, &t1);
+    float *v = malloc(sizeof(float) * a->H);
+    rs_add_rms_norm_rows(a->x, a->residual, a->weight, a->out, t0, t1, a->H, a->eps, a->is_bf16, v);
+    free(v);
+}
+
+/* rs_add_rms_norm_rows over all T rows, split by rows over the threads above 16 rows. */
+void rs_add_rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t T, int64_t H,
+                     float eps, int is_bf16) {
+    norm_args a = {x, weight, residual, out, T, H, eps, is_bf16};
+    rs_parallel(norm_task, &a, T > 16);
+}
+
+/* gate_up: [T, 2I] (gate then up); out: [T, I] = round(round(silu(gate)) * up), rows t0 .. t1-1. */
+void rs_silu_and_mul_rows(const void *gate_up, void *out, int64_t t0, int64_t t1, int64_t I, int is_bf16) {
+    for (int64_t t = t0; t < t1; t++) {
         if (is_bf16) {
             const bf16_t *g = (const bf16_t *)gate_up + t * 2 * I, *u = g + I;
             bf16_t *o = (bf16_t *)out + t * I;
@@ -77,4 +95,24 @@ void rs_silu_and_mul(const void *gate_up, void *out, int64_t T, int64_t I, int i
             for (; i < I; i++) o[i] = g[i] / (1.0f + exp_f32(-g[i])) * u[i];
         }
     }
+}
+
+typedef struct {
+    const void *gate_up;
+    void *out;
+    int64_t T, I;
+    int is_bf16;
+} silu_args;
+
+static void silu_task(void *ctx, int tid, int nth) {
+    const silu_args *a = ctx;
+    int64_t t0, t1;
+    rs_split(a->T, tid, nth, &t0, &t1);
+    rs_silu_and_mul_rows(a->gate_up, a->out, t0, t1, a->I, a->is_bf16);
+}
+
+/* rs_silu_and_mul_rows over all T rows, split by rows over the threads above 16 rows. */
+void rs_silu_and_mul(const void *gate_up, void *out, int64_t T, int64_t I, int is_bf16) {
+    silu_args a = {gate_up, out, T, I, is_bf16};
+    rs_parallel(silu_task, &a, T > 16);
 }

@@ -14,13 +14,7 @@
  * x_scale[m] + bias[n]. The int32 sum is exact, so a row's output does not depend on the
  * batch, the tile or the thread: W8A8 is batch-invariant by construction.
  */
-#include "common.h"
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define HAVE_INT8 1
-#else
-#define HAVE_INT8 0
-#endif
+#include "int8.h"
 
 int rs_int8_available(void) { return HAVE_INT8; }
 
@@ -31,11 +25,6 @@ int rs_int8_available(void) { return HAVE_INT8; }
 #ifndef INT8_PARALLEL_BYTES
 #define INT8_PARALLEL_BYTES 65536
 #endif
-
-/* Block b's 64 bytes of input channels 0..3 (the next 4 are 256 bytes on). */
-static inline const int8_t *int8_block(const int8_t *wp, int64_t Kp, int64_t b) {
-    return wp + (b >> 2) * Kp * 64 + (b & 3) * 64;
-}
 
 /* acc[i][j] = sum over k of xq[i][k] * w block j, for MR rows and NR 16-channel blocks of
  * one group (w: the first block's, ``int8_block``). */
@@ -57,24 +46,6 @@ static inline __attribute__((always_inline)) void int8_tile(const uint8_t *xq, i
     }
 }
 
-/* 16 outputs of row m from channel n0 on: y = float(acc - comp) * ws * xs + bias, masked to N. */
-static inline __attribute__((always_inline)) void int8_store(__m512 y, void *out, int64_t m, int64_t ldo, int64_t n0,
-                                                            int64_t N, int is_bf16) {
-    const __mmask16 mask = N - n0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n0)) - 1u);
-    if (is_bf16) {
-        const __m512i r = _mm512_srli_epi32(round_bf16_512(y), 16);
-        _mm256_mask_storeu_epi16((bf16_t *)out + m * ldo + n0, mask, _mm512_cvtepi32_epi16(r));
-    } else {
-        _mm512_mask_storeu_ps((float *)out + m * ldo + n0, mask, y);
-    }
-}
-
-static inline __attribute__((always_inline)) __m512 load_bias(const float *bias, int64_t n0, int64_t N) {
-    if (!bias) return _mm512_setzero_ps();
-    const __mmask16 mask = N - n0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n0)) - 1u);
-    return _mm512_maskz_loadu_ps(mask, bias + n0);
-}
-
 static inline __attribute__((always_inline)) void w8a8_tile(const uint8_t *xq, const float *xs, int64_t ldx, int64_t m0,
                                                            const int8_t *wp, const float *ws, const int32_t *comp,
                                                            const float *bias, void *out, int64_t ldo, int64_t nb0,
@@ -93,20 +64,19 @@ static inline __attribute__((always_inline)) void w8a8_tile(const uint8_t *xq, c
     }
 }
 
-/* Each thread takes a contiguous range of groups of NR_MAX channel blocks (so a thread's
- * weights are one contiguous stream); within it every row tile of MR_MAX rows. */
-#define INT8_THREAD_RANGE(NBP, first, last)                                                   \
-    const int64_t groups = ((NBP) + NR_MAX - 1) / NR_MAX;                                     \
-    const int nth = omp_get_num_threads(), tid = omp_get_thread_num();                        \
-    const int64_t first = groups * tid / nth * NR_MAX, last = groups * (tid + 1) / nth * NR_MAX;
+/* Thread tid's channel blocks [*first, *last) of nbp: a contiguous range of groups of NR_MAX
+ * blocks (so a thread's weights are one contiguous stream); within it every row tile. */
+static inline void int8_thread_blocks(int64_t nbp, int tid, int nth, int64_t *first, int64_t *last) {
+    rs_split((nbp + NR_MAX - 1) / NR_MAX, tid, nth, first, last);
+    *first *= NR_MAX;
+    *last = *last * NR_MAX < nbp ? *last * NR_MAX : nbp;
+}
 
-#include <omp.h>
-
-/* x [M, K] (bf16 or fp32) -> xq u8 [M, Kp] (q + 128, padding 128), xs fp32 [M] = amax / 127
- * (0 for an all-zero row). */
-static void rs_quantize_rows(const void *x, int64_t M, int64_t K, int64_t Kp, uint8_t *xq, float *xs, int is_bf16) {
-#pragma omp parallel for if (M > 16)
-    for (int64_t m = 0; m < M; m++) {
+/* Rows m0 .. m1-1 of x [M, K] (bf16 or fp32) -> xq u8 [M, Kp] (q + 128, padding 128), xs fp32
+ * [M] = amax / 127 (0 for an all-zero row). */
+static void quantize_rows(const void *x, int64_t m0, int64_t m1, int64_t K, int64_t Kp, uint8_t *xq, float *xs,
+                          int is_bf16) {
+    for (int64_t m = m0; m < m1; m++) {
         const char *row = (const char *)x + m * K * (is_bf16 ? 2 : 4);
         __m512 mx = _mm512_setzero_ps();
         int64_t k = 0;
@@ -127,39 +97,25 @@ static void rs_quantize_rows(const void *x, int64_t M, int64_t K, int64_t Kp, ui
     }
 }
 
-/* out [M, N] (row stride ldo; bf16 when is_bf16, else fp32) = dequantized (xq . w^T) (+ bias fp32 [N]). */
-static void rs_w8a8_gemm(const uint8_t *xq, const float *xs, int64_t M, int64_t Kp, const int8_t *wp, const float *ws,
-                  const int32_t *comp, const float *bias, void *out, int64_t N, int64_t ldo, int is_bf16) {
-    const int64_t nbp = (N + 15) / 16;
-#pragma omp parallel if (N * Kp > INT8_PARALLEL_BYTES)
-    {
-        INT8_THREAD_RANGE(nbp, first, last)
-        for (int64_t nb = first; nb < last && nb < nbp; nb += NR_MAX) {
-            const int nr = nbp - nb >= NR_MAX ? NR_MAX : (int)(nbp - nb);
-            int64_t m = 0;
-            /* 8 rows x 2 blocks: 16 accumulators, and 2 x 16 x Kp weight bytes stay in L1 across row tiles */
-            for (; m + 8 <= M; m += 8)
-                for (int j = 0; j < nr; j += 2) {
-                    if (nr - j >= 2) w8a8_tile(xq, xs, Kp, m, wp, ws, comp, bias, out, ldo, nb + j, Kp, N, 8, 2, is_bf16);
-                    else w8a8_tile(xq, xs, Kp, m, wp, ws, comp, bias, out, ldo, nb + j, Kp, N, 8, 1, is_bf16);
-                }
-            for (; m < M; m++) {
-                if (nr == 4) w8a8_tile(xq, xs, Kp, m, wp, ws, comp, bias, out, ldo, nb, Kp, N, 1, 4, is_bf16);
-                else for (int j = 0; j < nr; j++) w8a8_tile(xq, xs, Kp, m, wp, ws, comp, bias, out, ldo, nb + j, Kp, N, 1, 1, is_bf16);
+/* Channel blocks first .. last-1 of out [M, N] (row stride ldo; bf16 when is_bf16, else fp32) =
+ * dequantized (xq . w^T) (+ bias fp32 [N]). */
+static void w8a8_blocks(const uint8_t *xq, const float *xs, int64_t M, int64_t Kp, const int8_t *wp, const float *ws,
+                        const int32_t *comp, const float *bias, void *out, int64_t N, int64_t ldo, int is_bf16,
+                        int64_t first, int64_t last) {
+    for (int64_t nb = first; nb < last; nb += NR_MAX) {
+        const int nr = last - nb >= NR_MAX ? NR_MAX : (int)(last - nb);
+        int64_t m = 0;
+        /* 8 rows x 2 blocks: 16 accumulators, and 2 x 16 x Kp weight bytes stay in L1 across row tiles */
+        for (; m + 8 <= M; m += 8)
+            for (int j = 0; j < nr; j += 2) {
+                if (nr - j >= 2) w8a8_tile(xq, xs, Kp, m, wp, ws, comp, bias, out, ldo, nb + j, Kp, N, 8, 2, is_bf16);
+                else w8a8_tile(xq, xs, Kp, m, wp, ws, comp, bias, out, ldo, nb + j, Kp, N, 8, 1, is_bf16);
             }
+        for (; m < M; m++) {
+            if (nr == 4) w8a8_tile(xq, xs, Kp, m, wp, ws, comp, bias, out, ldo, nb, Kp, N, 1, 4, is_bf16);
+            else for (int j = 0; j < nr; j++) w8a8_tile(xq, xs, Kp, m, wp, ws, comp, bias, out, ldo, nb + j, Kp, N, 1, 1, is_bf16);
         }
     }
-}
-
-/* rs_quantize_rows then rs_w8a8_gemm in one call (one crossing from Python at batch 1). */
-static void rs_w8a8_linear(const void *x, int64_t M, int64_t K, int64_t Kp, const int8_t *wp, const float *ws,
-                    const int32_t *comp, const float *bias, void *out, int64_t N, int in_bf16, int out_bf16) {
-    uint8_t *xq = malloc((size_t)(M * Kp));
-    float *xs = malloc(sizeof(float) * M);
-    rs_quantize_rows(x, M, K, Kp, xq, xs, in_bf16);
-    rs_w8a8_gemm(xq, xs, M, Kp, wp, ws, comp, bias, out, N, N, out_bf16);
-    free(xq);
-    free(xs);
 }
 
 /* Weight-only: out [M, N] = x [M, K] (bf16/fp32) . dequantized w^T (+ bias): one fp32 FMA
@@ -204,32 +160,24 @@ static inline __attribute__((always_inline)) void w8_tile(const float *xf, int64
     }
 }
 
-static void rs_w8_gemm(const void *x, int64_t M, int64_t K, int64_t Kp, const int8_t *wp, const float *ws, const float *bias,
-                void *out, int64_t N, int64_t ldo, int in_bf16, int is_bf16) {
-    const int64_t nbp = (N + 15) / 16;
-    float *xf = malloc(sizeof(float) * M * Kp);  /* the rows in fp32, zero-padded to Kp */
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t k = 0; k < Kp; k++) xf[m * Kp + k] = k < K ? load(x, m * K + k, in_bf16) : 0.0f;
-#pragma omp parallel if (N * Kp > INT8_PARALLEL_BYTES)
-    {
-        INT8_THREAD_RANGE(nbp, first, last)
-        for (int64_t nb = first; nb < last && nb < nbp; nb += NR_MAX) {
-            const int8_t *blk = int8_block(wp, Kp, nb);
-            const int full = nbp - nb >= NR_MAX;
-            int64_t m = 0;
-            for (; m + 2 <= M; m += 2) {
-                if (full) w8_tile(xf, Kp, m, 2, NR_MAX, blk, ws, bias, out, ldo, nb * 16, N, is_bf16);
-                else for (int64_t j = 0; j < nbp - nb; j++)
-                    w8_tile(xf, Kp, m, 2, 1, blk + j * 64, ws, bias, out, ldo, (nb + j) * 16, N, is_bf16);
-            }
-            for (; m < M; m++) {
-                if (full) w8_tile(xf, Kp, m, 1, NR_MAX, blk, ws, bias, out, ldo, nb * 16, N, is_bf16);
-                else for (int64_t j = 0; j < nbp - nb; j++)
-                    w8_tile(xf, Kp, m, 1, 1, blk + j * 64, ws, bias, out, ldo, (nb + j) * 16, N, is_bf16);
-            }
+/* Channel blocks first .. last-1 of the weight-only product of xf (fp32 [M, Kp], zero-padded). */
+static void w8_blocks(const float *xf, int64_t M, int64_t Kp, const int8_t *wp, const float *ws, const float *bias,
+                      void *out, int64_t N, int64_t ldo, int is_bf16, int64_t first, int64_t last) {
+    for (int64_t nb = first; nb < last; nb += NR_MAX) {
+        const int8_t *blk = int8_block(wp, Kp, nb);
+        const int full = last - nb >= NR_MAX;
+        int64_t m = 0;
+        for (; m + 2 <= M; m += 2) {
+            if (full) w8_tile(xf, Kp, m, 2, NR_MAX, blk, ws, bias, out, ldo, nb * 16, N, is_bf16);
+            else for (int64_t j = 0; j < last - nb; j++)
+                w8_tile(xf, Kp, m, 2, 1, blk + j * 64, ws, bias, out, ldo, (nb + j) * 16, N, is_bf16);
+        }
+        for (; m < M; m++) {
+            if (full) w8_tile(xf, Kp, m, 1, NR_MAX, blk, ws, bias, out, ldo, nb * 16, N, is_bf16);
+            else for (int64_t j = 0; j < last - nb; j++)
+                w8_tile(xf, Kp, m, 1, 1, blk + j * 64, ws, bias, out, ldo, (nb + j) * 16, N, is_bf16);
         }
     }
-    free(xf);
 }
 
 /* Weight-only on AVX-512-BF16, for bf16 activations and many rows: each thread widens one
@@ -258,62 +206,114 @@ static inline __attribute__((always_inline)) void w8_bf16_rows(const bf16_t *x, 
     for (int i = 0; i < MR; i++) int8_store(_mm512_add_ps(_mm512_mul_ps(acc[i], s), b), out, m0 + i, ldo, n0, N, out_bf16);
 }
 
-/* bf16 bits of byte r of each 32-bit lane (an int8), in the low half of the lane. */
-static inline __attribute__((always_inline)) __m512i int8_lane_to_bf16(__m512i w4, int r) {
-    const __m512 f = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(w4, 24 - 8 * r), 24));
-    return _mm512_srli_epi32(_mm512_castps_si512(f), 16);
-}
-
-static void rs_w8_bf16_gemm(const bf16_t *x, int64_t M, int64_t K, const int8_t *wp, const float *ws, const float *bias,
-                     void *out, int64_t N, int64_t ldo, int out_bf16) {
-    const int64_t nbp = (N + 15) / 16;
-#pragma omp parallel
-    {
-        INT8_THREAD_RANGE(nbp, first, last)
-        __m512i *wb = aligned_alloc(64, sizeof(__m512i) * (K / 2));  /* one block, k-pair order */
-        for (int64_t nb = first; nb < last && nb < nbp; nb++) {
-            const int8_t *blk = int8_block(wp, K, nb);
-            for (int64_t k = 0; k < K; k += 4) {
-                const __m512i w4 = _mm512_loadu_si512((const void *)(blk + k * 64));
-                wb[k / 2] = _mm512_or_si512(int8_lane_to_bf16(w4, 0), _mm512_slli_epi32(int8_lane_to_bf16(w4, 1), 16));
-                wb[k / 2 + 1] = _mm512_or_si512(int8_lane_to_bf16(w4, 2), _mm512_slli_epi32(int8_lane_to_bf16(w4, 3), 16));
-            }
-            int64_t m = 0;
-            for (; m + W8_BF16_MR <= M; m += W8_BF16_MR)
-                w8_bf16_rows(x, K, m, W8_BF16_MR, wb, ws, bias, out, ldo, nb * 16, N, out_bf16);
-            for (; m < M; m++) w8_bf16_rows(x, K, m, 1, wb, ws, bias, out, ldo, nb * 16, N, out_bf16);
-        }
-        free(wb);
+/* Channel blocks first .. last-1 of the weight-only product of bf16 x [M, K] (K == Kp). */
+static void w8_bf16_blocks(const bf16_t *x, int64_t M, int64_t K, const int8_t *wp, const float *ws, const float *bias,
+                           void *out, int64_t N, int64_t ldo, int out_bf16, int64_t first, int64_t last) {
+    __m512i *wb = aligned_alloc(64, sizeof(__m512i) * (K / 2));  /* one block, k-pair order */
+    for (int64_t nb = first; nb < last; nb++) {
+        int8_widen_bf16(int8_block(wp, K, nb), K, wb);
+        int64_t m = 0;
+        for (; m + W8_BF16_MR <= M; m += W8_BF16_MR)
+            w8_bf16_rows(x, K, m, W8_BF16_MR, wb, ws, bias, out, ldo, nb * 16, N, out_bf16);
+        for (; m < M; m++) w8_bf16_rows(x, K, m, 1, wb, ws, bias, out, ldo, nb * 16, N, out_bf16);
     }
+    free(wb);
 }
 #else
 #define HAVE_W8_BF16 0
-static void rs_w8_bf16_gemm(const bf16_t *x, int64_t M, int64_t K, const int8_t *wp, const float *ws, const float *bias,
-                     void *out, int64_t N, int64_t ldo, int out_bf16) { abort(); }
+static void w8_bf16_blocks(const bf16_t *x, int64_t M, int64_t K, const int8_t *wp, const float *ws, const float *bias,
+                           void *out, int64_t N, int64_t ldo, int out_bf16, int64_t first, int64_t last) { abort(); }
 #endif
 int rs_w8_bf16_available(void) { return HAVE_W8_BF16; }
 
-/* One int8 linear with its input's producer fused in front (one call from Python instead of
- * two at batch 1; the same bits as the two calls):
+typedef struct {
+    int kernel, pre, in_bf16, out_bf16, rows_in_region;
+    const void *x, *norm_w;
+    void *residual, *out;
+    float eps;
+    int64_t M, K, Kp, N;
+    const int8_t *wp;
+    const float *ws, *bias;
+    const int32_t *comp;
+    void *xin;     /* the kernel's input [M, K]: x, or pre's output */
+    uint8_t *xq;   /* W8A8: the quantized rows [M, Kp] and their scales [M] */
+    float *xs;
+    float *xf;     /* weight-only fp32: the rows in fp32, zero-padded [M, Kp] */
+    bf16_t *xa;    /* AMX: the bf16 rows, zero rows to a multiple of 16 */
+} linear_args;
+
+/* Rows m0 .. m1-1 of the kernel's input: pre's output, then W8A8's quantized rows or the fp32 rows. */
+static void prepare_rows(const linear_args *a, int64_t m0, int64_t m1) {
+    if (a->pre == 1) {
+        float *v = malloc(sizeof(float) * a->K);
+        rs_add_rms_norm_rows(a->x, a->residual, a->norm_w, a->xin, m0, m1, a->K, a->eps, a->in_bf16, v);
+        free(v);
+    } else if (a->pre == 2) {
+        rs_silu_and_mul_rows(a->x, a->xin, m0, m1, a->K, a->in_bf16);
+    }
+    if (a->kernel == 0) quantize_rows(a->xin, m0, m1, a->K, a->Kp, a->xq, a->xs, a->in_bf16);
+    if (a->kernel == 1)
+        for (int64_t m = m0; m < m1; m++)
+            for (int64_t k = 0; k < a->Kp; k++) a->xf[m * a->Kp + k] = k < a->K ? load(a->xin, m * a->K + k, a->in_bf16) : 0.0f;
+    if (a->kernel == 3) memcpy(a->xa + m0 * a->K, (const bf16_t *)a->xin + m0 * a->K, sizeof(bf16_t) * (m1 - m0) * a->K);
+}
+
+/* The whole linear in one region: each thread prepares its share of the rows (above 16 rows;
+ * below, the caller prepared them before the region), waits for the others, then runs its
+ * channel blocks (int8_thread_blocks). */
+static void linear_task(void *ctx, int tid, int nth) {
+    const linear_args *a = ctx;
+    if (a->rows_in_region) {
+        int64_t m0, m1;
+        rs_split(a->M, tid, nth, &m0, &m1);
+        prepare_rows(a, m0, m1);
+        rs_barrier(nth);
+    }
+    int64_t first, last;
+    int8_thread_blocks((a->N + 15) / 16, tid, nth, &first, &last);
+    if (a->kernel == 0)
+        w8a8_blocks(a->xq, a->xs, a->M, a->Kp, a->wp, a->ws, a->comp, a->bias, a->out, a->N, a->N, a->out_bf16, first, last);
+    else if (a->kernel == 1)
+        w8_blocks(a->xf, a->M, a->Kp, a->wp, a->ws, a->bias, a->out, a->N, a->N, a->out_bf16, first, last);
+    else if (a->kernel == 2)
+        w8_bf16_blocks((const bf16_t *)a->xin, a->M, a->K, a->wp, a->ws, a->bias, a->out, a->N, a->N, a->out_bf16,
+                       first, last);
+    else
+        rs_w8_amx_blocks(a->xa, a->M, a->K, a->wp, a->ws, a->bias, a->out, a->N, a->N, a->out_bf16, first, last);
+}
+
+/* One int8 linear with its input's producer fused in front, in one parallel region (one call
+ * from Python instead of two at batch 1; the same bits as the two calls):
  *   pre 0: x [M, K] as it is;
  *   pre 1: RMSNorm of x, or with residual of residual + x (written back), weight norm_w
  *          (rs_add_rms_norm);
  *   pre 2: x is gate_up [M, 2K]: SiLU(gate) * up (rs_silu_and_mul).
- * kernel 0: W8A8, 1: weight-only fp32, 2: weight-only bf16 (see above). */
+ * kernel 0: W8A8, 1: weight-only fp32, 2: weight-only bf16 (see above), 3: weight-only on AMX
+ * (amx.c; bf16 x, K a multiple of 32, rs_w8_amx_available()). Each output is
+ * computed by one thread in a fixed order, so the result does not depend on the threads. */
 void rs_int8_linear(int kernel, int pre, const void *x, void *residual, const void *norm_w, float eps, int64_t M,
                     int64_t K, int64_t Kp, const int8_t *wp, const float *ws, const int32_t *comp, const float *bias,
                     void *out, int64_t N, int in_bf16, int out_bf16) {
-    void *tmp = NULL;
-    if (pre) {
-        tmp = malloc((size_t)(M * K * (in_bf16 ? 2 : 4)));
-        if (pre == 1) rs_add_rms_norm(x, residual, norm_w, tmp, M, K, eps, in_bf16);
-        else rs_silu_and_mul(x, tmp, M, K, in_bf16);
-        x = tmp;
+    linear_args a = {kernel, pre, in_bf16, out_bf16, M > 16, x, norm_w, residual, out, eps, M, K, Kp, N, wp, ws, bias,
+                     comp, (void *)x, NULL, NULL, NULL, NULL};
+    if (pre) a.xin = malloc((size_t)(M * K * (in_bf16 ? 2 : 4)));
+    if (kernel == 0) {
+        a.xq = malloc((size_t)(M * Kp));
+        a.xs = malloc(sizeof(float) * M);
+    } else if (kernel == 1) {
+        a.xf = malloc(sizeof(float) * M * Kp);
+    } else if (kernel == 3) {
+        const int64_t Mp = (M + 15) / 16 * 16;
+        a.xa = aligned_alloc(64, sizeof(bf16_t) * Mp * K);
+        memset(a.xa + M * K, 0, sizeof(bf16_t) * (Mp - M) * K);
     }
-    if (kernel == 0) rs_w8a8_linear(x, M, K, Kp, wp, ws, comp, bias, out, N, in_bf16, out_bf16);
-    else if (kernel == 1) rs_w8_gemm(x, M, K, Kp, wp, ws, bias, out, N, N, in_bf16, out_bf16);
-    else rs_w8_bf16_gemm((const bf16_t *)x, M, K, wp, ws, bias, out, N, N, out_bf16);
-    free(tmp);
+    if (!a.rows_in_region) prepare_rows(&a, 0, M);
+    rs_parallel(linear_task, &a, a.rows_in_region || kernel >= 2 || N * Kp > INT8_PARALLEL_BYTES);
+    if (pre) free(a.xin);
+    free(a.xq);
+    free(a.xs);
+    free(a.xf);
+    free(a.xa);
 }
 #else
 void rs_int8_linear(int kernel, int pre, const void *x, void *residual, const void *norm_w, float eps, int64_t M,
