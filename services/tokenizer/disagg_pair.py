@@ -5,7 +5,8 @@
 prefix affinity: its prefix cache holds the prompt) and the decode scheduler by least
 outstanding work. A ``Pair`` is the manager's ``Dispatcher`` for the request: the decode part
 goes first (it reserves the request slot and KV rows), then the prefill part, which names the
-decode scheduler's address (docs/disaggregation.md); an abort goes to both. Outputs come from
+decode scheduler's address (docs/disaggregation.md); an embedding goes to the prefill scheduler
+alone; an abort goes to both. Outputs come from
 the decode side's detokenizer, or, when the handoff fails, an error row from the prefill side's.
 
 When a pair's prefill scheduler goes away before any output of a request reached its call,
@@ -47,8 +48,13 @@ class Pair:
         return self.prefill.schedule_policy
 
     def send_req(self, req: scheduler_pb2.TokenizedGenerateReqInput) -> None:
-        """Send the decode part, then the prefill part. Raises RequestError (UNAVAILABLE) when
-        either stream is down (the decode part, if sent, is aborted)."""
+        """Send the decode part, then the prefill part; an embedding (prefill only, nothing to
+        hand over) goes whole to the prefill scheduler and reserves nothing on the decode side.
+        Raises RequestError (UNAVAILABLE) when either stream is down (the decode part, if sent,
+        is aborted)."""
+        if req.embed:
+            self.prefill.send_req(req)
+            return
         decode_part, prefill_part = scheduler_pb2.TokenizedGenerateReqInput(), scheduler_pb2.TokenizedGenerateReqInput()
         decode_part.CopyFrom(req)
         decode_part.disagg_role = disagg_pb2.DISAGG_ROLE_DECODE

@@ -68,8 +68,13 @@ def test_a_prefill_decode_pair_answers_as_one_scheduler(pd_ring, tls_ring):
 
 
 def test_each_scheduler_reports_its_role_and_goes_back_to_baseline(pd_ring):
+    """...after chats and an embedding call (which the prefill scheduler serves alone: nothing
+    reserved on the decode side, so the baseline comes at once, not after the transfer timeout)."""
     (prefill, _), (decode, _) = pd_ring.replicas()
     asyncio.run(_answers(pd_ring, BODIES[3:]))
+    embedded = httpx.post(f"{pd_ring.base_url}/v1/embeddings", timeout=60, headers=pd_ring.http_headers,
+                          json={"model": pd_ring.model_name, "input": ["hello world", "a b c d e", "x"]})
+    assert embedded.status_code == 200 and len(embedded.json()["data"]) == 3, embedded.text
     loads = {}
     for _ in range(100):
         loads = {a: _load(pd_ring, a) for a in (prefill, decode)}

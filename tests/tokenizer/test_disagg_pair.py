@@ -219,3 +219,11 @@ async def test_a_request_whose_call_saw_output_or_that_has_no_other_prefill_fail
         ("TokenizedGenerateReqInput", "t"), ("AbortReq", "t")]
     await gen.aclose()
     assert manager.load().req_states == 0 and dict(manager.outstanding) == {}
+
+
+def test_an_embedding_goes_whole_to_the_prefill_scheduler_and_reserves_nothing_on_the_decode_side():
+    p, d = FakeReplica("p0:1", "prefill"), FakeReplica("d0:2", "decode")
+    req = scheduler_pb2.TokenizedGenerateReqInput(rid="e", input_ids=[5, 6], tokenizer_id="tok", embed=True)
+    Pair(p, d).send_req(req)  # type: ignore[arg-type]
+    assert d.sent == [] and p.sent == [req]
+    assert (p.sent[0].disagg_role, p.sent[0].disagg_bootstrap) == (disagg_pb2.DISAGG_ROLE_NONE, "")
