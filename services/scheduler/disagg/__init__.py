@@ -10,6 +10,7 @@ and hands both over (``handoff.DisaggState.take_prefilled``), the KV moves throu
 
 Modules: ``roles`` (the role names), ``transfer`` (the engine interface and the ``grpc``
 engine), ``mooncake`` (the ``mooncake`` engine: Mooncake's transfer engine, one-sided writes;
-``mooncake_native`` loads it and the system libraries it links),
+``mooncake_native`` loads it and the system libraries it links), ``engines`` (the engines by
+name, ``--disaggregation-transfer-backend``),
 ``handoff`` (the engine-thread state of both sides), ``service`` (gRPC).
 """

@@ -22,8 +22,9 @@ import grpc
 from ringserve import grpcutil
 from ringserve.metrics import Read, ServiceMetrics
 from ringserve.v1 import common_pb2, disagg_pb2, disagg_pb2_grpc
+from services.scheduler.disagg.engines import make_transfer
 from services.scheduler.disagg.handoff import Handoff
-from services.scheduler.disagg.transfer import GrpcKvTransfer, KvLayout, KvTransfer, TransferError, make_transfer
+from services.scheduler.disagg.transfer import GrpcKvTransfer, KvLayout, KvTransfer, TransferError
 from services.scheduler.engine.loop import EngineLoop
 
 log = logging.getLogger(__name__)

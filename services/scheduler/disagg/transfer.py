@@ -177,17 +177,3 @@ class GrpcKvTransfer(KvTransfer):
         v.index_copy_(0, rows, v_rows)
         return 2 * len(chunk.k)
 
-
-ENGINES = ("grpc", "mooncake")  # --disaggregation-transfer-backend
-
-
-def make_transfer(name: str, to_device: Callable[[torch.Tensor], torch.Tensor] | None = None) -> KvTransfer:
-    """The engine named ``name``, its host-to-device copy ``to_device``. Raises ValueError
-    naming the engines there are."""
-    if name == "grpc":
-        return GrpcKvTransfer(to_device)
-    if name == "mooncake":
-        # Imported only when chosen: it loads Mooncake's native libraries.
-        from services.scheduler.disagg.mooncake import MooncakeKvTransfer
-        return MooncakeKvTransfer(to_device)
-    raise ValueError(f"unknown KV transfer engine {name!r}; available: {list(ENGINES)}")
