@@ -40,12 +40,16 @@ def long_story(ring, stream: bool) -> dict:
 
 
 async def kill_under_load(ring, service: str) -> None:
-    """Two requests in flight (streamed, not streamed); SIGKILL ``service``; both end fast with an error."""
+    """Two requests in flight (streamed, not streamed); SIGKILL ``service``; both end fast with an error.
+    The kill waits for the stream's first event: before it the gateway has sent no status yet and
+    answers a failure with an HTTP 503, which a loaded machine can delay past the 0.3 s below."""
     ring.wait_idle()
     async with httpx.AsyncClient(base_url=ring.base_url, timeout=60) as client:
-        streamed = asyncio.create_task(read_stream(client, long_story(ring, True)))
+        first_event = asyncio.Event()
+        streamed = asyncio.create_task(read_stream(client, long_story(ring, True), first_event))
         whole = asyncio.create_task(post(client, long_story(ring, False)))
         await wait_until(lambda: ring.scheduler_load().num_running_reqs == 2, 30, "running 2")
+        await asyncio.wait_for(first_event.wait(), 30)
         await asyncio.sleep(0.3)
         killed_at = time.monotonic()
         ring.kill(service)
