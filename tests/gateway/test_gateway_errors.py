@@ -98,6 +98,13 @@ async def test_malformed_json(stack, path, raw):
     assert r.json()["error"]["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("body", [{}, {"text": "hi", "input_ids": [1]}, {"text": None}])
+async def test_generate_takes_exactly_one_of_text_and_input_ids(stack, body):
+    r = await stack.client.post("/generate", json={**body, "sampling_params": {"max_new_tokens": 1}})
+    err = assert_error(r, 400, "text", "invalid_value", "invalid_request_error")
+    assert err["message"] == "give exactly one of text and input_ids"
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_unknown_model_is_404(stack, stream):
     body = {"model": "gpt-9", "messages": MSG, "stream": stream}
