@@ -288,8 +288,9 @@ def disagg_reads(mode: str, loop: EngineLoop, sender: KvSender | None) -> list[R
              "gauge", lambda: ("null", "prefill", "decode").index(mode)),
         Read("kv_transfer_bytes", "KV bytes moved between a prefill and a decode scheduler (sent here, or "
              "received here).", "counter", lambda: sender.bytes_sent if sender else state.transfer_bytes),
-        Read("kv_transfer_seconds", "Seconds KV transfers took, summed (the transfer alone, not the wait for the "
-             "decode side's reservation).", "counter", lambda: sender.seconds if sender else state.transfer_seconds),
+        Read("kv_transfer_seconds", "Seconds KV transfers took, summed (the sender's own time on each range of "
+             "rows, not the wait for the decode side's reservation or for the next chunk).", "counter",
+             lambda: sender.seconds if sender else state.transfer_seconds),
         Read("num_requests_transferring", "Decode side: requests holding a reservation that waits for its KV.",
              "gauge", lambda: len(state.reserved)),
     ]
