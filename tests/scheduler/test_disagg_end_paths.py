@@ -68,7 +68,8 @@ def test_abort_while_the_kv_moves_writes_nothing_and_frees_both_sides(pair, gree
     assert KvLayout.of(pool).row_bytes * 2 * len(pool.k_buffer) == pool.bytes_per_token()
 
 
-def test_abort_between_chunks_stops_the_sender_and_frees_both_sides(make_engine, greedy_req, chat_ids):
+@pytest.mark.parametrize("end", ["abort", "failed"])
+def test_abort_or_failure_between_chunks_stops_the_sender_and_frees_both_sides(make_engine, greedy_req, chat_ids, end):
     pair = Pair(make_engine(max_total_tokens=512, chunked_prefill_size=4), make_engine(max_total_tokens=96))
     prompt = chat_ids("Name a river.")
     pair.add(greedy_req("r", prompt, max_new_tokens=4))
@@ -77,9 +78,15 @@ def test_abort_between_chunks_stops_the_sender_and_frees_both_sides(make_engine,
     assert (pair.ranges, pair.pending) == ({"r": [(0, 4)]}, {"r": []})
     pair.prefill.step()
     assert [(first, len(rows)) for first, rows in pair.pending["r"]] == [(4, 4)] and len(prompt) == 13
-    assert pair.prefill.abort("r") == 1 and pair.decode.abort("r") == 1
-    assert pair.pending == {}  # the sender was told to stop
-    _drain(pair.prefill)
+    if end == "abort":
+        assert pair.prefill.abort("r") == 1
+    else:  # the sender failed before the first token (the decode scheduler gone): the request ends now
+        pair.prefill.disagg.handed("r", "the handoff to the decode scheduler at decode-0 failed: UNAVAILABLE: gone")
+    assert pair.decode.abort("r") == 1
+    assert pair.pending == {}  # the sender was told to stop (or forgets it)
+    row = _drain(pair.prefill)["r"]
+    assert (row.finish.type, row.finish.status, row.output_ids) == (
+        FinishType.ABORT, "CANCELLED" if end == "abort" else "UNAVAILABLE", [])
     _drain(pair.decode)
     assert pair.handoffs == [] and _idle(pair.prefill) == _idle(pair.decode) == (0, 0, 0, 0, 0)
 

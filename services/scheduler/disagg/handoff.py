@@ -326,11 +326,17 @@ class DisaggState:
 
     def handed(self, rid: str, error: str | None = None, status: str = "UNAVAILABLE") -> None:
         """The sender is done with ``rid``: release its rows into the prefix cache, or with
-        ``error`` end it with a FINISH_ABORT row (``status``). A rid aborted meanwhile is gone already."""
+        ``error`` end it with a FINISH_ABORT row (``status``) -- at once, when it still computes
+        its prompt (the handoff failed before its first token). A rid aborted meanwhile is gone
+        already."""
+        if error is not None:
+            self.on_cancel(rid)  # the sender forgets it: nothing more comes for it
         req = self.sending.pop(rid, None)
-        self.ranged.pop(rid, None)
         if req is None:
+            if error is not None and rid in self.ranged:
+                self.engine.abort(rid, message=error, status=status)
             return
+        self.ranged.pop(rid, None)
         if error is None:
             # Its part (one token) is done; the decode side reports the request's real end.
             req.finish_reason = FinishReason(FinishType.LENGTH)

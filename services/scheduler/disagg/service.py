@@ -124,7 +124,7 @@ class Session:
         self.handoff: Handoff | None = None
         self.busy_s = 0.0
         self.deadline = float("inf")  # time.monotonic(): moved on as ranges come
-        self.expired = False
+        self.ended = False
         self.aborted = False
 
     async def __aiter__(self) -> AsyncIterator[Range]:
@@ -152,14 +152,13 @@ class Session:
             self.deadline = time.monotonic() + timeout_s
 
     async def watch(self, work: Awaitable[None]) -> None:
-        """Run ``work`` until it ends or the deadline passes (then cancelled, ``expired``; raises
-        TimeoutError). The deadline moves while it runs, so asyncio's timeouts do not serve."""
+        """Run ``work`` until it ends or the deadline passes (then cancelled; raises TimeoutError).
+        The deadline moves while it runs, so ``asyncio.wait_for`` does not serve."""
         task = asyncio.ensure_future(work)
         try:
             while not task.done():
                 await asyncio.wait({task}, timeout=max(0.0, self.deadline - time.monotonic()))
                 if not task.done() and time.monotonic() >= self.deadline:
-                    self.expired = True
                     task.cancel()
                     await asyncio.wait({task})
                     raise TimeoutError(self.rid)
@@ -216,6 +215,9 @@ class KvSender:
             if not isinstance(item, Handoff):
                 return  # an abort after the end
             session = self.open(rid, item.bootstrap, int(item.src_rows.numel()))  # not opened early
+        elif session.ended:  # it failed before it took the handoff: the engine's last word on it
+            del self.sessions[rid]
+            return
         session.put(item, self.timeout_s)
 
     def _channel(self, target: str) -> grpc.aio.Channel:
@@ -245,7 +247,11 @@ class KvSender:
         except TransferError as exc:
             error = f"the handoff to the decode scheduler at {s.bootstrap} failed: {exc}"
         finally:
-            self.sessions.pop(s.rid, None)
+            # Ended. Kept while the engine may still hand it something (a failure before the
+            # handoff came), so that a late handoff does not open it again.
+            s.ended = True
+            if s.handoff is not None or s.aborted:
+                self.sessions.pop(s.rid, None)
         if error is not None:
             log.warning("request %s: %s", s.rid, error)
         self.loop.call(lambda: self.loop.engine.disagg.handed(s.rid, error, status))
