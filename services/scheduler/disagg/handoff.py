@@ -269,7 +269,8 @@ class DisaggState:
         """Before a step's forward pass: open the handoff of each prefill-side request whose
         prompt the plan starts, so the decode side's reservation comes back while it computes."""
         for req in plan.reqs[: plan.num_extend]:
-            if req.disagg_role == Role.PREFILL and req.rid not in self.ranged:
+            # One that only scores its prompt samples no token: nothing to hand over.
+            if req.disagg_role == Role.PREFILL and req.rid not in self.ranged and req.sampling.max_new_tokens > 0:
                 self.ranged[req.rid] = 0
                 self.on_open(req.rid, req.disagg_bootstrap, req.prompt_len)
 
