@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ringserve import grpcutil  # noqa: E402
 from ringserve.v1 import disagg_pb2, disagg_pb2_grpc  # noqa: E402
 from services.scheduler.disagg.mooncake import MooncakeKvTransfer, row_runs  # noqa: E402
-from services.scheduler.disagg.transfer import GrpcKvTransfer, KvLayout  # noqa: E402
+from services.scheduler.disagg.transfer import GrpcKvTransfer, KvLayout, whole  # noqa: E402
 from services.scheduler.policy.kv_pool import TokenToKVPool  # noqa: E402
 
 LAYERS, HEADS, DIM, DTYPE = 30, 3, 64, torch.bfloat16
@@ -110,7 +110,7 @@ async def bench(args: argparse.Namespace, tokens: int, size: int, row_bytes: int
             assert proc.stdout.readline().strip() == "ok"
             for _ in range(args.repeat):
                 started = time.perf_counter()
-                assert await engine.send(channel, (), "r", pool, src, reservation, 120.0) == moved
+                assert await engine.send(channel, (), "r", pool, whole(src), reservation, 120.0) == moved
                 times.setdefault(engine.name, []).append(time.perf_counter() - started)
             proc.stdin.write("sum\n")
             proc.stdin.flush()

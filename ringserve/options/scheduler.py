@@ -219,12 +219,11 @@ class SchedulerOptions:
              "a prefill scheduler started")
     disaggregation_transfer_timeout_s: float = option(
         "--disaggregation-transfer-timeout", 30.0, check=Above(0), launch=True, chart="disaggregation.transferTimeout",
-        help="seconds a prefill-to-decode handoff (reservation, KV transfer, first token) may take before the request "
-             "ends with DEADLINE_EXCEEDED")
+        help="seconds each wait of a prefill-to-decode handoff (the reservation, a prompt chunk's KV transfer, the "
+             "first token's commit) may take before the request ends with DEADLINE_EXCEEDED")
     disaggregation_transfer_backend: str = option(
         "--disaggregation-transfer-backend", "mooncake", choices=("grpc", "mooncake"), launch=True,
-        not_in_chart=f"{BY_CHART}: grpc in the prefill and decode sets (their NetworkPolicy opens the scheduler port "
-                     "alone; Mooncake listens on ports of its own)",
+        chart="disaggregation.transferBackend",
         help="how a prefill scheduler moves KV rows into the decode scheduler's: mooncake = Mooncake's transfer "
              "engine writes them in place (TCP over host memory; a KV pool on a GPU moves through grpc instead); "
              "grpc = streamed through the decode scheduler's gRPC server. The decode side's choice rules")

@@ -27,6 +27,8 @@ def rendered(helm: Path) -> dict[str, list[dict]]:
     # Fixed sizes (no autoscaler), and the replica set's own values left as they are.
     docs["fixed"] = render(helm, None, "--set", "disaggregation.enabled=true",
                            "--set", "disaggregation.prefill.replicas=2", "--set", "disaggregation.decode.replicas=3")
+    docs["grpc"] = render(helm, None, "--set", "disaggregation.enabled=true",
+                          "--set", "disaggregation.transferBackend=grpc")
     return docs
 
 
@@ -90,7 +92,7 @@ def test_each_set_runs_the_replica_pod_with_its_mode(rendered: dict[str, list[di
             assert [c["name"] for c in spec["initContainers"]] == ["prepare-model"]
             args = container(spec, "scheduler")["args"]
             added = [f"--disaggregation-mode={replica_set}", f"--disaggregation-transfer-timeout={timeout}",
-                     "--disaggregation-transfer-backend=grpc"]
+                     "--disaggregation-transfer-backend=mooncake"]
             i = args.index(added[0])
             assert args[i:i + 3] == added
             assert args[:i] + args[i + 3:] == container(replica, "scheduler")["args"]
@@ -178,13 +180,31 @@ def test_prefill_pods_reach_the_decode_schedulers(rendered: dict[str, list[dict]
             "app.kubernetes.io/component": "replica"}
     policy = by(docs, "NetworkPolicy", f"{FULL}-decode")["spec"]
     assert policy["podSelector"] == {"matchLabels": base | {MODE_LABEL: "decode"}}
+    # With mooncake (the default) also Mooncake's handshake and TCP data listeners, in their fixed range.
     assert policy["ingress"] == [{"from": [{"podSelector": {"matchLabels": base | {MODE_LABEL: "prefill"}}}],
-                                  "ports": [{"port": 30020, "protocol": "TCP"}]}]
+                                  "ports": [{"port": 30020, "protocol": "TCP"},
+                                            {"port": 30100, "endPort": 30103, "protocol": "TCP"}]}]
+    grpc = by(rendered["grpc"], "NetworkPolicy", f"{FULL}-decode")["spec"]
+    assert grpc["ingress"][0]["ports"] == [{"port": 30020, "protocol": "TCP"}]
     replica = by(docs, "NetworkPolicy", f"{FULL}-replica")["spec"]
     assert replica["podSelector"] == {"matchLabels": base}  # both sets' pods
     assert [p["port"] for p in replica["ingress"][0]["ports"]] == [30020, 30030]
     assert not [d for d in rendered["defaults"] if d["kind"] == "NetworkPolicy"
                 and d["metadata"]["name"] == f"{FULL}-decode"]
+
+
+def test_mooncake_listens_in_the_range_its_policy_opens(rendered: dict[str, list[dict]]) -> None:
+    """Mooncake picks its two listeners' ports at random unless MC_MIN_RPC_PORT/MC_MAX_RPC_PORT
+    bound them: both sets' schedulers get the range under mooncake, nothing under grpc."""
+    ports = [{"name": "MC_MIN_RPC_PORT", "value": "30100"}, {"name": "MC_MAX_RPC_PORT", "value": "30103"}]
+    for values, want in (("disaggregated", ports), ("grpc", [])):
+        for replica_set in SETS:
+            scheduler = container(pod_spec(rendered[values], f"{FULL}-{replica_set}"), "scheduler")
+            assert [e for e in scheduler["env"] if e["name"].startswith("MC_")] == want, (values, replica_set)
+            backend = "grpc" if values == "grpc" else "mooncake"
+            assert f"--disaggregation-transfer-backend={backend}" in scheduler["args"]
+    replica = container(pod_spec(rendered["defaults"], f"{FULL}-replica"), "scheduler")
+    assert not [e for e in replica["env"] if e["name"].startswith("MC_")]
 
 
 def test_inference_pool_is_refused(helm: Path) -> None:
@@ -200,8 +220,19 @@ def test_inference_pool_is_refused(helm: Path) -> None:
                                      "disaggregation.prefill.autoscaling.targetRunningRequests=3",
                                      "disaggregation.prefill.autoscaling.mode=vpa",
                                      "disaggregation.decode.replicas=0",
-                                     "disaggregation.prefill.scheduler.resources.gpus=1"])
+                                     "disaggregation.prefill.scheduler.resources.gpus=1",
+                                     "disaggregation.transferBackend=nixl",
+                                     "disaggregation.mooncakePorts.max=70000"])
 def test_schema_rejects_bad_values(helm: Path, setting: str) -> None:
     out = subprocess.run([str(helm), "template", RELEASE, str(CHART), "--set", setting],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and setting.split("=")[0].rsplit(".", 1)[1] in out.stderr, out.stderr
+
+
+def test_a_mooncake_range_of_one_port_is_refused(helm: Path) -> None:
+    out = subprocess.run([str(helm), "template", RELEASE, str(CHART), "--set", "disaggregation.enabled=true",
+                          "--set", "disaggregation.mooncakePorts.max=30100"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert ("disaggregation.mooncakePorts: Mooncake's handshake and TCP data listeners need two ports at least "
+            "(min < max)") in out.stderr, out.stderr

@@ -1,14 +1,17 @@
 """Two engines wired as a prefill/decode pair in one process, the KV moved by the ``grpc``
 transfer engine's pieces without the network (``pack`` on the prefill side, ``receive`` on
-the decode side)."""
+the decode side), range by range as the prefill engine hands them on: each chunk's rows once
+the chunk is computed, the last with the handoff."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
+
 from services.scheduler.disagg.handoff import Handoff
 from services.scheduler.disagg.roles import Role
-from services.scheduler.disagg.transfer import GrpcKvTransfer, KvLayout, pack, pieces
+from services.scheduler.disagg.transfer import GrpcKvTransfer, KvLayout, Range, pack, pieces
 from services.scheduler.engine.engine import Engine
 from services.scheduler.policy.req import ReqInput
 from tests.helpers.engine_steps import Result, collect
@@ -20,7 +23,13 @@ class Pair:
     def __init__(self, prefill: Engine, decode: Engine):
         self.prefill, self.decode = prefill, decode
         self.handoffs: list[Handoff] = []
+        self.pending: dict[str, list[Range]] = {}  # ranges handed on, not moved yet (the rid's handoff is open)
+        self.ranges: dict[str, list[tuple[int, int]]] = {}  # the positions moved, range by range
+        self.early: dict[str, int] = {}  # ranges moved before the rid's first token was sampled
+        prefill.disagg.on_open = lambda rid, bootstrap, num_tokens: self.pending.setdefault(rid, [])
+        prefill.disagg.on_range = lambda rid, first, rows: self.pending[rid].append((first, rows))
         prefill.disagg.on_handoff = lambda handoff: self.handoffs.append(handoff)
+        prefill.disagg.on_cancel = lambda rid: self.pending.pop(rid, None)
         self.transfer = GrpcKvTransfer()
         self.moved = 0
         self.prefill_rows: dict[str, Result] = {}  # what the prefill side emitted (aborts only)
@@ -30,14 +39,28 @@ class Pair:
         self.decode.add_request(replace(spec, disagg_role=Role.DECODE))
         self.prefill.add_request(replace(spec, disagg_role=Role.PREFILL, disagg_bootstrap="decode-0"))
 
-    def move(self, handoff: Handoff) -> bool:
-        rows = self.decode.disagg.rows_of(handoff.rid)
-        if rows is None:
-            return False  # not reserved yet: the prefill side waits (backpressure)
+    def move_range(self, rid: str, first: int, src_rows: torch.Tensor) -> None:
+        """Move one range's pieces into the decode side's reservation of ``rid``."""
         pool = self.prefill.kv_pool
-        for layer, start, end in pieces(KvLayout.of(pool), int(handoff.src_rows.numel())):
-            self.moved += self.transfer.receive(self.decode.kv_pool, rows,
-                                                pack(pool, handoff.rid, handoff.src_rows, layer, start, end))
+        for layer, start, end in pieces(KvLayout.of(pool), int(src_rows.numel())):
+            self.moved += self.decode.disagg.receive(self.transfer, pack(pool, rid, src_rows, layer, start, end, first))
+        self.ranges.setdefault(rid, []).append((first, first + int(src_rows.numel())))
+
+    def move_ranges(self) -> None:
+        """Move the ranges of every reserved request (the others wait: backpressure)."""
+        for rid, ranges in self.pending.items():
+            if self.decode.disagg.rows_of(rid) is not None:
+                for first, src_rows in ranges:
+                    self.move_range(rid, first, src_rows)
+                    self.early[rid] = self.early.get(rid, 0) + 1
+                ranges.clear()
+
+    def move(self, handoff: Handoff) -> bool:
+        if self.decode.disagg.rows_of(handoff.rid) is None:
+            return False  # not reserved yet: the prefill side waits (backpressure)
+        for first, src_rows in self.pending.pop(handoff.rid, []):
+            self.move_range(handoff.rid, first, src_rows)
+        self.move_range(handoff.rid, handoff.start, handoff.src_rows[handoff.start :])
         assert self.decode.disagg.commit(handoff.commit)
         self.prefill.disagg.handed(handoff.rid)
         return True
@@ -49,6 +72,7 @@ class Pair:
                 break
             if (out := self.prefill.step()) is not None:
                 collect(out, self.prefill_rows)
+            self.move_ranges()
             self.handoffs = [h for h in self.handoffs if not self.move(h)]
             if (out := self.decode.step()) is not None:
                 collect(out, results)

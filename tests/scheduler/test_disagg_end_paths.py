@@ -1,12 +1,14 @@
 """Every end of a disaggregated request between two in-process engines (``tests.helpers.disagg``)
-frees the request slot and the KV rows on both sides: an abort before the reservation, while
-the KV moves, after the commit; a pool too full to reserve (backpressure, then it goes on); a
-handoff that failed on the prefill side; a reservation whose commit never comes."""
+frees the request slot and the KV rows on both sides: an abort before the reservation, between
+the prefill side's chunks, while the KV moves, after the commit; a pool too full to reserve
+(backpressure, then it goes on); a handoff that failed on the prefill side; a commit short of
+the prompt's rows; a reservation whose commit never comes."""
 
 from __future__ import annotations
 
 import pytest
 
+from services.scheduler.disagg.handoff import ShortCommit
 from services.scheduler.disagg.transfer import KvLayout, pack
 from services.scheduler.engine.engine import Engine
 from services.scheduler.policy.req import FinishType
@@ -64,6 +66,48 @@ def test_abort_while_the_kv_moves_writes_nothing_and_frees_both_sides(pair, gree
     assert _idle(pair.prefill) == _idle(pair.decode) == (0, 0, 0, 0, 0)
     assert pair.prefill.load().kv_cached_tokens == len(handoff.src_rows)  # its prompt stays cached there
     assert KvLayout.of(pool).row_bytes * 2 * len(pool.k_buffer) == pool.bytes_per_token()
+
+
+@pytest.mark.parametrize("end", ["abort", "failed"])
+def test_abort_or_failure_between_chunks_stops_the_sender_and_frees_both_sides(make_engine, greedy_req, chat_ids, end):
+    pair = Pair(make_engine(max_total_tokens=512, chunked_prefill_size=4), make_engine(max_total_tokens=96))
+    prompt = chat_ids("Name a river.")
+    pair.add(greedy_req("r", prompt, max_new_tokens=4))
+    pair.prefill.step()  # the first chunk: its handoff opened before it, its rows handed on after it
+    pair.move_ranges()
+    assert (pair.ranges, pair.pending) == ({"r": [(0, 4)]}, {"r": []})
+    pair.prefill.step()
+    assert [(first, len(rows)) for first, rows in pair.pending["r"]] == [(4, 4)] and len(prompt) == 13
+    if end == "abort":
+        assert pair.prefill.abort("r") == 1
+    else:  # the sender failed before the first token (the decode scheduler gone): the request ends now
+        pair.prefill.disagg.handed("r", "the handoff to the decode scheduler at decode-0 failed: UNAVAILABLE: gone")
+    assert pair.decode.abort("r") == 1
+    assert pair.pending == {}  # the sender was told to stop (or forgets it)
+    row = _drain(pair.prefill)["r"]
+    assert (row.finish.type, row.finish.status, row.output_ids) == (
+        FinishType.ABORT, "CANCELLED" if end == "abort" else "UNAVAILABLE", [])
+    _drain(pair.decode)
+    assert pair.handoffs == [] and _idle(pair.prefill) == _idle(pair.decode) == (0, 0, 0, 0, 0)
+
+
+def test_a_commit_short_of_the_prompt_is_refused_until_every_row_is_written(pair, greedy_req, chat_ids):
+    pair.add(greedy_req("r", chat_ids("Name a river."), max_new_tokens=4))
+    while not pair.handoffs:
+        pair.prefill.step()
+    handoff = pair.handoffs.pop()
+    n, layers = len(handoff.src_rows), len(pair.prefill.kv_pool.k_buffer)
+    pair.decode.disagg.receive(pair.transfer, pack(pair.prefill.kv_pool, "r", handoff.src_rows, 0, 0, n))  # layer 0
+    with pytest.raises(ShortCommit, match=f"^the commit of 'r' came with {(layers - 1) * n} of its {layers * n} KV "
+                                          r"rows \(layers x prompt positions\) not written$"):
+        pair.decode.disagg.commit(handoff.commit)
+    with pytest.raises(ValueError, match=f"^KV positions 1..{n} are outside the {n} reserved rows$"):
+        pair.decode.disagg.wrote("r", 1, n)
+    assert pair.decode.disagg.wrote("r", 0, n)  # a one-sided engine's report: every layer of the range
+    assert pair.decode.disagg.commit(handoff.commit) and not pair.decode.disagg.wrote("r", 0, n)
+    pair.prefill.disagg.handed("r")
+    assert len(_drain(pair.decode)["r"].output_ids) == 4
+    assert _idle(pair.prefill) == _idle(pair.decode) == (0, 0, 0, 0, 0)
 
 
 @pytest.mark.parametrize("end", ["lease", "commit", "deadline"])

@@ -120,7 +120,14 @@ def test_prefill_here_decode_there_equals_one_engine(det_engine, chat_ids, token
     assert got["n2-0-0"].output_ids != got["n2-0-1"].output_ids  # two samples, not one twice
     bytes_per_token = pair.prefill.kv_pool.bytes_per_token()
     assert pair.moved == bytes_per_token * sum(len(r.input_ids) for r in reqs)
-
+    # Each chunk's rows moved once computed, before the first token was sampled; the last chunk's after.
+    for spec in reqs:
+        ranges = pair.ranges[spec.rid]
+        assert [first for first, _ in ranges] == [0] + [end for _, end in ranges[:-1]]
+        assert (ranges[-1][1], pair.early.get(spec.rid, 0)) == (len(spec.input_ids), len(ranges) - 1)
+    assert {rid: r for rid, r in pair.ranges.items() if len(r) > 1} == {  # the step's budget of 32, chunk by chunk
+        "long-0": [(0, 32), (32, 40)], "long-1": [(0, 24), (24, 34)], "stop-1": [(0, 2), (2, 9)],
+        "short-0": [(0, 3), (3, 5)], "short-7": [(0, 4), (4, 6)], "short-22": [(0, 4), (4, 5)]}
     # Again on the same pair: the prefill side's prefix cache supplies all but the last prompt token.
     for spec in again:
         pair.add(spec)

@@ -92,7 +92,7 @@ async def test_rows_land_in_the_reserved_rows_and_nowhere_else(engines):
 
 async def test_a_reservation_that_does_not_fit_is_refused(engines):
     prefill, decode = engines
-    with pytest.raises(TransferError, match="rows do not fit 2 prompt positions in a pool of 65 rows"):
+    with pytest.raises(TransferError, match="rows do not fit prompt positions 0..1 in a pool of 65 rows"):
         await prefill.write(prefill.pool, torch.tensor([1, 2]), _reservation([3, ROWS + 1], decode.bootstrap()), 10.0)
 
 
@@ -138,7 +138,11 @@ class Decode(disagg_pb2_grpc.DisaggServicer):
 
     async def PushKv(self, request_iterator, context):
         async for chunk in request_iterator:
-            self.events.append(("piece", chunk.rid, len(chunk.k) + len(chunk.v)))
+            if chunk.k:  # the grpc engine's piece
+                self.events.append(("piece", chunk.rid, chunk.layer, chunk.start, len(chunk.k)))
+            else:
+                report = ("wrote", chunk.rid, chunk.start, chunk.written)
+                self.events.append(report if chunk.written else ("lease", chunk.rid))
         self.events.append(("lease ended",))
         return disagg_pb2.KvPushAck()
 
@@ -163,8 +167,11 @@ async def test_the_sender_writes_under_a_lease_then_commits(engines, engine):
     disagg = SimpleNamespace(handed=lambda *args: handed.append(args))
     loop = SimpleNamespace(engine=SimpleNamespace(kv_pool=prefill.pool, disagg=disagg), call=lambda fn: fn())
     sender = KvSender(loop, prefill, (), 10.0)
-    try:
-        await sender._send(Handoff("r", f"127.0.0.1:{port}", src_rows, disagg_pb2.KvCommit(rid="r", first_token=5)))
+    try:  # opened at admission, the first chunk's rows, then the last with the first token
+        sender.open("r", f"127.0.0.1:{port}", len(src_rows))
+        sender._put("r", (0, src_rows[:3]))
+        sender._put("r", Handoff("r", f"127.0.0.1:{port}", src_rows, disagg_pb2.KvCommit(rid="r", first_token=5), 3))
+        await asyncio.gather(*sender._tasks)
     finally:
         await sender.close()
         await server.stop(0)
@@ -176,7 +183,46 @@ async def test_the_sender_writes_under_a_lease_then_commits(engines, engine):
         assert service.events == [] and sender.bytes_sent == 0
         return
     assert handed == [("r", None, "UNAVAILABLE")]  # no error
-    assert service.events == [("piece", "r", 0), ("lease ended",), ("commit", "r", moved)]
+    assert service.events == [("lease", "r"), ("wrote", "r", 0, 3), ("wrote", "r", 3, 1), ("lease ended",),
+                              ("commit", "r", moved)]
     assert sender.bytes_sent == moved
     for src, dst in zip(prefill.pool.k_buffer, decode.pool.k_buffer, strict=True):
         assert torch.equal(dst[dst_rows], src[src_rows])
+
+
+@pytest.mark.parametrize("end", ["deadline", "abort", "grpc deadline", "grpc abort"])
+async def test_a_handoff_whose_next_range_never_comes_ends_and_its_stream_with_it(engines, end):
+    prefill, decode = engines
+    reservation = _reservation([1, 2, 3, 4], decode.bootstrap())
+    if end.startswith("grpc"):
+        reservation.transfer_engine = "grpc"
+    service = Decode(reservation)
+    server = grpc.aio.server()
+    disagg_pb2_grpc.add_DisaggServicer_to_server(service, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    handed: list[tuple] = []
+    disagg = SimpleNamespace(handed=lambda *args: handed.append(args))
+    loop = SimpleNamespace(engine=SimpleNamespace(kv_pool=prefill.pool, disagg=disagg), call=lambda fn: fn())
+    sender = KvSender(loop, prefill, (), 0.3)
+    try:
+        sender.open("r", f"127.0.0.1:{port}", 4)
+        sender._put("r", (0, torch.tensor([40, 41, 42])))  # the first chunk; the rest never comes
+        if end.endswith("abort"):
+            while len(service.events) < (2 if end == "abort" else LAYERS):
+                await asyncio.sleep(0.01)
+            sender._put("r", None)  # the request aborted on the prefill side: the sender stops here
+        await asyncio.gather(*sender._tasks)
+    finally:
+        await sender.close()
+        await server.stop(0)
+    row_bytes = KvLayout.of(prefill.pool).row_bytes
+    wrote = [("piece", "r", layer, 0, 3 * row_bytes) for layer in range(LAYERS)] if end.startswith("grpc") else [
+        ("lease", "r"), ("wrote", "r", 0, 3)]
+    assert service.events == [*wrote, ("lease ended",)]  # no commit
+    if not end.endswith("abort"):  # kept until the engine's last word: a late handoff does not reopen it
+        assert sender.sessions["r"].ended
+        sender._put("r", None)
+    assert sender.sessions == {} and handed == ([] if end.endswith("abort") else [(
+        "r", f"the KV transfer to the decode scheduler at 127.0.0.1:{port} did not finish within 0.3 s "
+             "(--disaggregation-transfer-timeout)", "DEADLINE_EXCEEDED")])

@@ -8,8 +8,9 @@ layer's K and V buffer of its KV pool with it. The decode side publishes its ses
 buffers' base addresses in the reservation (``MooncakeBootstrap``); the prefill side turns the
 two page tables (its rows of the prompt, the reserved rows) into runs of rows consecutive on
 both sides and writes each run of one layer's K or V with one request, a layer's requests in
-one batch (``batch_transfer_sync_write``; several past ``MAX_BATCH``), layer by layer, while it
-holds a lease on the decode side (``send``). Nothing is packed or unpacked: the bytes go from the
+one batch (``batch_transfer_sync_write``; several past ``MAX_BATCH``), layer by layer, range by
+range as the prefill side's chunks come, while it holds a lease on the decode side (``send``)
+on which it reports each range written. Nothing is packed or unpacked: the bytes go from the
 prefill pool's rows to the decode pool's rows.
 
 The engine's shared library links ``libibverbs.so.1``, ``libnl-3.so.200`` and
@@ -131,60 +132,72 @@ class MooncakeKvTransfer(KvTransfer):
                                     f"{boot.session} (the decode scheduler gone?)")
         return sum(sizes)
 
-    def plan(self, pool: TokenToKVPool, src_rows: torch.Tensor,
-             reservation: disagg_pb2.KvReservation) -> tuple[disagg_pb2.MooncakeBootstrap, tuple[torch.Tensor, ...]]:
-        """The peer's bootstrap and the row runs of one handoff, both checked against this pool.
+    def plan(self, pool: TokenToKVPool, src_rows: torch.Tensor, reservation: disagg_pb2.KvReservation,
+             first: int = 0) -> tuple[disagg_pb2.MooncakeBootstrap, tuple[torch.Tensor, ...]]:
+        """The peer's bootstrap and the row runs of one range (positions ``first`` ..
+        ``first + len(src_rows) - 1``), both checked against this pool.
 
         Raises:
-            TransferError: the reservation does not fit this pool's layout or the prompt.
+            TransferError: the reservation does not fit this pool's layout or the range.
         """
         boot = disagg_pb2.MooncakeBootstrap.FromString(reservation.engine_bootstrap)
         layout = KvLayout.of(pool)
-        dst_rows = torch.tensor(list(reservation.kv_rows), dtype=torch.int64)
+        n = int(src_rows.numel())
         if (boot.row_bytes != layout.row_bytes or len(boot.k_addrs) != layout.num_layers
                 or len(boot.v_addrs) != layout.num_layers):
             raise TransferError(f"the decode side's mooncake buffers ({len(boot.k_addrs)} layers of {boot.row_bytes}-"
                                 f"byte rows) do not fit this pool's {layout.num_layers} layers of {layout.row_bytes}")
-        if dst_rows.numel() != src_rows.numel() or (dst_rows.numel() and (
-                int(dst_rows.min()) < 0 or int(dst_rows.max()) >= boot.buffer_rows)):
-            raise TransferError(f"the reservation's {dst_rows.numel()} rows do not fit {src_rows.numel()} prompt "
-                                f"positions in a pool of {boot.buffer_rows} rows")
+        reserved = len(reservation.kv_rows)
+        dst_rows = torch.tensor(reservation.kv_rows[first : first + n], dtype=torch.int64)
+        outside = bool(n) and (int(dst_rows.min()) < 0 or int(dst_rows.max()) >= boot.buffer_rows)
+        if first < 0 or first + n > reserved or outside:
+            raise TransferError(f"the reservation's {reserved} rows do not fit prompt positions "
+                                f"{first}..{first + n - 1} in a pool of {boot.buffer_rows} rows")
         return boot, row_runs(src_rows.to(torch.int64), dst_rows)
 
     async def write(self, pool: TokenToKVPool, src_rows: torch.Tensor, reservation: disagg_pb2.KvReservation,
-                    timeout_s: float) -> int:
-        """K and V of ``src_rows`` (int64 [n], host) into the reservation's rows, layer by layer;
+                    timeout_s: float | None, first: int = 0) -> int:
+        """K and V of ``src_rows`` (int64 [n], host: the rows of positions ``first`` ..
+        ``first + n - 1``) into the reservation's rows of those positions, layer by layer;
         returns the bytes written.
 
         Raises:
             TransferError: the reservation does not fit, or a write failed.
-            asyncio.TimeoutError: not done within ``timeout_s``.
+            asyncio.TimeoutError: not done within ``timeout_s`` (None: the caller bounds it).
         """
-        deadline = time.monotonic() + timeout_s
-        boot, runs = self.plan(pool, src_rows, reservation)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        boot, runs = self.plan(pool, src_rows, reservation, first)
         sent = 0
         for layer in range(len(pool.k_buffer)):
             # Off the event loop, and a deadline between layers: a stalled peer ends the handoff.
-            sent += await asyncio.wait_for(asyncio.to_thread(self.write_layer, boot, runs, layer),
-                                           max(0.01, deadline - time.monotonic()))
+            layer_write = asyncio.to_thread(self.write_layer, boot, runs, layer)
+            if deadline is None:
+                sent += await layer_write
+            else:
+                sent += await asyncio.wait_for(layer_write, max(0.01, deadline - time.monotonic()))
         return sent
 
-    async def send(self, channel, metadata, rid, pool, src_rows, reservation, timeout_s):
-        # The writes happen under a lease: a PushKv stream of one empty piece, open while they
-        # run. Its end (or this process's death) tells the decode side no write is landing any
-        # more, so it frees an aborted reservation's rows at once rather than at its deadline.
-        done = asyncio.Event()
+    async def send(self, channel, metadata, rid, pool, ranges, reservation, timeout_s):
+        # The writes happen under a lease: a PushKv stream, open while they run, that reports
+        # each range once written. Its end (or this process's death) tells the decode side no
+        # write is landing any more, so it frees an aborted reservation's rows at once rather
+        # than at its deadline; the reports let it refuse a commit short of the prompt.
+        reports: asyncio.Queue[disagg_pb2.KvChunk | None] = asyncio.Queue()
 
         async def lease() -> AsyncIterator[disagg_pb2.KvChunk]:
             yield disagg_pb2.KvChunk(rid=rid)
-            await done.wait()
+            while (report := await reports.get()) is not None:
+                yield report
 
         call = disagg_pb2_grpc.DisaggStub(channel).PushKv(lease(), timeout=timeout_s, metadata=metadata)
+        sent = 0
         try:
-            sent = await self.write(pool, src_rows, reservation, timeout_s)
+            async for first, src_rows in ranges:
+                sent += await self.write(pool, src_rows, reservation, timeout_s, first)
+                reports.put_nowait(disagg_pb2.KvChunk(rid=rid, start=first, written=int(src_rows.numel())))
         except BaseException:
             call.cancel()
             raise
-        done.set()
-        await call
+        reports.put_nowait(None)
+        await call  # the decode side has counted every report before the commit
         return sent

@@ -5,6 +5,9 @@ the KV pool's row index on both sides (the page table: ``req_to_token`` on the p
 the ``KvReservation`` on the decode side), so neither side repacks a request's cache into a
 staging buffer of its own.
 
+A handoff's rows come as ranges of prompt positions (``Range``), chunk by chunk while the
+prefill side still computes the next chunk, and each engine moves a range as it arrives.
+
 ``grpc`` streams the bytes over the decode scheduler's gRPC server (``Disagg.PushKv``): layer
 by layer, each layer in pieces of at most ``CHUNK_BYTES``; the sender gathers a piece's rows
 with one ``index_select`` per K and V (the byte stream needs them contiguous) and the receiver
@@ -17,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -28,6 +31,15 @@ from ringserve.v1 import disagg_pb2, disagg_pb2_grpc
 from services.scheduler.policy.kv_pool import TokenToKVPool
 
 CHUNK_BYTES = 1 << 20  # K plus V bytes of one PushKv message at most (gRPC's default cap is 4 MiB)
+
+# A range of a handoff: (first prompt position, int64 [n] host: this pool's rows of positions
+# first .. first + n - 1).
+Range = tuple[int, torch.Tensor]
+
+
+async def whole(src_rows: torch.Tensor) -> AsyncIterator[Range]:
+    """The whole prompt as one range (a handoff without chunks)."""
+    yield 0, src_rows
 
 
 @dataclass(frozen=True)
@@ -94,15 +106,16 @@ class KvTransfer(ABC):
 
     @abstractmethod
     async def send(self, channel: grpc.aio.Channel, metadata: Sequence[tuple[str, str]], rid: str,
-                   pool: TokenToKVPool, src_rows: torch.Tensor, reservation: disagg_pb2.KvReservation,
-                   timeout_s: float) -> int:
-        """Prefill side: copy K and V of ``src_rows`` (int64 [n], host; position order) into the
-        reservation's rows; returns the bytes moved.
+                   pool: TokenToKVPool, ranges: AsyncIterable[Range], reservation: disagg_pb2.KvReservation,
+                   timeout_s: float | None) -> int:
+        """Prefill side: copy K and V of each range's rows, as the ranges come, into the
+        reservation's rows of the same positions; returns the bytes moved. An exception the
+        ranges raise (the request aborted) ends the send between ranges, and propagates.
 
         Raises:
             grpc.aio.AioRpcError: the decode side refused the rows or was unreachable.
             TransferError: the engine could not write the rows.
-            asyncio.TimeoutError: not done within ``timeout_s``.
+            asyncio.TimeoutError: not done within ``timeout_s`` (None: the caller bounds it).
         """
 
     def receive(self, pool: TokenToKVPool, dst_rows: torch.Tensor, chunk: disagg_pb2.KvChunk) -> int:
@@ -129,10 +142,12 @@ def pieces(layout: KvLayout, num_tokens: int) -> Iterator[tuple[int, int, int]]:
             yield layer, start, min(start + per_piece, num_tokens)
 
 
-def pack(pool: TokenToKVPool, rid: str, src_rows: torch.Tensor, layer: int, start: int, end: int) -> disagg_pb2.KvChunk:
-    """The piece of positions [start, end) of ``layer``: K and V of ``src_rows[start:end]``."""
+def pack(pool: TokenToKVPool, rid: str, src_rows: torch.Tensor, layer: int, start: int, end: int,
+         first: int = 0) -> disagg_pb2.KvChunk:
+    """The piece of ``layer``: K and V of ``src_rows[start:end]``, the rows of positions
+    ``first + start`` .. ``first + end - 1`` (``first``: the range's first position)."""
     rows = src_rows[start:end]
-    return disagg_pb2.KvChunk(rid=rid, layer=layer, start=start, k=_rows_bytes(pool.k_buffer[layer], rows),
+    return disagg_pb2.KvChunk(rid=rid, layer=layer, start=first + start, k=_rows_bytes(pool.k_buffer[layer], rows),
                               v=_rows_bytes(pool.v_buffer[layer], rows))
 
 
@@ -147,11 +162,12 @@ class GrpcKvTransfer(KvTransfer):
     def bootstrap(self) -> bytes:
         return b""
 
-    async def send(self, channel, metadata, rid, pool, src_rows, reservation, timeout_s):
+    async def send(self, channel, metadata, rid, pool, ranges, reservation, timeout_s):
         async def chunks() -> AsyncIterator[disagg_pb2.KvChunk]:
-            for layer, start, end in pieces(KvLayout.of(pool), int(src_rows.numel())):
-                # Off the event loop: a piece is up to CHUNK_BYTES of copying.
-                yield await asyncio.to_thread(pack, pool, rid, src_rows, layer, start, end)
+            async for first, src_rows in ranges:
+                for layer, start, end in pieces(KvLayout.of(pool), int(src_rows.numel())):
+                    # Off the event loop: a piece is up to CHUNK_BYTES of copying.
+                    yield await asyncio.to_thread(pack, pool, rid, src_rows, layer, start, end, first)
 
         stub = disagg_pb2_grpc.DisaggStub(channel)
         ack = await stub.PushKv(chunks(), timeout=timeout_s, metadata=metadata)

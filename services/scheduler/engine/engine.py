@@ -265,6 +265,7 @@ class Engine:
         if plan is not None:
             scored = plan_logprob_rows(plan)
             plan_pool_rows(plan, self.pooling)
+            self.disagg.admitted(plan)  # a prefill part's handoff opens while its first chunk computes
             if inflight is None or inflight.next_ids is None:
                 logits = self.runner.forward(plan)
             else:
@@ -273,6 +274,7 @@ class Engine:
             accumulate(plan, self.pooling)
             self.observer.on_step(plan, started)
             launched = self._launch(plan, logits)
+            self.disagg.extended(plan)  # a prefill part's finished chunk moves while the next computes
         if inflight is not None:
             self._finish(inflight)
         if launched is not None:
