@@ -1,4 +1,4 @@
-"""``ringserve bench soak`` (make soak), shortened: 20 s, 8 streams, the scheduler killed at 8 s."""
+"""``ringserve bench soak`` (make soak), shortened: 14 s, 8 streams, the scheduler killed at 5 s."""
 
 from __future__ import annotations
 
@@ -26,14 +26,14 @@ def test_short_soak_with_a_scheduler_kill_ends_at_baseline(smollm2_dir, tmp_path
     log = tmp_path / "ring.log"
     proc = subprocess.run(
         [sys.executable, "-m", "ringserve.cli", "bench", "soak", "--model", str(smollm2_dir), "--dtype", "float32",
-         "--duration", "20", "--streams", "8", "--kill-at", "8", "--log", str(log)],
+         "--duration", "14", "--streams", "8", "--kill-at", "5", "--log", str(log)],
         capture_output=True, text=True, timeout=300,
     )
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr
     lines = out.splitlines()
     assert lines[-len(BASELINE):] == BASELINE, out
-    assert re.search(r"scheduler \(pid \d+\) killed at 8\.\d s, serving again [\d.]+ s later", out), out
+    assert re.search(r"scheduler \(pid \d+\) killed at 5\.\d s, serving again [\d.]+ s later", out), out
     done = re.search(r"requests done: (\d+) \(completed (\d+), disconnected by the client (\d+), "
                      r"errors (\d+), hung 0\)", out)
     assert done, out

@@ -317,8 +317,7 @@ async def test_t02_last_property_integer_or_object_keeps_its_brace(ring, client)
         body = chat_body(ring.model_name, "Book a trip to Rome from May 3 for 2 nights and check the weather.",
                          tools=[tool], tool_choice={"type": "function", "function": {"name": tool["function"]["name"]}},
                          max_tokens=128)
-        (plain,) = await chat(client, body, stream=False)
-        (streamed,) = await chat(client, body, stream=True)
+        (plain,), (streamed,) = await asyncio.gather(chat(client, body, stream=False), chat(client, body, stream=True))
         assert streamed.args == plain.args
         assert streamed.tool_calls[0]["arguments"] == plain.tool_calls[0]["arguments"]
         jsonschema.validate(plain.args[0], tool["function"]["parameters"])
