@@ -89,7 +89,7 @@ async def test_a_grammar_failing_mid_output_ends_that_request_with_an_error(stac
 async def test_a_forced_call_cut_by_max_tokens_finishes_length(stack, client):
     body = chat_body(stack.model_name, "What is the weather in Paris for the next 3 days?", tools=[TOOL_W],
                      tool_choice="required", max_tokens=20)
-    plain, streamed = [(await chat(client, body, stream))[0] for stream in (False, True)]
+    (plain,), (streamed,) = await asyncio.gather(*(chat(client, body, stream) for stream in (False, True)))
     for msg in (plain, streamed):
         assert (msg.finish_reason, msg.content, msg.completion_tokens) == ("length", None, 20), msg
         assert [c["name"] for c in msg.tool_calls] == ["get_weather"]

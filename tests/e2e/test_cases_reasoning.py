@@ -13,6 +13,7 @@ battery found unenforced.
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -89,8 +90,7 @@ async def test_r04_a_grammar_with_thinking_on_applies_only_after_the_reasoning(s
 async def test_an_answer_without_a_think_block_gets_its_schema_enforced(stack, qwen3_client):
     body = chat_body(stack.model_name, "Answer in one English sentence: what is 19+4?", max_tokens=48,
                      response_format={"type": "json_schema", "json_schema": {"name": "out", "schema": SCHEMA_S06}})
-    for stream in (False, True):
-        (msg,) = await chat(qwen3_client, body, stream)
+    for (msg,) in await asyncio.gather(*(chat(qwen3_client, body, stream) for stream in (False, True))):
         value = json.loads(msg.content)
         jsonschema.validate(value, SCHEMA_S06)
         assert (value["guard"], msg.reasoning, msg.finish_reason) == ("SCHEMA_ENFORCED", None, "stop")
@@ -102,8 +102,7 @@ async def test_an_answer_without_a_think_block_makes_the_forced_call(stack, gate
     body = chat_body(stack.model_name, "What is the weather in Paris for the next 3 days?", tools=[TOOL_W],
                      tool_choice=tool_choice, max_tokens=48)
     async with httpx.AsyncClient(base_url=gateways[parser], timeout=120) as client:
-        for stream in (False, True):
-            (msg,) = await chat(client, body, stream)
+        for (msg,) in await asyncio.gather(*(chat(client, body, stream) for stream in (False, True))):
             assert [c["name"] for c in msg.tool_calls] == ["get_weather"], msg
             jsonschema.validate(msg.args[0], TOOL_W["function"]["parameters"])
             assert (msg.finish_reason, msg.content, msg.reasoning) == ("tool_calls", None, None)

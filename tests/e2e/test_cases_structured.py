@@ -134,9 +134,8 @@ HOMEPAGE = {"type": "object", "properties": {"name": {"type": "string", "maxLeng
                                            (HOMEPAGE, "Give a person's name and homepage as JSON.")])
 async def test_s03_an_exclusive_one_of_and_an_unknown_format_are_answered_with_valid_json(ring, client, schema,
                                                                                          prompt):
-    for stream in (False, True):
-        (msg,) = await chat(client, chat_body(ring.model_name, prompt, response_format=json_schema(schema),
-                                              max_tokens=96), stream)
+    body = chat_body(ring.model_name, prompt, response_format=json_schema(schema), max_tokens=96)
+    for (msg,) in await asyncio.gather(*(chat(client, body, stream) for stream in (False, True))):
         assert msg.finish_reason == "stop"
         valid(msg.content, schema)
 
@@ -233,9 +232,9 @@ async def test_s10_constrained_generation_ends(ring, client):
                                           response_format=json_schema({}), max_tokens=128), False)
     json.loads(msg.content)
     assert msg.finish_reason == "stop"
-    for stream in (False, True):
-        (msg,) = await chat(client, chat_body(model, "What is the IP address of the local host?", max_tokens=32,
-                                              structured_outputs={"regex": IPV4}), stream)
+    body = chat_body(model, "What is the IP address of the local host?", max_tokens=32,
+                     structured_outputs={"regex": IPV4})
+    for (msg,) in await asyncio.gather(*(chat(client, body, stream) for stream in (False, True))):
         assert re.fullmatch(IPV4, msg.content) and msg.finish_reason == "stop"
         assert msg.completion_tokens < 32
 
@@ -260,8 +259,7 @@ async def test_s12_constrained_and_plain_rows_in_one_batch(ring, client):
 async def test_s13_n_choices_each_have_their_own_matcher(ring, client):
     body = chat_body(ring.model_name, "Describe a person as JSON.", n=4, temperature=1.0, seed=7,
                      response_format=json_schema(PERSON), max_tokens=64)
-    for stream in (False, True):
-        messages = await chat(client, body, stream)
+    for messages in await asyncio.gather(*(chat(client, body, stream) for stream in (False, True))):
         assert len(messages) == 4
         for msg in messages:
             valid(msg.content, PERSON)
@@ -326,8 +324,7 @@ async def test_t02_last_property_integer_or_object_keeps_its_brace(ring, client)
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
 async def test_t03_a_tool_without_parameters(ring, client, tool_choice):
     body = chat_body(ring.model_name, "What time is it?", tools=[TOOL_TIME], tool_choice=tool_choice, max_tokens=64)
-    for stream in (False, True):
-        (msg,) = await chat(client, body, stream)
+    for (msg,) in await asyncio.gather(*(chat(client, body, stream) for stream in (False, True))):
         assert [(c["name"], json.loads(c["arguments"])) for c in msg.tool_calls] == [("get_time", {})]
         assert msg.completion_tokens < 32 and msg.finish_reason == "tool_calls"
 
