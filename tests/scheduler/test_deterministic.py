@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from services.scheduler.engine.engine import Engine
+from services.scheduler.executor import step_threads
 from services.scheduler.layers import batch_invariant
 from services.scheduler.layers.batch_invariant import (
     NotBatchInvariantError,
@@ -40,7 +41,9 @@ def _bf16_factory(smollm2_dir, tokenizer, make_engine):
 
     def make(**overrides) -> Engine:
         cfg = replace(base.cfg, max_running_requests=64, max_total_tokens=8192, **overrides)
-        return Engine(model, tokenizer, base.stops.eos_ids, cfg)
+        engine = Engine(model, tokenizer, base.stops.eos_ids, cfg)
+        step_threads.install(engine.runner, 2)  # as served: a 1-token step on one thread, the rest on two
+        return engine
 
     return make
 

@@ -33,10 +33,9 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-import torch
-
 from services.scheduler.engine.engine import Engine
 from services.scheduler.engine.step_state import LoadStats
+from services.scheduler.executor import step_threads
 from services.scheduler.layers.parallel import RankFailure
 from services.scheduler.policy.output import StepOutput
 from services.scheduler.policy.req import ReqInput
@@ -54,7 +53,8 @@ class EngineLoop:
         max_queued_tokens: prompt tokens (held requests' plus the new one's) admitted at
             most; None = no limit.
         torch_threads: torch's intra-op thread count, set in the engine thread when it
-            starts (OpenMP keeps the count per thread); None leaves it as it is.
+            starts (OpenMP keeps the count per thread), less for small steps where that
+            is safe (``executor.step_threads``); None leaves it as it is.
         heartbeat: run in the engine thread after ``heartbeat_s`` idle seconds (tensor
             parallelism: ``TPGroup.heartbeat``); None = sleep until woken.
         on_fatal: called (engine thread) with the reason when a rank of the group is lost.
@@ -175,7 +175,7 @@ class EngineLoop:
 
     def _run(self) -> None:
         if self.torch_threads:
-            torch.set_num_threads(self.torch_threads)
+            step_threads.install(self.engine.runner, self.torch_threads)
         while not self._stopping:
             self._beat = time.monotonic()
             self._drain()

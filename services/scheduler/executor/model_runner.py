@@ -24,6 +24,7 @@ import torch
 from services.scheduler.attention.paged import AttnMetadata, DecodeLayout, ExtendLayout
 from services.scheduler.executor.device import DeviceRuntime
 from services.scheduler.executor.pooling import pool_rows
+from services.scheduler.executor.step_threads import StepThreads
 from services.scheduler.lora.layers import LoraBatch
 from services.scheduler.lora.registry import step_rows
 from services.scheduler.models.base import CausalLM
@@ -49,6 +50,8 @@ class ModelRunner:
     Attributes:
         broadcast: called with each step's ``StepBatch`` before it runs (tensor parallelism:
             rank 0 sends it to the other ranks); None on a single rank.
+        step_threads: sets the thread count of each step from its token count
+            (``executor.step_threads``; the engine thread installs it); None leaves it.
     """
 
     def __init__(self, model: CausalLM, req_pool: ReqToTokenPool, kv_pool: TokenToKVPool,
@@ -62,6 +65,7 @@ class ModelRunner:
         self.batch_invariant = batch_invariant
         self.lora = lora
         self.broadcast: Callable[[StepBatch], None] | None = None
+        self.step_threads: StepThreads | None = None
 
     @torch.inference_mode()
     def forward(self, plan: Plan, future: FutureIds | None = None) -> torch.Tensor:
@@ -107,6 +111,8 @@ class ModelRunner:
         Raises:
             layers.parallel.RankFailure: under tensor parallelism, a collective failed.
         """
+        if self.step_threads is not None:
+            self.step_threads.for_step(batch.sizes[batch.names.index("input_ids")])
         dev = upload(self.runtime, self.req_pool, batch.names, batch.sizes, batch.host)
         if future is not None:
             take_future_ids(dev, future, batch.num_extend_tokens)
