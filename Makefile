@@ -47,8 +47,10 @@ $(VENV)/bin/python:
 # the multi-GB CUDA build); uv then finds the pin met. --no-compile (pip; uv's default): Python
 # compiles what a process imports, on first use, rather than every module of torch up front.
 TORCH_PIN := $(shell sed -n 's/^ *"\(torch==[^"]*\)",.*/\1/p' pyproject.toml)
+# Where uv cannot reach an index pip can (a mirror set only in pip's configuration), pip installs.
 install_project = $(VENV)/bin/pip install -q --no-compile uv '$(TORCH_PIN)' \
-	&& $(VENV)/bin/uv pip install -q --python $(PY) -e '.[$(1)]'
+	&& { $(VENV)/bin/uv pip install -q --python $(PY) -e '.[$(1)]' \
+		|| $(VENV)/bin/pip install -q --no-compile -e '.[$(1)]'; }
 
 $(STAMPS)/venv-serve: pyproject.toml | $(VENV)/bin/python
 	$(call timed,install,$(call install_project,serve))
