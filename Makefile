@@ -100,8 +100,10 @@ ports-free:
 run: ports-free setup-serve
 	$(VENV)/bin/ringserve launch --model $(MODEL) --host $(HOST) --port $(PORT) --tokenizer-port $(GRPC_PORT)
 
+# The whole suite: the ring tier, and beside it the unit and model tiers at nice 10
+# (tests/run_suite.sh); PYTEST_ARGS given: one plain pytest session with them.
 test: setup
-	RINGSERVE_CACHE_DIR=$(CACHE_DIR) $(PY) -m pytest -q $(PYTEST_ARGS)
+	RINGSERVE_CACHE_DIR=$(CACHE_DIR) PY=$(PY) tests/run_suite.sh $(PYTEST_ARGS)
 
 # The unit tier only (no prepared model, no launched ring; tests/helpers/tiers.py): the quick
 # check before the full run.

@@ -16,9 +16,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import orjson
-
 from .responses_protocol import InputItem
+from .sse import dumps
 
 
 @dataclass(frozen=True)
@@ -30,7 +29,7 @@ class Stored:
 
 def items_bytes(items: list[InputItem] | tuple[InputItem, ...]) -> int:
     """The JSON size of ``items`` (as they were validated)."""
-    return sum(len(orjson.dumps(item.model_dump(exclude_none=True))) for item in items)
+    return sum(len(dumps(item.model_dump(exclude_none=True))) for item in items)
 
 
 class ResponseStore:
@@ -60,7 +59,7 @@ class ResponseStore:
     def put(self, entry: Stored) -> bool:
         """Keep ``entry`` under its response's id, evicting the least recently used entries
         over the bounds; False when it alone is over the byte budget (not kept)."""
-        size = len(orjson.dumps(entry.response)) + entry.conversation_bytes
+        size = len(dumps(entry.response)) + entry.conversation_bytes
         if not self.enabled or size > self.max_bytes:
             return False
         self.delete(entry.response["id"])

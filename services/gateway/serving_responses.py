@@ -15,7 +15,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 
-import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
@@ -45,7 +44,7 @@ from .responses_store import ResponseStore, Stored, items_bytes
 
 def frame(event: dict) -> bytes:
     """One server-sent event as OpenAI frames the Responses stream."""
-    return b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
+    return b"event: " + event["type"].encode() + b"\ndata: " + sse.dumps(event) + b"\n\n"
 
 
 def not_found(response_id: str, param: str | None = None) -> GatewayError:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
@@ -30,8 +31,18 @@ KEEPALIVE = b": keepalive\n\n"
 T = TypeVar("T")
 
 
+def dumps(obj: Any) -> bytes:
+    """``obj`` as compact JSON: orjson's, or the standard library's where orjson refuses an
+    integer past 64 bits (JSON has no bound, and a client's schema, metadata or echoed item
+    may hold one; the answer echoes them). Raises TypeError for what neither can encode."""
+    try:
+        return orjson.dumps(obj)
+    except TypeError:
+        return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+
+
 def event(obj: Any) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
+    return b"data: " + dumps(obj) + b"\n\n"
 
 
 def error_event(exc: GatewayError) -> bytes:
@@ -184,7 +195,7 @@ async def _after_opening(task: asyncio.Future[T], watcher: asyncio.Future[None],
 
 
 def json_response(obj: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(obj), status, media_type="application/json")
+    return Response(dumps(obj), status, media_type="application/json")
 
 
 class ClientDisconnected(Exception):

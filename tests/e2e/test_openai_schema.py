@@ -17,7 +17,9 @@ Two adjustments keep the run short and make positive cases produce real generati
   min_tokens <= max_tokens, stream_options only with stream, top_logprobs only with
   logprobs, non-empty stop strings, logit_bias keyed by token ids, top_k never 0, keys only
   on the variant that has them, priority 0 under the ring's default policy, exactly one of
-  ``text`` and ``input_ids`` on ``/generate``). Each of those rules has its own 400 test in
+  ``text`` and ``input_ids`` and at most one output constraint on ``/generate``, the lower
+  bounds of counts, tool names the gateway accepts, ``tool_choice`` naming a listed tool, a
+  ``json_schema`` object with that response format). Each of those rules has its own 400 test in
   tests/gateway/test_gateway_errors.py, tests/gateway/test_gateway_variants.py and (priority)
   tests/tokenizer/test_priority.py.
 
@@ -84,6 +86,9 @@ schema = schemathesis.openapi.from_dict(OPENAPI)
 # suite. Its negative half stays (each answered by the gateway's validation in milliseconds);
 # positive bodies come from the examples and fuzzing phases, 10 an operation.
 schema.config.phases.coverage.generation.modes = [GenerationMode.NEGATIVE]
+# The fuzzing phase draws positive bodies only: drawn half and half, a generation endpoint got
+# 4-5 positive bodies of its 10, too few to see that positives generate.
+schema.config.phases.fuzzing.generation.modes = [GenerationMode.POSITIVE]
 STATUSES: Counter = Counter()  # (operation, status) -> count, to see that positive cases generate
 
 
@@ -122,6 +127,20 @@ def _repair_sampling(params: dict, model: str) -> None:
         params[key] = _ids(params.get(key)) if key in params else None
         if params[key] is None:
             del params[key]
+    # Lower bounds the routes check themselves (the schema has no minimum for them).
+    for key in ("max_tokens", "max_completion_tokens", "max_new_tokens", "n"):
+        if type(params.get(key)) is int and params[key] < 1:
+            params[key] = 1
+    for key in ("logprobs", "top_logprobs", "prompt_logprobs"):
+        if type(params.get(key)) is int:
+            params[key] = min(max(params[key], 0), 20)
+    if isinstance(rf, dict) and rf.get("type") == "json_schema" and not isinstance(rf.get("json_schema"), dict):
+        params["response_format"] = {"type": "text"}
+    for i, tool in enumerate(params.get("tools") or []):
+        if isinstance(tool, dict) and isinstance(tool.get("function"), dict):
+            tool["function"]["name"] = f"tool_{i}"  # 1-64 letters, digits, '_' or '-'
+    if isinstance(params.get("tool_choice"), dict):
+        params["tool_choice"] = "auto"  # a named function must be one of the tools
     top = params.get("max_tokens") or params.get("max_completion_tokens") or params.get("max_new_tokens")
     for key in ("min_tokens", "min_new_tokens"):
         if type(params.get(key)) is int and top:
@@ -175,6 +194,12 @@ def _bound(case, model: str) -> None:
                 body["input_ids"] = _ids(body.get("input_ids")) if "input_ids" in body else None
                 if body["input_ids"] is None:
                     del body["input_ids"]
+                if "model" in body:
+                    body["model"] = model
+                constraints = [(where, k) for where in (body, params) for k in ("json_schema", "regex", "ebnf")
+                               if where.get(k) is not None]
+                for where, key in constraints[1:]:  # at most one output constraint
+                    del where[key]
                 if (body.get("text") is None) == ("input_ids" not in body):  # exactly one of the two
                     body.pop("input_ids", None)
                     body["text"] = "hi"

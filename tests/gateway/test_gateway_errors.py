@@ -36,6 +36,7 @@ CHAT_INVALID = [
     ({"logit_bias": {"abc": 1}}, "logit_bias", "invalid_value"),
     ({"stop": ["", "x"]}, "stop", "invalid_value"),
     ({"top_logprobs": 2}, "top_logprobs", "invalid_value"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs", "invalid_value"),
     # Output constraints and tools.
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "invalid_value"),
     ({"response_format": {"type": "json_schema"}}, "response_format", "invalid_value"),
@@ -103,6 +104,13 @@ async def test_generate_takes_exactly_one_of_text_and_input_ids(stack, body):
     r = await stack.client.post("/generate", json={**body, "sampling_params": {"max_new_tokens": 1}})
     err = assert_error(r, 400, "text", "invalid_value", "invalid_request_error")
     assert err["message"] == "give exactly one of text and input_ids"
+
+
+async def test_generate_takes_at_most_one_output_constraint(stack):
+    params = {"max_new_tokens": 1, "regex": "a", "ebnf": 'root ::= "a"'}
+    r = await stack.client.post("/generate", json={"text": "hi", "sampling_params": params})
+    err = assert_error(r, 400, "sampling_params.ebnf", "invalid_value", "invalid_request_error")
+    assert err["message"] == "give at most one output constraint, got sampling_params.regex and sampling_params.ebnf"
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -110,3 +110,21 @@ def test_the_store_holds_at_most_its_bytes():
 def test_a_store_of_size_zero_keeps_nothing():
     store = ResponseStore(0, 10**6)
     assert not store.enabled and not store.put(_entry("a")) and store.get("a") is None
+
+
+async def test_an_integer_past_64_bits_in_an_echoed_item_is_stored_and_streamed(stack):
+    """JSON has no integer bound: a client's output_text item (as another server returned it)
+    may carry logprobs with a 27-digit integer, which orjson cannot encode. Found by the schema
+    fuzz: the stream was cut after its last event when the store measured the conversation."""
+    big = 428154445087400337919180800
+    item = {"type": "message", "role": "assistant",
+            "content": [{"type": "output_text", "text": "Hi.", "annotations": [], "logprobs": [{"x": big}]}]}
+    for stream in (False, True):
+        created = await _create(stack, stack.out("Hi", finish="stop"), stream=stream,
+                                input=[{"role": "user", "content": "hi"}, item, {"role": "user", "content": "again"}],
+                                metadata={"n": "1"}, tools=[{"type": "function", "name": "f",
+                                                             "parameters": {"type": "integer", "maximum": big}}])
+        assert created["status"] == "completed"
+        assert created["tools"][0]["parameters"]["maximum"] == big
+        r = await stack.client.get(f"{RESPONSES}/{created['id']}")
+        assert r.status_code == 200 and r.json() == created
