@@ -98,11 +98,13 @@ class ReadinessMonitor:
         self._tasks: list[asyncio.Task[None]] = []
         self._ready = False
         self._could: set[Replica] = set()  # replicas that could move a token at the last publish
+        self._stopping = False
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._watch(r), name=f"readiness-{r.name}") for r in self.replicas]
 
     async def stop(self) -> None:
+        self._stopping = True
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -175,8 +177,15 @@ class ReadinessMonitor:
         session = link.sessions
         try:
             why = await self.check(link, self.config.check_timeout_s)
-        except Exception as exc:  # e.g. the channel closed under the call: the link goes down with it
+        except Exception as exc:
             why = f"failed its health check ({exc!r})"
+        except asyncio.CancelledError:
+            # grpc.aio cancels a call whose channel closes under it (the link went down and
+            # closed it). Raised on, it ended this replica's watch loop: the replica then
+            # stayed not ready after its peer came back (a scheduler killed mid-check).
+            if self._stopping:
+                raise
+            why = "failed its health check (its channel closed under it)"
         self._results[link] = (session, why)
 
     async def _watch(self, replica: Replica) -> None:

@@ -22,6 +22,7 @@ from services.scheduler.disagg.mooncake import MooncakeKvTransfer, row_runs
 from services.scheduler.disagg.service import KvSender
 from services.scheduler.disagg.transfer import KvLayout, TransferError
 from services.scheduler.policy.kv_pool import TokenToKVPool
+from tests.helpers.ring_requests import wait_until
 
 LAYERS, HEADS, DIM, ROWS = 3, 2, 8, 64
 
@@ -213,6 +214,9 @@ async def test_a_handoff_whose_next_range_never_comes_ends_and_its_stream_with_i
                 await asyncio.sleep(0.01)
             sender._put("r", None)  # the request aborted on the prefill side: the sender stops here
         await asyncio.gather(*sender._tasks)
+        # The decode side's handler sees the stream end after the sender's task is done: on a
+        # starved process, stopping the server at once cancelled it before it did.
+        await wait_until(lambda: ("lease ended",) in service.events, 10, "the lease's end seen by the decode side")
     finally:
         await sender.close()
         await server.stop(0)

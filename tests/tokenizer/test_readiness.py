@@ -121,6 +121,34 @@ async def test_one_replica_link_check_and_stall_rules():
         await monitor.stop()
 
 
+async def test_a_check_cancelled_by_its_closed_channel_leaves_the_watch_running():
+    """A link that goes down closes its channel, and grpc.aio cancels a health check in flight
+    on it (asyncio.CancelledError). The watch goes on: when the peer is back the replica is
+    ready again (it stayed not ready for good after a scheduler was killed mid-check)."""
+    r = replica(1)
+    peers = Peers()
+    cancelled = {"n": 0}
+
+    async def check(link: Link, timeout_s: float) -> str | None:
+        if link is r.scheduler and not cancelled["n"]:
+            cancelled["n"] += 1
+            raise asyncio.CancelledError
+        return await peers.check(link, timeout_s)
+
+    monitor = ReadinessMonitor([r], lambda _: 0, CONFIG, check=check)
+    monitor.start()
+    try:
+        connect(r.scheduler)
+        connect(r.detokenizer)
+        monitor.link_changed(r.scheduler)
+        await until(lambda: cancelled["n"] == 1)
+        await until(lambda: monitor.ready)
+        assert reasons(monitor, r) == []
+    finally:
+        await monitor.stop()
+    assert all(task.done() for task in monitor._tasks)
+
+
 async def test_several_replicas_ready_while_one_can_and_the_router_prefers_it():
     a, b = replica(1), replica(2)
     for link in (a.scheduler, a.detokenizer, b.scheduler, b.detokenizer):
