@@ -169,9 +169,16 @@ class TokenizerClient:
         try:
             first = await call.read()
         except grpc.aio.AioRpcError as exc:
-            raise self._rpc_error(exc) from None
-        except BaseException:
+            error = self._rpc_error(exc)
+            if error.status >= 500:  # cut off by the server (a refusal, 4xx, is no request begun)
+                logger.warning("request %s ended before its first output: %s %s", req.rid, error.status, error.message)
+                if observe:
+                    await self._count_cut_off(req)
+            raise error from None
+        except BaseException:  # the client went away (or a sibling call of its batch failed)
             call.cancel()
+            if observe and self.metrics.model_name:
+                self._count_cut_off_now(req)
             raise
         if first is grpc.aio.EOF:
             return GenerateStream(call, None)
@@ -189,6 +196,20 @@ class TokenizerClient:
             tracker = self.metrics.request(n, req.stream, started)
             tracker.on_output(first)
         return GenerateStream(call, first, tracker, self._rpc_error, log_output)
+
+    async def _count_cut_off(self, req: tokenizer_pb2.GenerateReqInput) -> None:
+        """Count the choices of a call that ended before its first output as aborted (as a
+        call cut off later counts its unfinished ones), once the served name is known."""
+        if not self.metrics.model_name:
+            try:
+                self.metrics.model_name = (await self.model_card()).served_model_name
+            except (GatewayError, grpc.aio.AioRpcError):
+                return  # the tokenizer is gone too: there is no label to count under
+        self._count_cut_off_now(req)
+
+    def _count_cut_off_now(self, req: tokenizer_pb2.GenerateReqInput) -> None:
+        n = req.sampling_params.n if req.sampling_params.HasField("n") else 1
+        self.metrics.aborted.labels(self.metrics.model_name).inc(n)
 
     def _rpc_error(self, exc: grpc.aio.AioRpcError) -> GatewayError:
         """``from_rpc_error``, naming ``--request-timeout`` when the Generate deadline passed."""

@@ -87,6 +87,23 @@ async def test_metrics_count_a_client_disconnect_as_aborted(stack):
                for r in ("stop", "length")) == 0
 
 
+@pytest.mark.parametrize("code,n,aborted", [(grpc.StatusCode.UNAVAILABLE, 2, 2),
+                                             (grpc.StatusCode.DEADLINE_EXCEEDED, 1, 1),
+                                             (grpc.StatusCode.INVALID_ARGUMENT, 1, 0)])
+async def test_metrics_count_a_call_cut_off_before_its_first_output(stack, caplog, code, n, aborted):
+    """A server error before the first output (a request timeout, a lost scheduler) cuts off
+    every choice: counted as aborted, and logged; a refusal (4xx) is no request begun."""
+    stack.fake.reset(stack.Fail(code, "gone"))
+    before = await _samples(stack.client)
+    body = {"model": stack.model, "messages": [{"role": "user", "content": "x"}], "n": n}
+    r = await stack.client.post(CHAT, json=body)
+    assert r.status_code == {0: 400}.get(aborted, 503 if code == grpc.StatusCode.UNAVAILABLE else 504)
+    after = await _samples(stack.client)
+    assert _delta(before, after, "ringserve:num_aborted_requests_total") == aborted
+    logged = [rec.getMessage() for rec in caplog.records if "ended before its first output" in rec.getMessage()]
+    assert len(logged) == (1 if aborted else 0), logged
+
+
 async def test_health_generate_runs_one_uncounted_token(stack):
     stack.fake.reset(stack.out("pong", finish="length", completion=1))
     before = await _samples(stack.client)
