@@ -24,6 +24,7 @@ tokenizer requires it on its ``Tokenizer`` service; health needs none).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import socket
@@ -166,6 +167,7 @@ class TokenizerClient:
         if self._config.log_requests:
             logger.info("request %s: %s", req.rid, text_format.MessageToString(req, as_one_line=True))
             log_output = lambda out: logger.info("output %s: %r", out.rid, out.text)  # noqa: E731
+        n = req.sampling_params.n if req.sampling_params.HasField("n") else 1
         try:
             first = await call.read()
         except grpc.aio.AioRpcError as exc:
@@ -173,12 +175,14 @@ class TokenizerClient:
             if error.status >= 500:  # cut off by the server (a refusal, 4xx, is no request begun)
                 logger.warning("request %s ended before its first output: %s %s", req.rid, error.status, error.message)
                 if observe:
-                    await self._count_cut_off(req)
+                    with contextlib.suppress(GatewayError):  # the tokenizer is gone too: no label to count under
+                        await self._name_metrics()
+                    self.metrics.cut_off(n)
             raise error from None
         except BaseException:  # the client went away (or a sibling call of its batch failed)
             call.cancel()
-            if observe and self.metrics.model_name:
-                self._count_cut_off_now(req)
+            if observe:
+                self.metrics.cut_off(n)
             raise
         if first is grpc.aio.EOF:
             return GenerateStream(call, None)
@@ -186,30 +190,23 @@ class TokenizerClient:
             log_output(first)
         tracker = None
         if observe:
-            if not self.metrics.model_name:
-                try:
-                    self.metrics.model_name = (await self.model_card()).served_model_name
-                except BaseException:
-                    call.cancel()
-                    raise
-            n = req.sampling_params.n if req.sampling_params.HasField("n") else 1
+            try:
+                await self._name_metrics()
+            except BaseException:
+                call.cancel()
+                raise
             tracker = self.metrics.request(n, req.stream, started)
             tracker.on_output(first)
         return GenerateStream(call, first, tracker, self._rpc_error, log_output)
 
-    async def _count_cut_off(self, req: tokenizer_pb2.GenerateReqInput) -> None:
-        """Count the choices of a call that ended before its first output as aborted (as a
-        call cut off later counts its unfinished ones), once the served name is known."""
-        if not self.metrics.model_name:
-            try:
-                self.metrics.model_name = (await self.model_card()).served_model_name
-            except (GatewayError, grpc.aio.AioRpcError):
-                return  # the tokenizer is gone too: there is no label to count under
-        self._count_cut_off_now(req)
+    async def _name_metrics(self) -> None:
+        """Label /metrics with the served name, asked of the tokenizer once.
 
-    def _count_cut_off_now(self, req: tokenizer_pb2.GenerateReqInput) -> None:
-        n = req.sampling_params.n if req.sampling_params.HasField("n") else 1
-        self.metrics.aborted.labels(self.metrics.model_name).inc(n)
+        Raises:
+            GatewayError(503): the tokenizer cannot be reached.
+        """
+        if not self.metrics.model_name:
+            self.metrics.model_name = (await self.model_card()).served_model_name
 
     def _rpc_error(self, exc: grpc.aio.AioRpcError) -> GatewayError:
         """``from_rpc_error``, naming ``--request-timeout`` when the Generate deadline passed."""

@@ -70,6 +70,13 @@ class GatewayMetrics:
         """The Prometheus text format of every family."""
         return generate_latest(self.registry)
 
+    def cut_off(self, n: int) -> None:
+        """A Generate call of ``n`` choices ended before its first output (a server error, the
+        client gone): they count as aborted, as a call cut off later counts its unfinished
+        ones. Not counted before the served name is known (no label)."""
+        if self.model_name:
+            self.aborted.labels(self.model_name).inc(n)
+
     def request(self, n: int, stream: bool, started: float) -> RequestMetrics:
         """A tracker for one Generate call with ``n`` choices started at ``started`` (monotonic)."""
         return RequestMetrics(self, n, stream, started)

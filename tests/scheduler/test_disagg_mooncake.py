@@ -152,6 +152,20 @@ class Decode(disagg_pb2_grpc.DisaggServicer):
         return common_pb2.Empty()
 
 
+async def _serve(service: Decode, prefill: MooncakeKvTransfer,
+                 timeout_s: float) -> tuple[grpc.aio.Server, int, KvSender, list[tuple]]:
+    """``service`` on a gRPC server of a free port, and a sender over ``prefill``'s pool whose
+    stand-in engine records what it is ``handed``: (server, port, sender, the handed calls)."""
+    server = grpc.aio.server()
+    disagg_pb2_grpc.add_DisaggServicer_to_server(service, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    handed: list[tuple] = []
+    disagg = SimpleNamespace(handed=lambda *args: handed.append(args))
+    loop = SimpleNamespace(engine=SimpleNamespace(kv_pool=prefill.pool, disagg=disagg), call=lambda fn: fn())
+    return server, port, KvSender(loop, prefill, (), timeout_s), handed
+
+
 @pytest.mark.parametrize("engine", ["mooncake", "nixl"])
 async def test_the_sender_writes_under_a_lease_then_commits(engines, engine):
     prefill, decode = engines
@@ -160,14 +174,7 @@ async def test_the_sender_writes_under_a_lease_then_commits(engines, engine):
     src_rows, dst_rows = torch.tensor([40, 41, 42, 7]), [1, 2, 3, 4]
     service = Decode(disagg_pb2.KvReservation(rid="r", kv_rows=dst_rows, transfer_engine=engine,
                                               engine_bootstrap=decode.bootstrap()))
-    server = grpc.aio.server()
-    disagg_pb2_grpc.add_DisaggServicer_to_server(service, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    handed: list[tuple] = []
-    disagg = SimpleNamespace(handed=lambda *args: handed.append(args))
-    loop = SimpleNamespace(engine=SimpleNamespace(kv_pool=prefill.pool, disagg=disagg), call=lambda fn: fn())
-    sender = KvSender(loop, prefill, (), 10.0)
+    server, port, sender, handed = await _serve(service, prefill, 10.0)
     try:  # opened at admission, the first chunk's rows, then the last with the first token
         sender.open("r", f"127.0.0.1:{port}", len(src_rows))
         sender._put("r", (0, src_rows[:3]))
@@ -198,14 +205,7 @@ async def test_a_handoff_whose_next_range_never_comes_ends_and_its_stream_with_i
     if end.startswith("grpc"):
         reservation.transfer_engine = "grpc"
     service = Decode(reservation)
-    server = grpc.aio.server()
-    disagg_pb2_grpc.add_DisaggServicer_to_server(service, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    handed: list[tuple] = []
-    disagg = SimpleNamespace(handed=lambda *args: handed.append(args))
-    loop = SimpleNamespace(engine=SimpleNamespace(kv_pool=prefill.pool, disagg=disagg), call=lambda fn: fn())
-    sender = KvSender(loop, prefill, (), 0.3)
+    server, port, sender, handed = await _serve(service, prefill, 0.3)
     try:
         sender.open("r", f"127.0.0.1:{port}", 4)
         sender._put("r", (0, torch.tensor([40, 41, 42])))  # the first chunk; the rest never comes
