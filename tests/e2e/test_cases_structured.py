@@ -204,7 +204,11 @@ async def test_s05_a_heavy_grammar_never_stalls_the_server(ring, client):
     assert took < 5.0 + 10.0  # the compile budget (--grammar-compile-timeout 5) plus the stream
     health.sort()
     assert health[int(len(health) * 0.99)] < 1.0
-    assert with_heavy < 2 * control, (with_heavy, control)
+    # A stall is a grammar compiled on the engine's or the tokenizer's loop: seconds (the compile
+    # budget is 5 s). The 0.25 s beyond twice the control is scheduling noise on 2 shared cores
+    # (`make test` runs the unit and model tiers beside this one): 0.146 s against a 0.073 s
+    # control failed a bound of twice the control alone.
+    assert with_heavy < 2 * control + 0.25, (with_heavy, control)
 
 
 async def test_s06_schema_is_enforced_and_a_missing_schema_is_a_400(ring, client):
