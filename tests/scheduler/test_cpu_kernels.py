@@ -158,9 +158,33 @@ def test_every_source_file_keys_the_library_and_every_c_file_is_in_it(tmp_path, 
     lib = ctypes.CDLL(str(cpu_kernels.build()))
     assert cpu_kernels.build() == paths[-1]
     for symbol in ("rs_decode_attention", "rs_rotary_store", "rs_add_rms_norm", "rs_silu_and_mul", "rs_int8_linear",
-                   "rs_int8_available", "rs_w8_bf16_available", "rs_w8_amx_available", "rs_set_pool",
-                   "rs_pool_threads"):
+                   "rs_int8_available", "rs_w8_bf16_available", "rs_w8_amx_available", "rs_w8a8_amx_available",
+                   "rs_argmax", "rs_set_pool", "rs_pool_threads"):
         assert hasattr(lib, symbol), symbol
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 49152), (3, 17), (5, 1), (64, 1000), (70, 33)])
+def test_argmax_gives_torchs_indices_with_ties_nans_and_infinities(rows, vocab):
+    """Each row's index of torch.argmax: the first of equal maxima (also +0.0 against -0.0), the
+    first NaN where a row has one, -inf rows; vocabularies off the vector width."""
+    gen = torch.Generator().manual_seed(rows * 1000 + vocab)
+    x = torch.randn(rows, vocab, generator=gen)
+    x[0, vocab // 2:] = x[0].max() + 1.0  # a tie from the middle on: the middle wins
+    if rows > 1:
+        x[1] = -torch.inf
+    if rows > 2:
+        x[2, -1] = torch.nan
+        x[2, 0] = torch.inf
+    if rows > 3:
+        x[3] = 0.0
+        x[3, ::2] = -0.0
+    if rows > 4:
+        x[4, vocab // 3] = torch.nan
+        x[4, -1] = torch.nan
+    got = cpu_kernels.argmax(x)
+    assert got.dtype == torch.int64
+    assert got.tolist() == x.argmax(dim=-1).tolist()
+    assert cpu_kernels.argmax(x[:, :1].contiguous()).tolist() == [0] * rows
 
 
 def test_a_missing_compiler_is_named(monkeypatch, tmp_path):

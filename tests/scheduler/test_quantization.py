@@ -154,6 +154,21 @@ def test_fix_kernels_pins_only_a_mix_of_kernel_families(linear):
         linear.kernels, linear.timings = ((1, "w8a8"),), {}
 
 
+@pytest.mark.skipif(not (quant.cpu_runs_int8() and quant._lib().rs_w8a8_amx_available()),
+                    reason="this CPU (or kernel) has no AMX-INT8: w8a8 runs the AVX-512 tiles at every row count")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_w8a8_on_amx_tiles_gives_the_emulations_bits_at_every_row_count(dtype):
+    """From 8 rows W8A8 runs on AMX-INT8 tiles where K is a multiple of 64: the same exact int32
+    sums as the AVX-512 tiles below 8 rows, so every row count gives the emulation's bits (N = 200:
+    an odd block count, the last block part-filled; 37 rows: a part-filled row tile)."""
+    g = torch.Generator().manual_seed(7)
+    linear = Int8Linear(torch.randn(200, 192, generator=g) * 0.05, torch.randn(200, generator=g))
+    x = (torch.randn(70, 192, generator=g) * 3).to(dtype)
+    x[40] = 0.0
+    for rows in (1, 7, 8, 16, 17, 37, 64, 70):
+        assert torch.equal(linear(x[:rows], "w8a8"), emulate_w8a8(x[:rows], linear)), rows
+
+
 @needs_vnni
 @pytest.mark.parametrize("kernel", ["w8a8", "w8", "w8bf16"])
 def test_a_rows_bits_do_not_depend_on_its_batch(linear, kernel):

@@ -36,6 +36,7 @@ tensors at all.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -108,6 +109,17 @@ class MemorySplit:
     def describe(self) -> str:
         return (f"weights {self.weights / GIB:.2f} GiB, KV cache {self.kv_cache / GIB:.2f} GiB, "
                 f"reserve {self.reserve / GIB:.2f} GiB, of {self.total / GIB:.2f} GiB")
+
+
+@functools.cache
+def _cpu_argmax() -> Callable[[torch.Tensor], torch.Tensor]:
+    from services.scheduler.kernels import cpu_kernels
+
+    try:
+        cpu_kernels.library()
+    except cpu_kernels.KernelBuildError:
+        return lambda x: x.argmax(dim=-1)
+    return cpu_kernels.argmax
 
 
 class DeviceRuntime:
@@ -207,6 +219,12 @@ class DeviceRuntime:
         returns the host tensor (on the CPU the copy is the identity, made when asked)."""
         return lambda: self.to_host(t)
 
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """``x.argmax(dim=-1)`` of a [B, V] fp32 batch (sampling's reduction over the vocabulary):
+        on the CPU the C kernel (``kernels.cpu_kernels.argmax``: the same indices, 10x torch's
+        speed), or torch's where the kernels do not build."""
+        return _cpu_argmax()(x)
+
     def generator(self, seed: int | None) -> torch.Generator:
         """A generator on the device seeded with ``seed`` (None: a nondeterministic seed)."""
         gen = torch.Generator(self.device)
@@ -281,6 +299,9 @@ class CudaRuntime(DeviceRuntime):
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         return t.to("cpu")
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        return x.argmax(dim=-1)
 
     def to_host_async(self, t: torch.Tensor) -> Callable[[], torch.Tensor]:
         """A non-blocking copy into pinned memory and an event; waiting synchronizes on the

@@ -95,15 +95,15 @@ class Sampler:
         greedy = [r.sampling.temperature == 0.0 for r in reqs]
         want_logprob = any(r.return_logprob for r in reqs)
         if probs is None:
-            next_ids = logits.argmax(dim=-1)
+            next_ids = self.runtime.argmax(logits)
             logp = torch.log_softmax(logits, dim=-1) if want_logprob else None
         else:
             assert is_greedy is not None
             noise = self.noise(probs.shape, reqs)
-            next_ids = (probs / noise).argmax(dim=-1)
+            next_ids = self.runtime.argmax(probs / noise)
             mask = is_greedy.bool()
             if any(greedy):
-                next_ids = torch.where(mask, logits.argmax(dim=-1), next_ids)
+                next_ids = torch.where(mask, self.runtime.argmax(logits), next_ids)
             logp = None
             if want_logprob:
                 logp = torch.log(probs)

@@ -3,7 +3,7 @@
 Why: a decode step on CPU is ~30 small ops per layer around four matmuls. At batch 1 their
 per-op overhead was ~9 ms of a 32 ms step (one core); at batch 64 the torch decode
 attention gathered every request's K/V rows into a copy before two matmuls read it, ~30 %
-of the step. Four kernels replace them (``cpu/attention.c`` and ``cpu/elementwise.c`` have the
+of the step. These kernels replace them (``cpu/attention.c`` and ``cpu/elementwise.c`` have the
 algorithms; ``cpu/int8.c`` holds the int8 linears of ``layers.quant``, ``cpu/common.h`` what
 they share, ``cpu/parallel.c`` their parallel regions):
 
@@ -11,6 +11,7 @@ they share, ``cpu/parallel.c`` their parallel regions):
 - ``rotary_store``: rotary on q and k of the fused qkv output, k and v into the pool.
 - ``add_rms_norm``: residual add and RMSNorm in one pass.
 - ``silu_and_mul``: the MLP's activation.
+- ``argmax``: greedy sampling's reduction over the vocabulary (torch's reads ~0.7 G values/s).
 
 Numerics: the element-wise kernels round to bf16 exactly where the torch ops they
 replace round (bit-identical, up to the order of RMSNorm's fp32 sum); decode attention
@@ -142,7 +143,8 @@ def library() -> ctypes.CDLL:
     lib.rs_rotary_store.argtypes = [_P, _I64, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I]
     lib.rs_add_rms_norm.argtypes = [_P, _P, _P, _P, _I64, _I64, _F, _I]
     lib.rs_silu_and_mul.argtypes = [_P, _P, _I64, _I64, _I]
-    for fn in (lib.rs_decode_attention, lib.rs_rotary_store, lib.rs_add_rms_norm, lib.rs_silu_and_mul):
+    lib.rs_argmax.argtypes = [_P, _P, _I64, _I64]
+    for fn in (lib.rs_decode_attention, lib.rs_rotary_store, lib.rs_add_rms_norm, lib.rs_silu_and_mul, lib.rs_argmax):
         fn.restype = None
     lib.rs_set_pool.argtypes, lib.rs_set_pool.restype = [_I], _I
     lib.rs_pool_threads.argtypes, lib.rs_pool_threads.restype = [], _I
@@ -267,6 +269,18 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     kind = _kind(gate_up)
     out = torch.empty(t, two_i // 2, dtype=gate_up.dtype)
     library().rs_silu_and_mul(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2, kind)
+    return out
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of a 2-D fp32 CPU tensor (the same indices: a NaN counts as the
+    largest, of equal values the first), at memory speed: greedy sampling's reduction over the
+    vocabulary, 4.4 ms for torch's at 64 rows of 49,152. Anything else goes to torch."""
+    if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[1] == 0:
+        return x.argmax(dim=-1)
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    library().rs_argmax(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1])
     return out
 
 

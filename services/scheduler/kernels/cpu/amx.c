@@ -57,6 +57,21 @@ static void configure_tiles(void) {
     _tile_loadconfig(&c);
 }
 
+static inline __attribute__((always_inline)) void zero_c_tiles(void) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+}
+
+/* C tiles 0-3 to c: 4 x 16 rows of 64 bytes (fp32 or int32 sums), tile t at c + 1024 t bytes. */
+static inline __attribute__((always_inline)) void store_c_tiles(void *c) {
+    _tile_stored(0, c, 64);
+    _tile_stored(1, (char *)c + 1024, 64);
+    _tile_stored(2, (char *)c + 2048, 64);
+    _tile_stored(3, (char *)c + 3072, 64);
+}
+
 /* Rows m0 .. min(M, m0 + 16) - 1 of the 16 channels from n0 on: y = c * ws + bias. */
 static void amx_store(const float *c, int64_t m0, int64_t M, const float *ws, const float *bias, void *out,
                       int64_t ldo, int64_t n0, int64_t N, int out_bf16) {
@@ -76,10 +91,7 @@ void rs_w8_amx_blocks(const bf16_t *xa, int64_t M, int64_t K, const int8_t *wp, 
         if (two) int8_widen_bf16(int8_block(wp, K, nb + 1), K, wb + K / 2);
         for (int64_t m0 = 0; m0 < M; m0 += 32) {
             const int rows2 = M - m0 > 16;  /* a second row tile (the padding makes it whole) */
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
+            zero_c_tiles();
             for (int64_t k = 0; k < K; k += 32) {
                 _tile_loadd(4, xa + m0 * K + k, K * 2);
                 _tile_loadd(6, wb + k / 2, 64);
@@ -94,10 +106,7 @@ void rs_w8_amx_blocks(const bf16_t *xa, int64_t M, int64_t K, const int8_t *wp, 
                     if (two) _tile_dpbf16ps(3, 5, 7);
                 }
             }
-            _tile_stored(0, c, 64);
-            _tile_stored(1, c + 256, 64);
-            _tile_stored(2, c + 512, 64);
-            _tile_stored(3, c + 768, 64);
+            store_c_tiles(c);
             for (int i = 0; i <= rows2; i++)
                 for (int j = 0; j <= two; j++)
                     amx_store(c + (2 * i + j) * 256, m0 + 16 * i, M, ws, bias, out, ldo, (nb + j) * 16, N, out_bf16);
@@ -107,10 +116,87 @@ void rs_w8_amx_blocks(const bf16_t *xa, int64_t M, int64_t K, const int8_t *wp, 
     free(c);
     _tile_release();
 }
+
+/* W8A8 on AMX-INT8 (``w8a8`` from W8A8_AMX_MIN_ROWS rows on CPUs with AMX): TDPBUSD multiplies
+ * the u8 activation rows (quantize_rows' q + 128, a 16 x 64-byte A tile) by the s8 weights and
+ * sums in int32 -- the same exact sums as int8.c's vpdpbusd tiles, so the same bits at every row
+ * count. The packed layout needs no repacking: block b's rows for input channels 4r .. 4r+3 are
+ * 64 bytes each, 256 bytes apart (int8_block), which is a B tile of 16 such rows. Two row tiles
+ * by two blocks at a time, the epilogue of int8.c's w8a8_tile. xq: [Mp, Kp] with Mp a multiple
+ * of 16 (padding rows 128, dropped), Kp a multiple of 64. */
+#if defined(__AMX_INT8__)
+#ifndef W8A8_AMX_PREFETCH
+#define W8A8_AMX_PREFETCH 32768
+#endif
+int rs_w8a8_amx_available(void) { return rs_w8_amx_available(); }
+
+static void w8a8_amx_store(const int32_t *c, int64_t m0, int64_t M, const float *xs, const int32_t *comp,
+                           const float *ws, const float *bias, void *out, int64_t ldo, int64_t n0, int64_t N,
+                           int out_bf16) {
+    const __m512i cn = _mm512_loadu_si512((const void *)(comp + n0));
+    const __m512 s = _mm512_loadu_ps(ws + n0), b = load_bias(bias, n0, N);
+    for (int64_t i = 0; i < 16 && m0 + i < M; i++) {
+        const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(c + i * 16), cn)), s);
+        int8_store(_mm512_add_ps(_mm512_mul_ps(v, _mm512_set1_ps(xs[m0 + i])), b), out, m0 + i, ldo, n0, N, out_bf16);
+    }
+}
+
+void rs_w8a8_amx_blocks(const uint8_t *xq, const float *xs, int64_t M, int64_t Kp, const int8_t *wp, const float *ws,
+                        const int32_t *comp, const float *bias, void *out, int64_t N, int64_t ldo, int out_bf16,
+                        int64_t first, int64_t last) {
+    configure_tiles();
+    int32_t *c = aligned_alloc(64, sizeof(int32_t) * 16 * 16 * 4);
+    /* A tile load waits for its 16 lines: the first row tile's pass prefetches the thread's
+     * weights (one contiguous stream) W8A8_AMX_PREFETCH bytes ahead, as many bytes a k step
+     * as it reads. */
+    const char *pf = (const char *)int8_block(wp, Kp, first) + W8A8_AMX_PREFETCH;
+    const char *pf_end = (const char *)int8_block(wp, Kp, (last + 3) / 4 * 4);
+    for (int64_t nb = first; nb < last; nb += 2) {
+        const int two = last - nb >= 2;
+        const int8_t *b0 = int8_block(wp, Kp, nb), *b1 = int8_block(wp, Kp, nb + 1);
+        for (int64_t m0 = 0; m0 < M; m0 += 32) {
+            const int rows2 = M - m0 > 16;
+            zero_c_tiles();
+            for (int64_t k = 0; k < Kp; k += 64) {
+                if (m0 == 0)
+                    for (int l = 0; l < 32 && pf < pf_end; l++, pf += 64) _mm_prefetch(pf, _MM_HINT_T0);
+                _tile_loadd(4, xq + m0 * Kp + k, Kp);
+                _tile_loadd(6, b0 + k * 64, 256);
+                _tile_dpbusd(0, 4, 6);
+                if (two) {
+                    _tile_loadd(7, b1 + k * 64, 256);
+                    _tile_dpbusd(1, 4, 7);
+                }
+                if (rows2) {
+                    _tile_loadd(5, xq + (m0 + 16) * Kp + k, Kp);
+                    _tile_dpbusd(2, 5, 6);
+                    if (two) _tile_dpbusd(3, 5, 7);
+                }
+            }
+            store_c_tiles(c);
+            for (int i = 0; i <= rows2; i++)
+                for (int j = 0; j <= two; j++)
+                    w8a8_amx_store(c + (2 * i + j) * 256, m0 + 16 * i, M, xs, comp, ws, bias, out, ldo, (nb + j) * 16,
+                                   N, out_bf16);
+        }
+    }
+    free(c);
+    _tile_release();
+}
+#else
+int rs_w8a8_amx_available(void) { return 0; }
+void rs_w8a8_amx_blocks(const uint8_t *xq, const float *xs, int64_t M, int64_t Kp, const int8_t *wp, const float *ws,
+                        const int32_t *comp, const float *bias, void *out, int64_t N, int64_t ldo, int out_bf16,
+                        int64_t first, int64_t last) { abort(); }
+#endif
 #else
 int rs_w8_amx_available(void) { return 0; }
+int rs_w8a8_amx_available(void) { return 0; }
 #if HAVE_INT8
 void rs_w8_amx_blocks(const bf16_t *xa, int64_t M, int64_t K, const int8_t *wp, const float *ws, const float *bias,
                       void *out, int64_t N, int64_t ldo, int out_bf16, int64_t first, int64_t last) { abort(); }
+void rs_w8a8_amx_blocks(const uint8_t *xq, const float *xs, int64_t M, int64_t Kp, const int8_t *wp, const float *ws,
+                        const int32_t *comp, const float *bias, void *out, int64_t N, int64_t ldo, int out_bf16,
+                        int64_t first, int64_t last) { abort(); }
 #endif
 #endif

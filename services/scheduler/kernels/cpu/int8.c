@@ -226,8 +226,14 @@ static void w8_bf16_blocks(const bf16_t *x, int64_t M, int64_t K, const int8_t *
 #endif
 int rs_w8_bf16_available(void) { return HAVE_W8_BF16; }
 
+/* W8A8 runs on AMX-INT8 tiles (amx.c, the same bits) from this many rows: below it a step
+ * reads weights, and the AVX-512 tiles keep up (measured: bench/RESULTS.md). */
+#ifndef W8A8_AMX_MIN_ROWS
+#define W8A8_AMX_MIN_ROWS 8
+#endif
+
 typedef struct {
-    int kernel, pre, in_bf16, out_bf16, rows_in_region;
+    int kernel, pre, in_bf16, out_bf16, rows_in_region, w8a8_amx;
     const void *x, *norm_w;
     void *residual, *out;
     float eps;
@@ -271,7 +277,10 @@ static void linear_task(void *ctx, int tid, int nth) {
     }
     int64_t first, last;
     int8_thread_blocks((a->N + 15) / 16, tid, nth, &first, &last);
-    if (a->kernel == 0)
+    if (a->kernel == 0 && a->w8a8_amx)
+        rs_w8a8_amx_blocks(a->xq, a->xs, a->M, a->Kp, a->wp, a->ws, a->comp, a->bias, a->out, a->N, a->N, a->out_bf16,
+                           first, last);
+    else if (a->kernel == 0)
         w8a8_blocks(a->xq, a->xs, a->M, a->Kp, a->wp, a->ws, a->comp, a->bias, a->out, a->N, a->N, a->out_bf16, first, last);
     else if (a->kernel == 1)
         w8_blocks(a->xf, a->M, a->Kp, a->wp, a->ws, a->bias, a->out, a->N, a->N, a->out_bf16, first, last);
@@ -294,11 +303,14 @@ static void linear_task(void *ctx, int tid, int nth) {
 void rs_int8_linear(int kernel, int pre, const void *x, void *residual, const void *norm_w, float eps, int64_t M,
                     int64_t K, int64_t Kp, const int8_t *wp, const float *ws, const int32_t *comp, const float *bias,
                     void *out, int64_t N, int in_bf16, int out_bf16) {
-    linear_args a = {kernel, pre, in_bf16, out_bf16, M > 16, x, norm_w, residual, out, eps, M, K, Kp, N, wp, ws, bias,
-                     comp, (void *)x, NULL, NULL, NULL, NULL};
+    const int w8a8_amx = kernel == 0 && M >= W8A8_AMX_MIN_ROWS && Kp % 64 == 0 && rs_w8a8_amx_available();
+    linear_args a = {kernel, pre, in_bf16, out_bf16, M > 16, w8a8_amx, x, norm_w, residual, out, eps, M, K, Kp, N, wp,
+                     ws, bias, comp, (void *)x, NULL, NULL, NULL, NULL};
     if (pre) a.xin = malloc((size_t)(M * K * (in_bf16 ? 2 : 4)));
     if (kernel == 0) {
-        a.xq = malloc((size_t)(M * Kp));
+        const int64_t Mp = w8a8_amx ? (M + 15) / 16 * 16 : M;  /* AMX: whole row tiles, padding q = 0 */
+        a.xq = aligned_alloc(64, (size_t)((Mp * Kp + 63) / 64 * 64));
+        memset(a.xq + M * Kp, 128, (size_t)((Mp - M) * Kp));
         a.xs = malloc(sizeof(float) * M);
     } else if (kernel == 1) {
         a.xf = malloc(sizeof(float) * M * Kp);
@@ -308,7 +320,7 @@ void rs_int8_linear(int kernel, int pre, const void *x, void *residual, const vo
         memset(a.xa + M * K, 0, sizeof(bf16_t) * (Mp - M) * K);
     }
     if (!a.rows_in_region) prepare_rows(&a, 0, M);
-    rs_parallel(linear_task, &a, a.rows_in_region || kernel >= 2 || N * Kp > INT8_PARALLEL_BYTES);
+    rs_parallel(linear_task, &a, a.rows_in_region || kernel >= 2 || w8a8_amx || N * Kp > INT8_PARALLEL_BYTES);
     if (pre) free(a.xin);
     free(a.xq);
     free(a.xs);

@@ -57,7 +57,15 @@ static inline void int8_widen_bf16(const int8_t *blk, int64_t K, __m512i *wb) {
  * rounded up to 16, the padding rows zero; K a multiple of 32) on AMX tiles; rows < M stored. */
 void rs_w8_amx_blocks(const bf16_t *xa, int64_t M, int64_t K, const int8_t *wp, const float *ws, const float *bias,
                       void *out, int64_t N, int64_t ldo, int out_bf16, int64_t first, int64_t last);
+
+/* amx.c: channel blocks first .. last-1 of the W8A8 product of xq u8 [Mp, Kp] (Mp: M rounded up
+ * to 16, the padding rows 128; Kp a multiple of 64) on AMX-INT8 tiles: the bits of int8.c's
+ * w8a8_blocks. */
+void rs_w8a8_amx_blocks(const uint8_t *xq, const float *xs, int64_t M, int64_t Kp, const int8_t *wp, const float *ws,
+                        const int32_t *comp, const float *bias, void *out, int64_t N, int64_t ldo, int out_bf16,
+                        int64_t first, int64_t last);
 #endif
 int rs_w8_amx_available(void);
+int rs_w8a8_amx_available(void);
 
 #endif
