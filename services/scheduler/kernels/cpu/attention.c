@@ -6,7 +6,11 @@
  *   copy), grouped-query heads sharing each K/V row, scores and softmax in fp32 (the
  *   two-pass form: scores, then max-subtracted exp and the value sum); optionally a
  *   sliding window (only the last `window` keys of each request are read) and attention
- *   logit soft-capping (cap * tanh(s / cap), Gemma 2).
+ *   logit soft-capping (cap * tanh(s / cap), Gemma 2). With AVX-512 (head dims 64, 128,
+ *   256: decode_one_avx512) each K and V row is loaded and widened once for its G heads,
+ *   and the scores are summed 16 keys at a time by a transpose tree that adds the same
+ *   lane pairs as the per-key _mm512_reduce_add_ps it replaced (the same bits, 15 shuffles
+ *   for 16 scores instead of 64); the portable form (DEFINE_DECODE_ONE) goes key by key.
  * - rs_rotary_store: rotary embedding of the q and k heads of a fused qkv row (the
  *   rotate_half form of Llama checkpoints), q to its output, k and v into the pool rows.
  *
@@ -95,12 +99,89 @@ static inline float exp_minus_max(float *s, int64_t L) {
     return _mm512_reduce_add_ps(sv);
 }
 
+/* Sums of 16 vectors at once, each in the order of _mm512_reduce_add_ps (GCC's: lane i +
+ * lane i+8, then i + i+4, i + i+2, i + i+1), so a score has the bits the per-key reduction
+ * gave. p holds 16 vectors x_0..x_15 (16 floats each); lane l of the result is the sum of
+ * x_{r(l)}, r the 4-bit reversal (what this tree's lane order works out to; the caller
+ * stores key t's vector at x_{r(t)}). Each level pairs the same lanes as the reduction (a
+ * blend and one permute feed one add for two vectors); fp addition is commutative, so only
+ * the pairs matter, not which operand is first. 15 x (permute, blend, add) for 16 sums,
+ * where 16 reductions took 4 shuffles and 4 dependent adds each. */
+static inline __attribute__((always_inline)) __m512 sum16(const float *p) {
+    const __m512i i2 = _mm512_setr_epi32(4, 5, 6, 7, 16, 17, 18, 19, 12, 13, 14, 15, 24, 25, 26, 27);
+    const __m512i i4 = _mm512_setr_epi32(1, 16, 3, 18, 5, 20, 7, 22, 9, 24, 11, 26, 13, 28, 15, 30);
+    __m512 y[8], z[4], w[2];
+#pragma GCC unroll 8
+    for (int m = 0; m < 8; m++) {  /* i + i+8: [a 0..7 | b 8..15] + [a 8..15 | b 0..7] */
+        const __m512 a = _mm512_loadu_ps(p + 32 * m), b = _mm512_loadu_ps(p + 32 * m + 16);
+        y[m] = _mm512_add_ps(_mm512_mask_blend_ps(0xFF00, a, b), _mm512_shuffle_f32x4(a, b, 0x4E));
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < 4; m++)  /* i + i+4 within each half: 128-bit blocks (a0 b1 a2 b3) + (a1 b0 a3 b2) */
+        z[m] = _mm512_add_ps(_mm512_mask_blend_ps(0xF0F0, y[2 * m], y[2 * m + 1]),
+                             _mm512_permutex2var_ps(y[2 * m], i2, y[2 * m + 1]));
+#pragma GCC unroll 2
+    for (int m = 0; m < 2; m++)  /* i + i+2 in each 128-bit block: (a0 a1 b2 b3) + (a2 a3 b0 b1) */
+        w[m] = _mm512_add_ps(_mm512_mask_blend_ps(0xCCCC, z[2 * m], z[2 * m + 1]),
+                             _mm512_shuffle_ps(z[2 * m], z[2 * m + 1], 0x4E));
+    /* i + i+1: (a0 b1 a2 b3) + (a1 b0 a3 b2) */
+    return _mm512_add_ps(_mm512_mask_blend_ps(0xAAAA, w[0], w[1]), _mm512_permutex2var_ps(w[0], i4, w[1]));
+}
+
+/* The value sums of query heads g0..g0+GC-1 (GC * D / 16 accumulators, in registers): each
+ * V row is loaded (and widened) once for the GC heads instead of once per head; each
+ * accumulator's chain over the keys is the same. */
+static inline __attribute__((always_inline)) void value_sums(
+    const float *scores, const float *inv, const char *v, const int64_t *idx, int64_t L, int64_t row_bytes,
+    int64_t g0, const int GC, const int64_t D, void *out_row, int is_bf16) {
+    const int64_t nv = D / 16, es = is_bf16 ? 2 : 4;
+    __m512 acc[6][16];
+#pragma GCC unroll 6
+    for (int g = 0; g < GC; g++)
+#pragma GCC unroll 16
+        for (int64_t c = 0; c < nv; c++) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < L; j++) {
+        const char *vr = v + idx[j] * row_bytes;
+        if (g0 == 0 && j + 6 < L) {
+            const char *next = v + idx[j + 6] * row_bytes;
+            for (int64_t c = 0; c < D * es; c += 64) __builtin_prefetch(next + c);
+        }
+        __m512 p[6];
+#pragma GCC unroll 6
+        for (int g = 0; g < GC; g++) p[g] = _mm512_set1_ps(scores[(g0 + g) * L + j]);
+#pragma GCC unroll 16
+        for (int64_t c = 0; c < nv; c++) {
+            const __m512 x = load16(vr + c * 16 * es, is_bf16);
+#pragma GCC unroll 6
+            for (int g = 0; g < GC; g++) acc[g][c] = _mm512_fmadd_ps(p[g], x, acc[g][c]);
+        }
+    }
+#pragma GCC unroll 6
+    for (int g = 0; g < GC; g++) {
+        float res[256];
+#pragma GCC unroll 16
+        for (int64_t c = 0; c < nv; c++)
+            _mm512_storeu_ps(res + c * 16, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv[g0 + g])));
+        for (int64_t d = 0; d < D; d++) store(out_row, (g0 + g) * D + d, res[d], is_bf16);
+    }
+}
+
 /* decode_one_* with AVX-512 registers; D is a constant at each call (64, 128 or 256), so
- * the loops over D unroll and the value sums stay in registers. */
+ * the loops over D unroll and the value sums stay in registers. Scores: each K row is
+ * loaded (and widened) once for the G heads; a key's per-lane products are stored for
+ * sum16, which every 16 keys turns each head's 16 vectors into 16 scores (the last L % 16
+ * keys are reduced one at a time: the same bits). Values: value_sums over chunks of at
+ * most 24 / (D / 16) heads (24 accumulators), of near-equal sizes.
+ * scratch: G * 512 floats, 4096-aligned; head g's 2 KB holds its key vectors (1 KB) and
+ * then a copy of its q row, so no q load shares its address's low 12 bits with a vector
+ * store still in flight (a load that does waits as if it depended on the store: "4K
+ * aliasing", which cost this kernel a fifth of its time). */
 static inline __attribute__((always_inline)) void decode_one_avx512(
     const float *qf, const char *k, const char *v, const int64_t *idx, int64_t L, int64_t row_bytes,
-    int64_t G, const int64_t D, float *scores, void *out_row, float softcap, int is_bf16) {
+    int64_t G, const int64_t D, float *scores, float *scratch, void *out_row, float softcap, int is_bf16) {
+    static const uint8_t rev4[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
     const int64_t nv = D / 16, es = is_bf16 ? 2 : 4;
+    for (int64_t g = 0; g < G; g++) memcpy(scratch + g * 512 + 256, qf + g * D, sizeof(float) * D);
     for (int64_t j = 0; j < L; j++) {
         const char *kr = k + idx[j] * row_bytes;
         if (j + 6 < L) {
@@ -110,35 +191,35 @@ static inline __attribute__((always_inline)) void decode_one_avx512(
         __m512 kv[16];
 #pragma GCC unroll 16
         for (int64_t c = 0; c < nv; c++) kv[c] = load16(kr + c * 16 * es, is_bf16);
+        float *pj = scratch + rev4[j & 15] * 16;
         for (int64_t g = 0; g < G; g++) {
-            const float *qg = qf + g * D;
+            const float *qg = scratch + g * 512 + 256;
             __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qg), kv[0]);
 #pragma GCC unroll 16
             for (int64_t c = 1; c < nv; c++) a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + c * 16), kv[c], a);
-            scores[g * L + j] = _mm512_reduce_add_ps(a);
+            _mm512_storeu_ps(pj + g * 512, a);
         }
+        if ((j & 15) == 15)
+            for (int64_t g = 0; g < G; g++) _mm512_storeu_ps(scores + g * L + j - 15, sum16(scratch + g * 512));
     }
+    for (int64_t j = L & ~(int64_t)15; j < L; j++)
+        for (int64_t g = 0; g < G; g++)
+            scores[g * L + j] = _mm512_reduce_add_ps(_mm512_loadu_ps(scratch + g * 512 + rev4[j & 15] * 16));
     if (softcap > 0.0f) soft_cap(scores, G * L, softcap);
-    for (int64_t g = 0; g < G; g++) {
-        float *sg = scores + g * L;
-        const float inv = 1.0f / exp_minus_max(sg, L);
-        __m512 acc[16];
-#pragma GCC unroll 16
-        for (int64_t c = 0; c < nv; c++) acc[c] = _mm512_setzero_ps();
-        for (int64_t j = 0; j < L; j++) {
-            const char *vr = v + idx[j] * row_bytes;
-            if (g == 0 && j + 6 < L) {
-                const char *next = v + idx[j + 6] * row_bytes;
-                for (int64_t c = 0; c < D * es; c += 64) __builtin_prefetch(next + c);
-            }
-            const __m512 p = _mm512_set1_ps(sg[j]);
-#pragma GCC unroll 16
-            for (int64_t c = 0; c < nv; c++) acc[c] = _mm512_fmadd_ps(p, load16(vr + c * 16 * es, is_bf16), acc[c]);
+    float inv[G];
+    for (int64_t g = 0; g < G; g++) inv[g] = 1.0f / exp_minus_max(scores + g * L, L);
+    const int gmax = 24 / nv;
+    for (int64_t g0 = 0; g0 < G;) {
+        const int64_t left = G - g0, chunks = (left + gmax - 1) / gmax, gc = (left + chunks - 1) / chunks;
+        switch (gc) {  /* gc <= gmax, a constant here: the larger cases compile away */
+#define VALUE_SUMS(n) \
+    case n: \
+        if (n <= gmax) value_sums(scores, inv, v, idx, L, row_bytes, g0, n, D, out_row, is_bf16); \
+        break;
+            VALUE_SUMS(1) VALUE_SUMS(2) VALUE_SUMS(3) VALUE_SUMS(4) VALUE_SUMS(5) VALUE_SUMS(6)
+#undef VALUE_SUMS
         }
-        float res[256];
-#pragma GCC unroll 16
-        for (int64_t c = 0; c < nv; c++) _mm512_storeu_ps(res + c * 16, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv)));
-        for (int64_t d = 0; d < D; d++) store(out_row, g * D + d, res[d], is_bf16);
+        g0 += gc;
     }
 }
 #endif
@@ -171,6 +252,7 @@ static void attention_task(void *ctx, int tid, int nth) {
     float *qf = malloc(sizeof(float) * G * D);
     float *acc = malloc(sizeof(float) * G * D);
     float *scores = malloc(sizeof(float) * G * (max_len > 0 ? max_len : 1));
+    float *scratch = aligned_alloc(4096, 4096 * ((G + 1) / 2));  /* decode_one_avx512's, G * 2 KB */
     for (int64_t item; (item = atomic_fetch_add(&a->next, 1)) < a->B * Hkv;) {
         const int64_t b = item / Hkv, h = item % Hkv;
         int64_t L = seq_lens[b] < max_len ? seq_lens[b] : max_len;
@@ -187,22 +269,22 @@ static void attention_task(void *ctx, int tid, int nth) {
 #if HAVE_AVX512
         const char *kh = (const char *)k_buf + h * D * es, *vh = (const char *)v_buf + h * D * es;
         if (D == 64 && is_bf16) {
-            decode_one_avx512(qf, kh, vh, idx, L, Hkv * D * es, G, 64, scores, out_row, softcap, 1);
+            decode_one_avx512(qf, kh, vh, idx, L, Hkv * D * es, G, 64, scores, scratch, out_row, softcap, 1);
             continue;
         } else if (D == 64) {
-            decode_one_avx512(qf, kh, vh, idx, L, Hkv * D * es, G, 64, scores, out_row, softcap, 0);
+            decode_one_avx512(qf, kh, vh, idx, L, Hkv * D * es, G, 64, scores, scratch, out_row, softcap, 0);
             continue;
         } else if (D == 128 && is_bf16) {
-            decode_one_avx512(qf, kh, vh, idx, L, Hkv * D * es, G, 128, scores, out_row, softcap, 1);
+            decode_one_avx512(qf, kh, vh, idx, L, Hkv * D * es, G, 128, scores, scratch, out_row, softcap, 1);
             continue;
         } else if (D == 128) {
-            decode_one_avx512(qf, kh, vh, idx, L, Hkv * D * es, G, 128, scores, out_row, softcap, 0);
+            decode_one_avx512(qf, kh, vh, idx, L, Hkv * D * es, G, 128, scores, scratch, out_row, softcap, 0);
             continue;
         } else if (D == 256 && is_bf16) {
-            decode_one_avx512(qf, kh, vh, idx, L, Hkv * D * es, G, 256, scores, out_row, softcap, 1);
+            decode_one_avx512(qf, kh, vh, idx, L, Hkv * D * es, G, 256, scores, scratch, out_row, softcap, 1);
             continue;
         } else if (D == 256) {
-            decode_one_avx512(qf, kh, vh, idx, L, Hkv * D * es, G, 256, scores, out_row, softcap, 0);
+            decode_one_avx512(qf, kh, vh, idx, L, Hkv * D * es, G, 256, scores, scratch, out_row, softcap, 0);
             continue;
         }
 #endif
@@ -216,6 +298,7 @@ static void attention_task(void *ctx, int tid, int nth) {
     free(qf);
     free(acc);
     free(scores);
+    free(scratch);
 }
 
 /* q: [B, Hq, D]; k_buf, v_buf: [N, Hkv, D]; kv_indices: int64 [R, idx_stride]; rows: int64
