@@ -210,6 +210,15 @@ def ringserve_quantization(args: argparse.Namespace) -> dict[str, str]:
     return {**out, "ringserve": quantization(args.ringserve_arg)}
 
 
+def weight_formats(args: argparse.Namespace) -> list[str]:
+    """The weight formats of the run's servers whose decode floor the table gives: the dtype,
+    int8 where any ringserve (the default too, through ``--ringserve-arg``) is quantized, and
+    each GGUF's."""
+    formats = [args.dtype] + ["int8"] * any(q != "none" for q in ringserve_quantization(args).values())
+    formats += [f for f in map(gguf_format, args.llama_gguf) if f in BYTES_PER_ELEMENT]
+    return list(dict.fromkeys(formats))
+
+
 def engine_alone_ms(path: Path, quantization: dict[str, str]) -> dict[str, float]:
     """The pool's batch-1 decode step (ms) of each server's weights from ``bench/cpu_pool.py
     --json``'s file ({"step_ms": {"<quantization> 1 pool": ms}}), by server; servers whose
@@ -289,9 +298,8 @@ def main(argv: list[str] | None = None) -> None:
             speculation[server.name] = server.speculation
     bandwidth = copy_bandwidth_gbps()
     floor = decode_floor_ms(args.model, args.dtype, bandwidth)
-    formats = [args.dtype] + ["int8"] * any("--quantization" in v for v in args.ringserve_variant)
-    formats += [f for f in map(gguf_format, args.llama_gguf) if f in BYTES_PER_ELEMENT]
-    floors = {f: decode_floor_ms(args.model, f, bandwidth) for f in dict.fromkeys(formats)}
+    quant = ringserve_quantization(args)
+    floors = {f: decode_floor_ms(args.model, f, bandwidth) for f in weight_formats(args)}
 
     print(f"\n{args.model.name}, {args.dtype}, input {args.input_len}, output {args.output_len} tokens\n")
     print(format_table(results, args.concurrency))
@@ -303,7 +311,6 @@ def main(argv: list[str] | None = None) -> None:
     print(f"decode-step floor at batch 1 (weight bytes / {bandwidth:.1f} GB/s copy bandwidth): "
           + ", ".join(f"{f} {ms:.1f} ms" for f, ms in floors.items()))
     if 1 in args.concurrency:
-        quant = ringserve_quantization(args)
         engine_ms = engine_alone_ms(args.engine_alone_json, quant) if args.engine_alone_json else {}
         print(itl_ratios({s: results[s][1]["median_itl_ms"] for s in quant},
                          {s: floors["int8" if q != "none" else args.dtype] for s, q in quant.items()}, engine_ms))

@@ -15,6 +15,7 @@ from ringserve.bench.compare import (
     prompts_for,
     ringserve_quantization,
     vm_hwm_mib,
+    weight_formats,
 )
 from ringserve.bench.floor import BYTES_PER_ELEMENT, itl_ratios
 
@@ -95,3 +96,13 @@ def test_served_itl_over_the_floor_and_the_engine_alone(tmp_path):
                       engine)
     assert line == ("served median ITL at concurrency 1: ringserve-int8 3.0x the floor, 1.50x the engine alone "
                     "(10.0 ms); ringserve-wo 6.0x the floor")
+
+
+def test_the_floors_cover_a_default_ringserve_quantized_through_its_own_flags():
+    """``--ringserve-arg --quantization --ringserve-arg int8`` quantizes the default server: its
+    int8 floor is in the table (it was left out, and the table's ITL ratios raised KeyError)."""
+    args = argparse.Namespace(dtype="bfloat16", ringserve_arg=["--quantization", "int8"], ringserve_variant=[],
+                              llama_gguf=["/g/SmolLM2-135M-Instruct.Q8_0.gguf"])
+    assert weight_formats(args) == ["bfloat16", "int8", "Q8_0"]
+    args.ringserve_arg = []
+    assert weight_formats(args) == ["bfloat16", "Q8_0"]
