@@ -5,7 +5,8 @@ and sent from threads whose socket writes release the GIL, so the probes time th
 this process.
 
 The 100 ms bound is the issue's; on 2 cores that other test runs share, a starved process can
-miss it on its own (rerun before drawing a conclusion).
+miss it on its own, so the bound must hold in one of two tries: a stall (the huge request parsed
+or tokenized on the event loop) is seconds and fails both.
 """
 
 from __future__ import annotations
@@ -87,12 +88,17 @@ def beside_a_huge_request(stack, send: Callable[[], object]) -> object:
     gc.collect()
     gc.disable()
     try:
-        return _beside(stack, send)
+        result, window = _beside(stack, send)
+        if max(latency for latency, _ in window) >= HEALTH_BOUND_S:
+            result, window = _beside(stack, send)  # one probe preempted past the bound: the second try decides
+        assert max(latency for latency, _ in window) < HEALTH_BOUND_S, window
+        return result
     finally:
         gc.enable()
 
 
-def _beside(stack, send: Callable[[], object]) -> object:
+def _beside(stack, send: Callable[[], object]) -> tuple[object, list[tuple[float, int]]]:
+    """What ``send`` did, and the (latency, status) of the /health probes meanwhile."""
     with HealthProbes(stack.base_url) as probes, ThreadPoolExecutor(2) as pool:
         started = time.monotonic()
         huge = pool.submit(send)
@@ -104,10 +110,9 @@ def _beside(stack, send: Callable[[], object]) -> object:
         window = probes.during(started, time.monotonic())
     assert len(window) >= 3, probes.probes
     assert {status for _, status in window} == {200}, window
-    assert max(latency for latency, _ in window) < HEALTH_BOUND_S, window
     assert took < REFUSAL_BOUND_S, took
     stack.wait_idle(timeout_s=10)
-    return result
+    return result, window
 
 
 def http(stack, path: str, body: dict) -> Callable[[], httpx.Response]:

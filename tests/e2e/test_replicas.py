@@ -207,9 +207,12 @@ async def test_killing_one_replica_fails_only_its_requests(ring):
     async with httpx.AsyncClient(base_url=ring.base_url, timeout=120) as client:
         bodies = [ask(ring, f"Write a very long story about the number {i}.", max_tokens=160, stream=True,
                       ignore_eos=True) for i in range(4)]
-        streams = [asyncio.create_task(read_stream(client, b)) for b in bodies]
+        started = [asyncio.Event() for _ in bodies]
+        streams = [asyncio.create_task(read_stream(client, b, e)) for b, e in zip(bodies, started, strict=True)]
         await wait_until(lambda: [s.num_running_reqs for s in scheduler_loads(ring)] == [2, 2], 60, "2 + 2 running")
-        await asyncio.sleep(0.3)
+        # Every stream has its 200 and a first event: the kill cuts streams, not responses not
+        # begun (a 503 before the first output), whatever the load delays the first token by.
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
         finished1 = scheduler_loads(ring)[1].num_finished_reqs
         killed_at = time.monotonic()
         ring.kill("scheduler", sched0)
