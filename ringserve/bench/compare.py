@@ -298,7 +298,6 @@ def main(argv: list[str] | None = None) -> None:
             speculation[server.name] = server.speculation
     bandwidth = copy_bandwidth_gbps()
     floor = decode_floor_ms(args.model, args.dtype, bandwidth)
-    quant = ringserve_quantization(args)
     floors = {f: decode_floor_ms(args.model, f, bandwidth) for f in weight_formats(args)}
 
     print(f"\n{args.model.name}, {args.dtype}, input {args.input_len}, output {args.output_len} tokens\n")
@@ -311,6 +310,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"decode-step floor at batch 1 (weight bytes / {bandwidth:.1f} GB/s copy bandwidth): "
           + ", ".join(f"{f} {ms:.1f} ms" for f, ms in floors.items()))
     if 1 in args.concurrency:
+        quant = ringserve_quantization(args)
         engine_ms = engine_alone_ms(args.engine_alone_json, quant) if args.engine_alone_json else {}
         print(itl_ratios({s: results[s][1]["median_itl_ms"] for s in quant},
                          {s: floors["int8" if q != "none" else args.dtype] for s, q in quant.items()}, engine_ms))
