@@ -88,14 +88,14 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
             self.running[req.rid] = (req.tokenizer_id, 1)
 
 
-async def wait_for_value(read: Callable[[], Awaitable[int]], want: int) -> None:
-    """Poll ``read`` until it returns ``want`` (TimeoutError after TIMEOUT_S)."""
+async def wait_for_value(read: Callable[[], Awaitable[int]], want: int, timeout_s: float = TIMEOUT_S) -> None:
+    """Poll ``read`` until it returns ``want`` (TimeoutError after ``timeout_s``)."""
 
     async def poll() -> None:
         while await read() != want:
             await asyncio.sleep(0.02)
 
-    await asyncio.wait_for(poll(), TIMEOUT_S)
+    await asyncio.wait_for(poll(), timeout_s)
 
 
 async def collect(call) -> list[tokenizer_pb2.GenerateOutput]:

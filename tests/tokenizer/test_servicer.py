@@ -53,7 +53,9 @@ class Ring:
         await self.service.start()
         self.channel = insecure_channel(f"127.0.0.1:{self.service.port}")
         self.stub = tokenizer_pb2_grpc.TokenizerStub(self.channel)
-        await self.wait_health(health_pb2.HealthCheckResponse.SERVING)
+        # Start-up, not behaviour under test: its links connect in attempts of 2 s with back-off,
+        # and a process starved beside `make test`'s ring tier once needed more than 10 s.
+        await wait_for_value(self.health, health_pb2.HealthCheckResponse.SERVING, 3 * TIMEOUT_S)
 
     async def health(self) -> int:
         resp = await health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(service=""))
