@@ -148,7 +148,7 @@ def test_every_source_file_keys_the_library_and_every_c_file_is_in_it(tmp_path, 
     shutil.copytree(cpu_kernels.SOURCE_DIR, src)
     monkeypatch.setattr(cpu_kernels, "SOURCE_DIR", src)
     names = [p.name for p in cpu_kernels.sources()]
-    assert names == ["amx.c", "attention.c", "common.h", "elementwise.c", "int8.c", "int8.h", "parallel.c"]
+    assert names == ["amx.c", "attention.c", "common.h", "decoder.c", "elementwise.c", "int8.c", "int8.h", "parallel.c"]
     paths = [cpu_kernels.library_path()]
     for name in names:
         with open(src / name, "a") as f:
@@ -159,7 +159,7 @@ def test_every_source_file_keys_the_library_and_every_c_file_is_in_it(tmp_path, 
     assert cpu_kernels.build() == paths[-1]
     for symbol in ("rs_decode_attention", "rs_rotary_store", "rs_add_rms_norm", "rs_silu_and_mul", "rs_int8_linear",
                    "rs_int8_available", "rs_w8_bf16_available", "rs_w8_amx_available", "rs_w8a8_amx_available",
-                   "rs_argmax", "rs_set_pool", "rs_pool_threads"):
+                   "rs_argmax", "rs_int8_decoder", "rs_set_pool", "rs_pool_threads"):
         assert hasattr(lib, symbol), symbol
 
 

@@ -14,6 +14,7 @@ it. The test holds both halves, the rule (default bf16 while the gate fails) and
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -278,11 +279,26 @@ def test_int8_engines_answer_the_readme_question(engines, chat_ids, tokenizer, r
     assert texts == dict.fromkeys(("bf16", "int8wo", "int8"), "The capital of Japan is Tokyo.")
 
 
+def _counted(stack) -> tuple[list[bool], Callable]:
+    """``stack.forward`` (an ``Int8Stack``'s) wrapped to note whether each step ran in C."""
+    ran: list[bool] = []
+    in_c = stack.forward
+
+    def counted(*args):
+        out = in_c(*args)
+        ran.append(out is not None)
+        return out
+
+    return ran, counted
+
+
 @needs_vnni
 @pytest.mark.parametrize("method", ["int8", "int8wo"])
-def test_fused_norm_and_silu_give_the_same_bits(engines, smollm2_dir, tokenizer, chat_ids, run_all, method):
-    """``_forward_fused_int8`` (RMSNorm and SiLU-and-mul inside the linears' C calls, as
-    ``apply_quantization`` sets the model up) against the separate kernels (the same model
+def test_fused_norm_and_silu_give_the_same_bits(engines, smollm2_dir, tokenizer, chat_ids, run_all, method,
+                                                monkeypatch):
+    """The layers in one C call (``models.int8_stack``, every step here: deterministic inference
+    attends extend tokens as decode queries), the fused Python loop (``_int8_layers``: RMSNorm
+    and SiLU-and-mul inside the linears' C calls) and the separate kernels (the same model
     quantized by ``quantize_model`` and ``choose_kernels`` alone): the same token ids and
     logprobs, alone and in a batch of 5 (no prefix cache: a cache hit changes the prefill's
     row count, and int8wo's kernel with it)."""
@@ -295,13 +311,40 @@ def test_fused_norm_and_silu_give_the_same_bits(engines, smollm2_dir, tokenizer,
     assert not plain.int8_fused
     prompts = [chat_ids(q) for q in ("What is the capital of Japan?", "Name a prime.", "Say hi.", "Count to 3.",
                                      "What is 2 + 2?")]
+    stack_ran, counted = _counted(fused.int8_stack)
     runs = {}
-    for model in (fused, plain):
+    for way, model in (("one C call", fused), ("python loop", fused), ("separate kernels", plain)):
+        monkeypatch.setattr(fused.int8_stack, "forward", counted if way == "one C call" else lambda *args: None)
         engine = Engine(model, tokenizer, shared.stops.eos_ids, replace(shared.cfg, disable_radix_cache=True))
         for batch in (prompts[:1], prompts):
             for i, ids in enumerate(batch):
                 engine.add_request(ReqInput(rid=f"{len(batch)}-{i}", input_ids=ids, return_logprob=True,
                                             sampling=SamplingParams(temperature=0.0, max_new_tokens=8)))
-            runs[model.int8_fused, len(batch)] = {rid: (r.output_ids, r.logprobs) for rid, r in run_all(engine).items()}
+            runs[way, len(batch)] = {rid: (r.output_ids, r.logprobs) for rid, r in run_all(engine).items()}
     assert [lin.kernels for lin in quant.int8_linears(plain)] == [lin.kernels for lin in quant.int8_linears(fused)]
-    assert runs[True, 1] == runs[False, 1] and runs[True, 5] == runs[False, 5]
+    assert len(stack_ran) >= 16 and all(stack_ran)  # at least 8 tokens of each batch, every step in C
+    for n in (1, 5):
+        assert runs["one C call", n] == runs["python loop", n] == runs["separate kernels", n]
+
+
+@needs_vnni
+def test_the_c_stack_runs_decode_steps_beside_sdpa_prefills(engines, tokenizer, chat_ids, run_all, monkeypatch):
+    """Deterministic inference off: a prefill's extend attention is SDPA's, so its steps run the
+    Python loop (``Int8Stack.forward`` declines) and the decode steps one C call; the tokens and
+    logprobs are the Python loop's on every step."""
+    shared = engines["int8"]
+    model = shared.runner.model
+    cfg = replace(shared.cfg, disable_radix_cache=True, deterministic_inference=False)
+    prompts = [chat_ids(q) for q in ("Name a prime.", "Say hi.", "Count to 3.")]
+    stack_ran, counted = _counted(model.int8_stack)
+    runs = {}
+    for way in ("one C call", "python loop"):
+        monkeypatch.setattr(model.int8_stack, "forward", counted if way == "one C call" else lambda *args: None)
+        engine = Engine(model, tokenizer, shared.stops.eos_ids, cfg)
+        for i, ids in enumerate(prompts):
+            engine.add_request(ReqInput(rid=str(i), input_ids=ids, return_logprob=True,
+                                        sampling=SamplingParams(temperature=0.0, max_new_tokens=6)))
+        runs[way] = {rid: (r.output_ids, r.logprobs) for rid, r in run_all(engine).items()}
+    assert stack_ran[0] is False and stack_ran.count(True) >= 5
+    assert runs["one C call"] == runs["python loop"]
+    assert all(len(ids) == 6 for ids, _ in runs["one C call"].values())

@@ -3,9 +3,12 @@ the rest; never where that would give other bits."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
+from services.scheduler.executor import step_threads
 from services.scheduler.executor.step_threads import StepThreads, thread_dependence
 from services.scheduler.layers import quant
 from services.scheduler.layers.batch_invariant import RowPaddedLinear, RowWindow
@@ -30,6 +33,24 @@ def test_small_steps_run_on_one_thread_fewer_the_others_on_all():
         assert torch.get_num_threads() == 1
         assert [StepThreads(1, small_tokens=4).for_step(n) for n in (1, 64)] == [1, 1]
         assert [StepThreads(4, small_tokens=4).for_step(n) for n in (1, 64)] == [3, 4]  # a core left over
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_model_whose_layers_run_in_one_c_call_keeps_every_thread_for_every_step():
+    """Its pool's workers stay awake through the step (no Python between its regions)."""
+    def runner(int8_fused: bool) -> SimpleNamespace:
+        model = SimpleNamespace(tp=SimpleNamespace(size=1), int8_fused=int8_fused)
+        return SimpleNamespace(runtime=SimpleNamespace(device=torch.device("cpu")), batch_invariant=False,
+                               model=model, step_threads=None)
+
+    before = torch.get_num_threads()
+    try:
+        one_call, python_loop = runner(True), runner(False)
+        assert step_threads.install(one_call, 2) is None and one_call.step_threads is None
+        assert torch.get_num_threads() == 2
+        assert isinstance(step_threads.install(python_loop, 2), StepThreads)
+        assert python_loop.step_threads.for_step(1) == 1
     finally:
         torch.set_num_threads(before)
 

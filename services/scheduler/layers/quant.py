@@ -196,6 +196,13 @@ class Int8Linear(torch.nn.Module):
                 chosen = kernel
         return chosen
 
+    def kernel_id(self, kernel: str, dtype: torch.dtype) -> int:
+        """``rs_int8_linear``'s id of ``kernel`` on ``dtype`` activations: ``w8`` for a bf16-only
+        kernel on fp32 ones (the kernels were chosen for the model's bf16)."""
+        if kernel in ("w8bf16", "w8amx") and not self.can_run(kernel, dtype):
+            kernel = "w8"
+        return KERNEL_IDS.index(kernel)
+
     def forward(self, x: torch.Tensor, kernel: str | None = None, norm: tuple | None = None,
                 silu_and_mul: bool = False) -> torch.Tensor:
         """x: [T, in_features] bf16 or fp32 -> [T, out_features] in x's dtype (the LM head: ``out_dtype``).
@@ -222,9 +229,7 @@ class Int8Linear(torch.nn.Module):
         out = torch.empty(t, self.out_features, dtype=self.out_dtype or x.dtype)
         if t == 0:
             return out
-        kernel = kernel or self.kernel_for(t)
-        if kernel in ("w8bf16", "w8amx") and not self.can_run(kernel, x.dtype):
-            kernel = "w8"  # fp32 activations (the kernels were chosen for the model's bf16)
+        kernel_id = self.kernel_id(kernel or self.kernel_for(t), x.dtype)
         pre, weight, eps, residual = 0, None, 0.0, None
         if norm is not None:
             pre, (weight, eps, residual) = 1, norm
@@ -233,7 +238,7 @@ class Int8Linear(torch.nn.Module):
         elif silu_and_mul:
             pre = 2
         packed, scale, comp, bias = self._weight_ptrs or self._find_weights()
-        _lib().rs_int8_linear(KERNEL_IDS.index(kernel), pre, x.data_ptr(), residual, weight, eps, t, self.in_features,
+        _lib().rs_int8_linear(kernel_id, pre, x.data_ptr(), residual, weight, eps, t, self.in_features,
                               self.k_padded, packed, scale, comp, bias, out.data_ptr(), self.out_features,
                               in_bf16, int(out.dtype == torch.bfloat16))
         return out

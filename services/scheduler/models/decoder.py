@@ -24,6 +24,7 @@ from services.scheduler.layers.rotary import RotaryEmbedding
 from services.scheduler.models.base import KVShape, LayerEnv
 from services.scheduler.models.blocks import GatedMLP, PreNormLayer, Rope, make_norm
 from services.scheduler.models.config import ModelConfig, RopeSpec
+from services.scheduler.models.int8_stack import Int8Stack
 
 
 class DecoderForCausalLM(torch.nn.Module):
@@ -65,6 +66,7 @@ class DecoderForCausalLM(torch.nn.Module):
             dt: torch.tensor(cfg.embedding_multiplier, dtype=dt, device="cpu").item()
             for dt in (torch.float32, torch.bfloat16, torch.float16)}
         self.int8_fused = False
+        self.int8_stack = Int8Stack(self)
 
     def make_layer(self, cfg: ModelConfig, layer_id: int, env: LayerEnv) -> torch.nn.Module:
         """Decoder layer ``layer_id``: ``forward(x, residual, rope, meta, kv) -> (x, residual)``
@@ -138,9 +140,19 @@ class DecoderForCausalLM(torch.nn.Module):
         return self.int8_fused
 
     def _forward_int8(self, h: torch.Tensor, ropes: list[Rope], meta: AttnMetadata, kv: KVBuffers) -> torch.Tensor:
-        """The pre-norm layers with int8 linears: each RMSNorm (and its residual add) runs in the
-        C call of the linear it feeds, SiLU-and-mul in down_proj's (``Int8Linear.forward``): 6
-        calls a layer instead of 9, the same bits."""
+        """The pre-norm layers with int8 linears: all of them in one C call where the step's
+        attention allows (``models.int8_stack``), else ``_int8_layers``; the same bits."""
+        x = self.int8_stack.forward(h, ropes, meta, kv)
+        if x is None:
+            x = self._int8_layers(h, ropes, meta, kv)
+        return h.add_(x)
+
+    def _int8_layers(self, h: torch.Tensor, ropes: list[Rope], meta: AttnMetadata, kv: KVBuffers) -> torch.Tensor:
+        """The pre-norm layers with int8 linears from Python: each RMSNorm (and its residual add)
+        runs in the C call of the linear it feeds, SiLU-and-mul in down_proj's
+        (``Int8Linear.forward``): 6 calls a layer instead of 9, the same bits. h [T, hidden], the
+        embedding's output, becomes the residual stream (updated in place); returns the last
+        layer's output."""
         residual, x = h, h  # the embedding's fresh output, updated in place from here on
         norm = self.layers[0].input_layernorm
         pre = (norm.weight, norm.eps, None)  # the first layer normalizes the embedding as it is
@@ -153,4 +165,8 @@ class DecoderForCausalLM(torch.nn.Module):
             if i + 1 < len(self.layers):
                 norm = self.layers[i + 1].input_layernorm
                 pre = (norm.weight, norm.eps, residual)
-        return residual.add_(x)
+        return x
+
+    def _apply(self, fn, recurse=True):
+        self.int8_stack.forget()  # the tensors it points at may move
+        return super()._apply(fn, recurse)
