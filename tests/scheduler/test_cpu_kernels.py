@@ -159,7 +159,7 @@ def test_every_source_file_keys_the_library_and_every_c_file_is_in_it(tmp_path, 
     assert cpu_kernels.build() == paths[-1]
     for symbol in ("rs_decode_attention", "rs_rotary_store", "rs_add_rms_norm", "rs_silu_and_mul", "rs_int8_linear",
                    "rs_int8_available", "rs_w8_bf16_available", "rs_w8_amx_available", "rs_w8a8_amx_available",
-                   "rs_argmax", "rs_int8_decoder", "rs_set_pool", "rs_pool_threads"):
+                   "rs_argmax", "rs_decoder_layers", "rs_set_pool", "rs_pool_threads"):
         assert hasattr(lib, symbol), symbol
 
 

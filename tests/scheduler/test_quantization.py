@@ -26,6 +26,7 @@ from services.scheduler.config import EngineConfig
 from services.scheduler.engine.engine import Engine
 from services.scheduler.executor.build import apply_quantization
 from services.scheduler.layers import quant
+from services.scheduler.layers.cpu_linear import CpuLinear, amx_bf16_available
 from services.scheduler.layers.quant import (
     Int8Linear,
     QuantizationError,
@@ -116,7 +117,7 @@ def test_weight_only_kernels_give_each_others_bits(linear):
         assert torch.equal(linear(x, "w8"), linear(x, "w8bf16"))
 
 
-@pytest.mark.skipif(not (quant.cpu_runs_int8() and quant._lib().rs_w8_amx_available()),
+@pytest.mark.skipif(not (quant.cpu_runs_int8() and quant.lib().rs_w8_amx_available()),
                     reason="this CPU (or kernel) has no AMX-BF16: int8wo runs the AVX-512 kernels here")
 def test_amx_kernel_matches_float64_reference_and_a_rows_bits_do_not_depend_on_its_batch():
     g = torch.Generator().manual_seed(6)
@@ -155,7 +156,7 @@ def test_fix_kernels_pins_only_a_mix_of_kernel_families(linear):
         linear.kernels, linear.timings = ((1, "w8a8"),), {}
 
 
-@pytest.mark.skipif(not (quant.cpu_runs_int8() and quant._lib().rs_w8a8_amx_available()),
+@pytest.mark.skipif(not (quant.cpu_runs_int8() and quant.lib().rs_w8a8_amx_available()),
                     reason="this CPU (or kernel) has no AMX-INT8: w8a8 runs the AVX-512 tiles at every row count")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_w8a8_on_amx_tiles_gives_the_emulations_bits_at_every_row_count(dtype):
@@ -280,7 +281,7 @@ def test_int8_engines_answer_the_readme_question(engines, chat_ids, tokenizer, r
 
 
 def _counted(stack) -> tuple[list[bool], Callable]:
-    """``stack.forward`` (an ``Int8Stack``'s) wrapped to note whether each step ran in C."""
+    """``stack.forward`` (an ``LayerStack``'s) wrapped to note whether each step ran in C."""
     ran: list[bool] = []
     in_c = stack.forward
 
@@ -292,30 +293,36 @@ def _counted(stack) -> tuple[list[bool], Callable]:
     return ran, counted
 
 
-@needs_vnni
-@pytest.mark.parametrize("method", ["int8", "int8wo"])
+needs_amx_bf16 = pytest.mark.skipif(not amx_bf16_available(), reason="no AMX-BF16: bf16 runs on oneDNN here")
+
+
+@pytest.mark.parametrize("method", [pytest.param("int8", marks=needs_vnni), pytest.param("int8wo", marks=needs_vnni),
+                                    pytest.param("bf16", marks=needs_amx_bf16)])
 def test_fused_norm_and_silu_give_the_same_bits(engines, smollm2_dir, tokenizer, chat_ids, run_all, method,
                                                 monkeypatch):
-    """The layers in one C call (``models.int8_stack``, every step here: deterministic inference
-    attends extend tokens as decode queries), the fused Python loop (``_int8_layers``: RMSNorm
-    and SiLU-and-mul inside the linears' C calls) and the separate kernels (the same model
-    quantized by ``quantize_model`` and ``choose_kernels`` alone): the same token ids and
-    logprobs, alone and in a batch of 5 (no prefix cache: a cache hit changes the prefill's
-    row count, and int8wo's kernel with it)."""
+    """The layers in one C call (``models.layer_stack``, every step here: deterministic inference
+    attends extend tokens as decode queries), the fused Python loop (``_fused_layers``: RMSNorm
+    and SiLU-and-mul inside the linears' C calls) and the separate kernels (another load of the
+    model, quantized by ``quantize_model`` and ``choose_kernels`` alone or, bf16, packed by its
+    engine, then run layer by layer): the same token ids and logprobs, alone and in a batch of 5
+    (no prefix cache: a cache hit changes the prefill's row count, and int8wo's kernel with it)."""
     shared = engines[method]
     fused = shared.runner.model
-    assert fused.int8_fused
+    assert fused.cpu_fused
     plain = load_model(smollm2_dir, torch.bfloat16, attention_backend="cpu")
-    quant.quantize_model(plain, method)
-    quant.choose_kernels(plain, torch.bfloat16, quant.KERNELS if method == "int8" else quant.WEIGHT_ONLY)
-    assert not plain.int8_fused
+    if method != "bf16":
+        quant.quantize_model(plain, method)
+        quant.choose_kernels(plain, torch.bfloat16, quant.KERNELS if method == "int8" else quant.WEIGHT_ONLY)
     prompts = [chat_ids(q) for q in ("What is the capital of Japan?", "Name a prime.", "Say hi.", "Count to 3.",
                                      "What is 2 + 2?")]
-    stack_ran, counted = _counted(fused.int8_stack)
+    stack_ran, counted = _counted(fused.layer_stack)
     runs = {}
     for way, model in (("one C call", fused), ("python loop", fused), ("separate kernels", plain)):
-        monkeypatch.setattr(fused.int8_stack, "forward", counted if way == "one C call" else lambda *args: None)
+        monkeypatch.setattr(fused.layer_stack, "forward", counted if way == "one C call" else lambda *args: None)
         engine = Engine(model, tokenizer, shared.stops.eos_ids, replace(shared.cfg, disable_radix_cache=True))
+        if model is plain:
+            assert isinstance(plain.layers[0].mlp.down_proj, CpuLinear)
+            plain.cpu_fused = False  # the engine fused it: each module runs on its own
         for batch in (prompts[:1], prompts):
             for i, ids in enumerate(batch):
                 engine.add_request(ReqInput(rid=f"{len(batch)}-{i}", input_ids=ids, return_logprob=True,
@@ -327,19 +334,20 @@ def test_fused_norm_and_silu_give_the_same_bits(engines, smollm2_dir, tokenizer,
         assert runs["one C call", n] == runs["python loop", n] == runs["separate kernels", n]
 
 
-@needs_vnni
-def test_the_c_stack_runs_decode_steps_beside_sdpa_prefills(engines, tokenizer, chat_ids, run_all, monkeypatch):
+@pytest.mark.parametrize("method", [pytest.param("int8", marks=needs_vnni), pytest.param("bf16", marks=needs_amx_bf16)])
+def test_the_c_stack_runs_decode_steps_beside_sdpa_prefills(engines, tokenizer, chat_ids, run_all, monkeypatch,
+                                                            method):
     """Deterministic inference off: a prefill's extend attention is SDPA's, so its steps run the
-    Python loop (``Int8Stack.forward`` declines) and the decode steps one C call; the tokens and
+    Python loop (``LayerStack.forward`` declines) and the decode steps one C call; the tokens and
     logprobs are the Python loop's on every step."""
-    shared = engines["int8"]
+    shared = engines[method]
     model = shared.runner.model
     cfg = replace(shared.cfg, disable_radix_cache=True, deterministic_inference=False)
     prompts = [chat_ids(q) for q in ("Name a prime.", "Say hi.", "Count to 3.")]
-    stack_ran, counted = _counted(model.int8_stack)
+    stack_ran, counted = _counted(model.layer_stack)
     runs = {}
     for way in ("one C call", "python loop"):
-        monkeypatch.setattr(model.int8_stack, "forward", counted if way == "one C call" else lambda *args: None)
+        monkeypatch.setattr(model.layer_stack, "forward", counted if way == "one C call" else lambda *args: None)
         engine = Engine(model, tokenizer, shared.stops.eos_ids, cfg)
         for i, ids in enumerate(prompts):
             engine.add_request(ReqInput(rid=str(i), input_ids=ids, return_logprob=True,

@@ -39,8 +39,8 @@ def test_small_steps_run_on_one_thread_fewer_the_others_on_all():
 
 def test_a_model_whose_layers_run_in_one_c_call_keeps_every_thread_for_every_step():
     """Its pool's workers stay awake through the step (no Python between its regions)."""
-    def runner(int8_fused: bool) -> SimpleNamespace:
-        model = SimpleNamespace(tp=SimpleNamespace(size=1), int8_fused=int8_fused)
+    def runner(cpu_fused: bool) -> SimpleNamespace:
+        model = SimpleNamespace(tp=SimpleNamespace(size=1), cpu_fused=cpu_fused)
         return SimpleNamespace(runtime=SimpleNamespace(device=torch.device("cpu")), batch_invariant=False,
                                model=model, step_threads=None)
 

@@ -102,7 +102,7 @@ def load_engine_model(cfg: EngineConfig, tp: TensorParallel | None = None) -> tu
 def apply_quantization(model: CausalLM, cfg: EngineConfig) -> None:
     """``cfg.quantization``: quantize ``model``'s linears in place, choose each one's kernel
     per batch size from measurements (``layers.quant``) and let the model run each RMSNorm
-    inside the int8 linear it feeds where its layers allow (``fuse_int8_norms``); nothing
+    inside the int8 linear it feeds where its layers allow (``fuse_cpu_linears``); nothing
     when it is None.
 
     Raises:
@@ -112,7 +112,7 @@ def apply_quantization(model: CausalLM, cfg: EngineConfig) -> None:
         return
     quantize_model(model, cfg.quantization)
     choose_kernels(model, model.kv_shape().dtype, KERNELS if cfg.quantization == "int8" else WEIGHT_ONLY)
-    fused = model.fuse_int8_norms()
+    fused = model.fuse_cpu_linears()
     log.info("--quantization %s: %s%s", cfg.quantization, describe(model),
              ", RMSNorm and SiLU-and-mul inside the int8 linears' calls" if fused else "")
 
@@ -161,6 +161,8 @@ def build_stack(model: CausalLM, cfg: EngineConfig, runtime: DeviceRuntime, shap
         shape = replace(shape, deterministic=make_deterministic(model, cfg, runtime))
     elif shape.deterministic:
         make_deterministic(model, replace(cfg, deterministic_inference=True), runtime)
+    if runtime.packs_linears:
+        model.fuse_cpu_linears()  # bf16 on AMX: the layers' linears are the C library's
     tp = model.tp
     kv = model.kv_shape()
     kv_pool = TokenToKVPool(shape.max_total_tokens, kv.num_layers, kv.num_kv_heads, kv.head_dim, kv.dtype,

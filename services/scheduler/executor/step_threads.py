@@ -9,7 +9,7 @@ a core to them (on 2 cores: one thread, no barrier at all); measured in bench/RE
 "Threads by a step's size". A larger step is compute-bound and uses every thread.
 
 A model whose decoder layers run as one C call a step (``--quantization int8``/``int8wo`` on
-SmolLM2-like layers: ``models.int8_stack``) keeps every thread for every step: with no Python
+SmolLM2-like layers: ``models.layer_stack``) keeps every thread for every step: with no Python
 between its ~150 regions the pool's workers stay awake through the step and leave the core
 between steps, and the served int8 median ITL at one stream on 2 cores fell from 12.3-13.2 ms
 on one thread to 8.1-8.8 ms on two (bench/RESULTS.md, "One C call a step").
@@ -134,14 +134,14 @@ def install(runner, threads: int) -> StepThreads | None:
     fewer, give ``runner`` (a ``ModelRunner``) the ``StepThreads`` that picks per step.
 
     Not installed: off the CPU, on one thread, under tensor parallelism (every rank runs its
-    own count), for a model that runs its layers in one C call (``int8_fused``: see the module
+    own count), for a model that runs its layers in one C call (``cpu_fused``: see the module
     docstring) and where ``thread_dependence`` finds a linear whose bits would change.
     Returns what was installed, or None.
     """
     torch.set_num_threads(threads)
     if runner.runtime.device.type != "cpu" or threads <= 1 or SMALL_STEP_TOKENS < 1 or runner.model.tp.size > 1:
         return None
-    if getattr(runner.model, "int8_fused", False):
+    if getattr(runner.model, "cpu_fused", False):
         log.info("every step runs on %d threads: the decoder layers run in one C call", threads)
         return None
     small = small_step_threads(threads)

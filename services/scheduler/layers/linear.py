@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from services.scheduler.layers.cpu_linear import AmxBf16Linear, can_run_amx_bf16
+
 
 def onednn_bf16() -> bool:
     """Whether this torch has oneDNN with bf16 support (the CPU runtime packs where it does:
@@ -60,7 +62,9 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 def pack_linears(model: torch.nn.Module) -> int:
-    """Replace every packable ``nn.Linear`` in ``model`` by a ``PackedLinear``, in place, and
+    """Replace every packable ``nn.Linear`` in ``model`` by an ``AmxBf16Linear`` where the CPU has
+    AMX-BF16 and the shape suits the tiles (``layers.cpu_linear``: one kernel for every row
+    count, batch-invariant by construction), else by a ``PackedLinear``, in place, and
     let every module with a ``pack()`` method (stacked MoE experts) pack its own weights.
     For a model on the CPU (the builder calls it where ``DeviceRuntime.packs_linears``).
 
@@ -70,7 +74,10 @@ def pack_linears(model: torch.nn.Module) -> int:
     count = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if isinstance(child, torch.nn.Linear) and can_pack(child.weight):
+            if isinstance(child, torch.nn.Linear) and can_run_amx_bf16(child.weight):
+                setattr(module, name, AmxBf16Linear(child.weight, child.bias))
+                count += 1
+            elif isinstance(child, torch.nn.Linear) and can_pack(child.weight):
                 setattr(module, name, PackedLinear(child))
                 count += 1
         if callable(getattr(module, "pack", None)):

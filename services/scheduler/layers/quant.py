@@ -48,8 +48,6 @@ Needs AVX-512-VNNI (AMX-INT8 CPUs have it too): elsewhere ``check_supported`` ra
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import hashlib
 import logging
 import time
@@ -57,7 +55,8 @@ import time
 import torch
 
 from ringserve.options import names
-from services.scheduler.kernels.cpu_kernels import cache_dir, cpu_flags, library, library_path, load_json, save_json
+from services.scheduler.kernels.cpu_kernels import cache_dir, cpu_flags, library_path, load_json, save_json
+from services.scheduler.layers.cpu_linear import CpuLinear, lib
 from services.scheduler.layers.linear import PackedLinear
 
 log = logging.getLogger(__name__)
@@ -94,20 +93,9 @@ def check_supported(method: str, device: torch.device) -> None:
 
 def cpu_runs_int8() -> bool:
     """Whether this CPU (its /proc/cpuinfo flags) and the built C library run the int8 kernels."""
-    return "avx512_vnni" in cpu_flags().split() and bool(_lib().rs_int8_available())
+    return "avx512_vnni" in cpu_flags().split() and bool(lib().rs_int8_available())
 
 
-@functools.cache
-def _lib() -> ctypes.CDLL:
-    lib = library()
-    p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.rs_int8_available.argtypes, lib.rs_int8_available.restype = [], ctypes.c_int
-    lib.rs_w8_bf16_available.argtypes, lib.rs_w8_bf16_available.restype = [], ctypes.c_int
-    lib.rs_w8_amx_available.argtypes, lib.rs_w8_amx_available.restype = [], ctypes.c_int
-    lib.rs_w8a8_amx_available.argtypes, lib.rs_w8a8_amx_available.restype = [], ctypes.c_int
-    lib.rs_int8_linear.argtypes = [i, i, p, p, p, ctypes.c_float, i64, i64, i64, p, p, p, p, p, i64, i, i]
-    lib.rs_int8_linear.restype = None
-    return lib
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -144,7 +132,7 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, n: int, k: int) -> tor
     return (unpack(packed).float() * scale[:, None])[:n, :k]
 
 
-class Int8Linear(torch.nn.Module):
+class Int8Linear(CpuLinear):
     """``y = x @ W^T + b`` with W in int8 (``quantize_weight``), on the CPU.
 
     Args:
@@ -183,18 +171,10 @@ class Int8Linear(torch.nn.Module):
         activations, in_features a multiple of 4, a CPU with AVX-512-BF16; ``w8amx``: bf16
         activations, in_features a multiple of 32, a CPU and kernel with AMX-BF16)."""
         if kernel == "w8amx":
-            return dtype == torch.bfloat16 and self.in_features % 32 == 0 and bool(_lib().rs_w8_amx_available())
+            return dtype == torch.bfloat16 and self.in_features % 32 == 0 and bool(lib().rs_w8_amx_available())
         if kernel != "w8bf16":
             return kernel in KERNEL_IDS
-        return dtype == torch.bfloat16 and self.in_features == self.k_padded and bool(_lib().rs_w8_bf16_available())
-
-    def kernel_for(self, rows: int) -> str:
-        """The kernel a call of ``rows`` rows runs."""
-        chosen = self.kernels[0][1]
-        for min_rows, kernel in self.kernels:
-            if rows >= min_rows:
-                chosen = kernel
-        return chosen
+        return dtype == torch.bfloat16 and self.in_features == self.k_padded and bool(lib().rs_w8_bf16_available())
 
     def kernel_id(self, kernel: str, dtype: torch.dtype) -> int:
         """``rs_int8_linear``'s id of ``kernel`` on ``dtype`` activations: ``w8`` for a bf16-only
@@ -202,64 +182,6 @@ class Int8Linear(torch.nn.Module):
         if kernel in ("w8bf16", "w8amx") and not self.can_run(kernel, dtype):
             kernel = "w8"
         return KERNEL_IDS.index(kernel)
-
-    def forward(self, x: torch.Tensor, kernel: str | None = None, norm: tuple | None = None,
-                silu_and_mul: bool = False) -> torch.Tensor:
-        """x: [T, in_features] bf16 or fp32 -> [T, out_features] in x's dtype (the LM head: ``out_dtype``).
-
-        Args:
-            kernel: one of ``KERNEL_IDS`` (default: ``kernel_for(T)``; see ``can_run``).
-            norm: (weight [in_features], eps, residual [T, in_features] or None): the input is
-                ``add_rms_norm(x, weight, eps, residual)`` (``kernels.cpu_kernels``; the
-                residual updated in place), computed in the same C call.
-            silu_and_mul: x is gate_up [T, 2 * in_features] and the input is SiLU(gate) * up,
-                in the same C call.
-
-        Raises:
-            ValueError: x not 2-D with in_features (2 x with ``silu_and_mul``) columns, or not bf16/fp32.
-        """
-        width = 2 * self.in_features if silu_and_mul else self.in_features
-        if x.dim() != 2 or x.shape[1] != width:
-            raise ValueError(f"Int8Linear takes [T, {width}], got {list(x.shape)}")
-        if x.dtype not in (torch.bfloat16, torch.float32):
-            raise ValueError(f"Int8Linear takes bf16 or fp32 activations, got {x.dtype}")
-        x = x.contiguous()
-        t = x.shape[0]
-        in_bf16 = int(x.dtype == torch.bfloat16)
-        out = torch.empty(t, self.out_features, dtype=self.out_dtype or x.dtype)
-        if t == 0:
-            return out
-        kernel_id = self.kernel_id(kernel or self.kernel_for(t), x.dtype)
-        pre, weight, eps, residual = 0, None, 0.0, None
-        if norm is not None:
-            pre, (weight, eps, residual) = 1, norm
-            weight = weight.data_ptr()
-            residual = None if residual is None else residual.data_ptr()
-        elif silu_and_mul:
-            pre = 2
-        packed, scale, comp, bias = self._weight_ptrs or self._find_weights()
-        _lib().rs_int8_linear(kernel_id, pre, x.data_ptr(), residual, weight, eps, t, self.in_features,
-                              self.k_padded, packed, scale, comp, bias, out.data_ptr(), self.out_features,
-                              in_bf16, int(out.dtype == torch.bfloat16))
-        return out
-
-    # The weights' addresses, found once: a module's buffer lookup and data_ptr() were a fifth of
-    # a call's Python time, ~120 calls a step. Whatever may move a buffer forgets them.
-    _weight_ptrs: tuple[int, int, int, int | None] | None = None
-
-    def _find_weights(self) -> tuple[int, int, int, int | None]:
-        self._weight_ptrs = (self.packed.data_ptr(), self.scale.data_ptr(), self.comp.data_ptr(),
-                             None if self.bias is None else self.bias.data_ptr())
-        return self._weight_ptrs
-
-    def _apply(self, fn, recurse=True):
-        self._weight_ptrs = None
-        return super()._apply(fn, recurse)
-
-    def __setattr__(self, name: str, value) -> None:
-        if name in ("packed", "scale", "comp", "bias"):
-            self.__dict__["_weight_ptrs"] = None
-        super().__setattr__(name, value)
 
 
 def quantize_model(model: torch.nn.Module, method: str) -> int:

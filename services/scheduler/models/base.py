@@ -66,7 +66,7 @@ class CausalLM(Protocol):
     def kv_shape(self) -> KVShape:
         """The per-layer KV cache this rank's shard reads and writes."""
 
-    def fuse_int8_norms(self) -> bool:
+    def fuse_cpu_linears(self) -> bool:
         """After ``layers.quant.quantize_model``: run each norm inside the int8 linear it feeds
         where the layers allow; returns whether it does."""
 

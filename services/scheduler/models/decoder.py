@@ -17,14 +17,14 @@ from typing import ClassVar
 import torch
 
 from services.scheduler.attention.paged import AttnMetadata, KVBuffers
+from services.scheduler.layers.cpu_linear import CpuLinear
 from services.scheduler.layers.parallel import local_kv_heads
 from services.scheduler.layers.parallel_linear import ParallelLMHead, VocabParallelEmbedding
-from services.scheduler.layers.quant import Int8Linear
 from services.scheduler.layers.rotary import RotaryEmbedding
 from services.scheduler.models.base import KVShape, LayerEnv
 from services.scheduler.models.blocks import GatedMLP, PreNormLayer, Rope, make_norm
 from services.scheduler.models.config import ModelConfig, RopeSpec
-from services.scheduler.models.int8_stack import Int8Stack
+from services.scheduler.models.layer_stack import LayerStack
 
 
 class DecoderForCausalLM(torch.nn.Module):
@@ -65,8 +65,8 @@ class DecoderForCausalLM(torch.nn.Module):
         self.embed_scale = None if cfg.embedding_multiplier == 1.0 else {
             dt: torch.tensor(cfg.embedding_multiplier, dtype=dt, device="cpu").item()
             for dt in (torch.float32, torch.bfloat16, torch.float16)}
-        self.int8_fused = False
-        self.int8_stack = Int8Stack(self)
+        self.cpu_fused = False
+        self.layer_stack = LayerStack(self)
 
     def make_layer(self, cfg: ModelConfig, layer_id: int, env: LayerEnv) -> torch.nn.Module:
         """Decoder layer ``layer_id``: ``forward(x, residual, rope, meta, kv) -> (x, residual)``
@@ -89,8 +89,8 @@ class DecoderForCausalLM(torch.nn.Module):
         if self.embed_scale is not None:
             h = h * self.embed_scale[h.dtype]
         ropes = [rotary(positions, h.dtype) for rotary in self.rotaries]
-        if self.int8_fused:
-            return self._forward_int8(h, ropes, meta, kv)
+        if self.cpu_fused:
+            return self._forward_fused(h, ropes, meta, kv)
         x, residual = h, None
         for layer, r in zip(self.layers, self.layer_rope, strict=True):
             x, residual = layer(x, residual, ropes[r], meta, kv)
@@ -126,31 +126,32 @@ class DecoderForCausalLM(torch.nn.Module):
         if "lm_head.weight" not in loaded:
             self.lm_head.tie(self.embed_tokens)
 
-    def fuse_int8_norms(self) -> bool:
-        """Run each RMSNorm and SiLU-and-mul inside the C call of the int8 linear it feeds
-        (``_forward_int8``) from now on, if every layer is a pre-norm layer with a plain attention
-        (no q/k norm) and gated SiLU MLP whose linears are int8 (``layers.quant``), on one rank
+    def fuse_cpu_linears(self) -> bool:
+        """Run each RMSNorm and SiLU-and-mul inside the C call of the linear it feeds, and where
+        the step allows all the layers in one C call (``_forward_fused``), from now on, if every
+        layer is a pre-norm layer with a plain attention (no q/k norm) and gated SiLU MLP whose
+        linears are the C library's (``layers.cpu_linear``: int8, or bf16 on AMX), on one rank
         with the cpu backend's kernels; returns whether it does."""
-        self.int8_fused = self.tp.size == 1 and self.fused is not None and self.config.norm_style == "rms" and all(
+        self.cpu_fused = self.tp.size == 1 and self.fused is not None and self.config.norm_style == "rms" and all(
             type(layer) is PreNormLayer and type(layer.mlp) is GatedMLP and layer.self_attn.q_norm is None
             and layer.mlp.act is self.fused.silu_and_mul
-            and all(isinstance(m, Int8Linear) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                        layer.mlp.gate_up_proj, layer.mlp.down_proj))
+            and all(isinstance(m, CpuLinear) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                       layer.mlp.gate_up_proj, layer.mlp.down_proj))
             for layer in self.layers)
-        return self.int8_fused
+        return self.cpu_fused
 
-    def _forward_int8(self, h: torch.Tensor, ropes: list[Rope], meta: AttnMetadata, kv: KVBuffers) -> torch.Tensor:
-        """The pre-norm layers with int8 linears: all of them in one C call where the step's
-        attention allows (``models.int8_stack``), else ``_int8_layers``; the same bits."""
-        x = self.int8_stack.forward(h, ropes, meta, kv)
+    def _forward_fused(self, h: torch.Tensor, ropes: list[Rope], meta: AttnMetadata, kv: KVBuffers) -> torch.Tensor:
+        """The pre-norm layers with C linears: all of them in one C call where the step's
+        attention allows (``models.layer_stack``), else ``_fused_layers``; the same bits."""
+        x = self.layer_stack.forward(h, ropes, meta, kv)
         if x is None:
-            x = self._int8_layers(h, ropes, meta, kv)
+            x = self._fused_layers(h, ropes, meta, kv)
         return h.add_(x)
 
-    def _int8_layers(self, h: torch.Tensor, ropes: list[Rope], meta: AttnMetadata, kv: KVBuffers) -> torch.Tensor:
-        """The pre-norm layers with int8 linears from Python: each RMSNorm (and its residual add)
+    def _fused_layers(self, h: torch.Tensor, ropes: list[Rope], meta: AttnMetadata, kv: KVBuffers) -> torch.Tensor:
+        """The pre-norm layers with C linears from Python: each RMSNorm (and its residual add)
         runs in the C call of the linear it feeds, SiLU-and-mul in down_proj's
-        (``Int8Linear.forward``): 6 calls a layer instead of 9, the same bits. h [T, hidden], the
+        (``CpuLinear.forward``): 6 calls a layer instead of 9, the same bits. h [T, hidden], the
         embedding's output, becomes the residual stream (updated in place); returns the last
         layer's output."""
         residual, x = h, h  # the embedding's fresh output, updated in place from here on
@@ -168,5 +169,5 @@ class DecoderForCausalLM(torch.nn.Module):
         return x
 
     def _apply(self, fn, recurse=True):
-        self.int8_stack.forget()  # the tensors it points at may move
+        self.layer_stack.forget()  # the tensors it points at may move
         return super()._apply(fn, recurse)

@@ -72,6 +72,31 @@ static inline __attribute__((always_inline)) void store_c_tiles(void *c) {
     _tile_stored(3, (char *)c + 3072, 64);
 }
 
+/* C tiles 0-3 (zeroed first) = xa's row tile at m0 (and the next, rows2) times one 16-channel
+ * block of bf16 k-pair rows at b (and the next, two, K * 32 bytes on), over all of K, in k order.
+ * With pf: prefetches from *pf up to pf_end, 2 KiB a k step. */
+static inline __attribute__((always_inline)) void bf16_tile_pass(const bf16_t *xa, int64_t m0, int64_t K,
+                                                                const char *b, int two, int rows2, const char **pf,
+                                                                const char *pf_end) {
+    zero_c_tiles();
+    for (int64_t k = 0; k < K; k += 32) {
+        if (pf)
+            for (int l = 0; l < 32 && *pf < pf_end; l++, *pf += 64) _mm_prefetch(*pf, _MM_HINT_T0);
+        _tile_loadd(4, xa + m0 * K + k, K * 2);
+        _tile_loadd(6, b + k * 32, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (two) {
+            _tile_loadd(7, b + K * 32 + k * 32, 64);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+        if (rows2) {
+            _tile_loadd(5, xa + (m0 + 16) * K + k, K * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            if (two) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+}
+
 /* Rows m0 .. min(M, m0 + 16) - 1 of the 16 channels from n0 on: y = c * ws + bias. */
 static void amx_store(const float *c, int64_t m0, int64_t M, const float *ws, const float *bias, void *out,
                       int64_t ldo, int64_t n0, int64_t N, int out_bf16) {
@@ -91,21 +116,7 @@ void rs_w8_amx_blocks(const bf16_t *xa, int64_t M, int64_t K, const int8_t *wp, 
         if (two) int8_widen_bf16(int8_block(wp, K, nb + 1), K, wb + K / 2);
         for (int64_t m0 = 0; m0 < M; m0 += 32) {
             const int rows2 = M - m0 > 16;  /* a second row tile (the padding makes it whole) */
-            zero_c_tiles();
-            for (int64_t k = 0; k < K; k += 32) {
-                _tile_loadd(4, xa + m0 * K + k, K * 2);
-                _tile_loadd(6, wb + k / 2, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                if (two) {
-                    _tile_loadd(7, wb + K / 2 + k / 2, 64);
-                    _tile_dpbf16ps(1, 4, 7);
-                }
-                if (rows2) {
-                    _tile_loadd(5, xa + (m0 + 16) * K + k, K * 2);
-                    _tile_dpbf16ps(2, 5, 6);
-                    if (two) _tile_dpbf16ps(3, 5, 7);
-                }
-            }
+            bf16_tile_pass(xa, m0, K, (const char *)wb, two, rows2, NULL, NULL);
             store_c_tiles(c);
             for (int i = 0; i <= rows2; i++)
                 for (int j = 0; j <= two; j++)
@@ -113,6 +124,45 @@ void rs_w8_amx_blocks(const bf16_t *xa, int64_t M, int64_t K, const int8_t *wp, 
         }
     }
     free(wb);
+    free(c);
+    _tile_release();
+}
+
+/* bf16 weights on AMX-BF16 (layers/cpu_linear.py's AmxBf16Linear, the CPU's bf16 linears where
+ * AMX is there): the weights are packed once into the B tile layout, block-major -- 16-channel
+ * block nb's k-pair row r (channel j's inputs 2r, 2r+1 in dword j) at wp + (nb * K / 2 + r) * 32
+ * elements -- so a B tile is 16 consecutive 64-byte rows and a thread's blocks one stream. The
+ * loop is rs_w8_amx_blocks' without the widening; the first row tile's pass prefetches the
+ * stream BF16_AMX_PREFETCH bytes ahead. Numerics as there: a row's sums do not depend on the
+ * batch, the tile or the thread, so the linear is batch-invariant at every row count. */
+#ifndef BF16_AMX_PREFETCH
+#define BF16_AMX_PREFETCH 32768
+#endif
+static void bf16_amx_store(const float *c, int64_t m0, int64_t M, const float *bias, void *out, int64_t ldo,
+                           int64_t n0, int64_t N, int out_bf16) {
+    const __m512 b = load_bias(bias, n0, N);
+    for (int64_t i = 0; i < 16 && m0 + i < M; i++)
+        int8_store(_mm512_add_ps(_mm512_load_ps(c + i * 16), b), out, m0 + i, ldo, n0, N, out_bf16);
+}
+
+void rs_bf16_amx_blocks(const bf16_t *xa, int64_t M, int64_t K, const bf16_t *wp, const float *bias, void *out,
+                        int64_t N, int64_t ldo, int out_bf16, int64_t first, int64_t last) {
+    configure_tiles();
+    float *c = aligned_alloc(64, sizeof(float) * 16 * 16 * 4);
+    const char *pf = (const char *)(wp + first * K * 16) + BF16_AMX_PREFETCH;
+    const char *pf_end = (const char *)(wp + last * K * 16);
+    for (int64_t nb = first; nb < last; nb += 2) {
+        const int two = last - nb >= 2;
+        const bf16_t *b0 = wp + nb * K * 16;
+        for (int64_t m0 = 0; m0 < M; m0 += 32) {
+            const int rows2 = M - m0 > 16;
+            bf16_tile_pass(xa, m0, K, (const char *)b0, two, rows2, m0 == 0 ? &pf : NULL, pf_end);
+            store_c_tiles(c);
+            for (int i = 0; i <= rows2; i++)
+                for (int j = 0; j <= two; j++)
+                    bf16_amx_store(c + (2 * i + j) * 256, m0 + 16 * i, M, bias, out, ldo, (nb + j) * 16, N, out_bf16);
+        }
+    }
     free(c);
     _tile_release();
 }
@@ -195,6 +245,8 @@ int rs_w8a8_amx_available(void) { return 0; }
 #if HAVE_INT8
 void rs_w8_amx_blocks(const bf16_t *xa, int64_t M, int64_t K, const int8_t *wp, const float *ws, const float *bias,
                       void *out, int64_t N, int64_t ldo, int out_bf16, int64_t first, int64_t last) { abort(); }
+void rs_bf16_amx_blocks(const bf16_t *xa, int64_t M, int64_t K, const bf16_t *wp, const float *bias, void *out,
+                        int64_t N, int64_t ldo, int out_bf16, int64_t first, int64_t last) { abort(); }
 void rs_w8a8_amx_blocks(const uint8_t *xq, const float *xs, int64_t M, int64_t Kp, const int8_t *wp, const float *ws,
                         const int32_t *comp, const float *bias, void *out, int64_t N, int64_t ldo, int out_bf16,
                         int64_t first, int64_t last) { abort(); }

@@ -1,6 +1,7 @@
-/* A stack of pre-norm decoder layers with int8 linears in one call (models/int8_stack.py).
+/* A stack of pre-norm decoder layers with the library's linears (int8.c's rs_int8_linear: int8,
+ * or bf16 on AMX) in one call (models/layer_stack.py).
  *
- * Why: the model's Python loop over the layers (models/decoder.py, _forward_int8) makes six
+ * Why: the model's Python loop over the layers (models/decoder.py, _forward_fused) makes six
  * C calls a layer, and between them Python allocates outputs, finds metadata and crosses
  * ctypes: ~5 ms of a 15 ms batch-1 int8 step on one core, measured by perf. This file runs
  * the same calls, in the same order and with the same arguments, from C, so a step gives
@@ -19,9 +20,9 @@
  */
 #include "common.h"
 
-/* One int8 linear's packed weights (layers/quant.py's Int8Linear buffers). */
+/* One linear's packed weights (layers/cpu_linear.py's CpuLinear buffers; ws, comp NULL for bf16). */
 typedef struct {
-    const int8_t *wp;
+    const int8_t *wp;    /* bf16 on AMX: the tile layout's bf16 elements */
     const float *ws;
     const int32_t *comp;
     const float *bias;   /* NULL: none */
@@ -52,10 +53,10 @@ static void linear(int kernel, int pre, const rs_int8_weights *w, const void *x,
                    is_bf16, is_bf16);
 }
 
-/* kernels[4]: the int8 kernel ids of qkv, o, gate_up and down at T rows (rs_int8_linear's).
+/* kernels[4]: the kernel ids of qkv, o, gate_up and down at T rows (rs_int8_linear's).
  * cos[r], sin[r]: rope table r, [T, D]. loc: int64 [T] pool rows of the tokens. x: [T, H] out.
  * Returns 0, or -1 where scratch could not be allocated (nothing then written). */
-int rs_int8_decoder(const rs_decoder_layer *layers, int64_t L, const int *kernels, void *h, void *x, int64_t T,
+int rs_decoder_layers(const rs_decoder_layer *layers, int64_t L, const int *kernels, void *h, void *x, int64_t T,
                     int64_t H, int64_t Hq, int64_t Hkv, int64_t D, const void *const *cos, const void *const *sin,
                     const int64_t *loc, const rs_attn_part *parts, int64_t nparts, int is_bf16) {
     const int64_t es = is_bf16 ? 2 : 4;

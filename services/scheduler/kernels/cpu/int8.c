@@ -261,7 +261,7 @@ static void prepare_rows(const linear_args *a, int64_t m0, int64_t m1) {
     if (a->kernel == 1)
         for (int64_t m = m0; m < m1; m++)
             for (int64_t k = 0; k < a->Kp; k++) a->xf[m * a->Kp + k] = k < a->K ? load(a->xin, m * a->K + k, a->in_bf16) : 0.0f;
-    if (a->kernel == 3) memcpy(a->xa + m0 * a->K, (const bf16_t *)a->xin + m0 * a->K, sizeof(bf16_t) * (m1 - m0) * a->K);
+    if (a->kernel >= 3) memcpy(a->xa + m0 * a->K, (const bf16_t *)a->xin + m0 * a->K, sizeof(bf16_t) * (m1 - m0) * a->K);
 }
 
 /* The whole linear in one region: each thread prepares its share of the rows (above 16 rows;
@@ -287,8 +287,11 @@ static void linear_task(void *ctx, int tid, int nth) {
     else if (a->kernel == 2)
         w8_bf16_blocks((const bf16_t *)a->xin, a->M, a->K, a->wp, a->ws, a->bias, a->out, a->N, a->N, a->out_bf16,
                        first, last);
-    else
+    else if (a->kernel == 3)
         rs_w8_amx_blocks(a->xa, a->M, a->K, a->wp, a->ws, a->bias, a->out, a->N, a->N, a->out_bf16, first, last);
+    else
+        rs_bf16_amx_blocks(a->xa, a->M, a->K, (const bf16_t *)a->wp, a->bias, a->out, a->N, a->N, a->out_bf16, first,
+                           last);
 }
 
 /* One int8 linear with its input's producer fused in front, in one parallel region (one call
@@ -298,7 +301,8 @@ static void linear_task(void *ctx, int tid, int nth) {
  *          (rs_add_rms_norm);
  *   pre 2: x is gate_up [M, 2K]: SiLU(gate) * up (rs_silu_and_mul).
  * kernel 0: W8A8, 1: weight-only fp32, 2: weight-only bf16 (see above), 3: weight-only on AMX
- * (amx.c; bf16 x, K a multiple of 32, rs_w8_amx_available()). Each output is
+ * (amx.c; bf16 x, K a multiple of 32, rs_w8_amx_available()); 4: bf16 weights on AMX (wp: the
+ * B tile layout of amx.c's rs_bf16_amx_blocks, ws and comp unused; bf16 x, K a multiple of 32). Each output is
  * computed by one thread in a fixed order, so the result does not depend on the threads. */
 void rs_int8_linear(int kernel, int pre, const void *x, void *residual, const void *norm_w, float eps, int64_t M,
                     int64_t K, int64_t Kp, const int8_t *wp, const float *ws, const int32_t *comp, const float *bias,
@@ -314,7 +318,7 @@ void rs_int8_linear(int kernel, int pre, const void *x, void *residual, const vo
         a.xs = malloc(sizeof(float) * M);
     } else if (kernel == 1) {
         a.xf = malloc(sizeof(float) * M * Kp);
-    } else if (kernel == 3) {
+    } else if (kernel >= 3) {
         const int64_t Mp = (M + 15) / 16 * 16;
         a.xa = aligned_alloc(64, sizeof(bf16_t) * Mp * K);
         memset(a.xa + M * K, 0, sizeof(bf16_t) * (Mp - M) * K);

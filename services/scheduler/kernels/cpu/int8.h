@@ -64,6 +64,11 @@ void rs_w8_amx_blocks(const bf16_t *xa, int64_t M, int64_t K, const int8_t *wp, 
 void rs_w8a8_amx_blocks(const uint8_t *xq, const float *xs, int64_t M, int64_t Kp, const int8_t *wp, const float *ws,
                         const int32_t *comp, const float *bias, void *out, int64_t N, int64_t ldo, int out_bf16,
                         int64_t first, int64_t last);
+
+/* amx.c: channel blocks first .. last-1 of bf16 xa [Mp, K] (as rs_w8_amx_blocks') times bf16
+ * weights packed in the B tile layout (amx.c), + bias, on AMX-BF16 tiles. */
+void rs_bf16_amx_blocks(const bf16_t *xa, int64_t M, int64_t K, const bf16_t *wp, const float *bias, void *out,
+                        int64_t N, int64_t ldo, int out_bf16, int64_t first, int64_t last);
 #endif
 int rs_w8_amx_available(void);
 int rs_w8a8_amx_available(void);

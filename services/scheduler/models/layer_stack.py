@@ -1,9 +1,10 @@
 """A step's decoder layers in one C call (``kernels/cpu/decoder.c``) where every layer is a
-pre-norm layer with int8 linears (``DecoderForCausalLM.fuse_int8_norms``).
+pre-norm layer with the C library's linears (``DecoderForCausalLM.fuse_cpu_linears``: int8,
+or bf16 on AMX).
 
-Why: the Python loop over the layers (``DecoderForCausalLM._int8_layers``) makes six C calls
+Why: the Python loop over the layers (``DecoderForCausalLM._fused_layers``) makes six C calls
 a layer, and the Python between them (output allocations, metadata, ctypes) was ~5 ms of a
-15 ms batch-1 int8 step on one core. ``rs_int8_decoder`` makes the same calls with the same
+15 ms batch-1 int8 step on one core. ``rs_decoder_layers`` makes the same calls with the same
 arguments, in the same order, from C: the same bits, and the Python is paid once a step.
 
 The table of the layers (weights' addresses, norms, KV pool rows, rope, window, scale) is
@@ -45,28 +46,28 @@ class _AttnPart(ctypes.Structure):
 @functools.cache
 def _lib() -> ctypes.CDLL:
     lib = library()
-    lib.rs_int8_decoder.argtypes = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I64,
+    lib.rs_decoder_layers.argtypes = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I64,
                                     ctypes.c_int]
-    lib.rs_int8_decoder.restype = ctypes.c_int
+    lib.rs_decoder_layers.restype = ctypes.c_int
     return lib
 
 
 def _weights(linear) -> _Weights:
-    """An ``Int8Linear``'s buffers as decoder.c reads them."""
+    """A ``CpuLinear``'s buffers as decoder.c reads them."""
     wp, ws, comp, bias = linear._weight_ptrs or linear._find_weights()
     return _Weights(wp, ws, comp, bias, linear.out_features, linear.in_features, linear.k_padded)
 
 
 def _linears(layer) -> tuple:
-    """A ``PreNormLayer``'s four int8 linears in ``ROLES`` order."""
+    """A ``PreNormLayer``'s four linears in ``ROLES`` order."""
     attn, mlp = layer.self_attn, layer.mlp
     return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
 
 
-class Int8Stack:
-    """The decoder layers of ``model`` (a ``DecoderForCausalLM`` whose ``fuse_int8_norms`` held)
+class LayerStack:
+    """The decoder layers of ``model`` (a ``DecoderForCausalLM`` whose ``fuse_cpu_linears`` held)
     in one call: ``forward(h, ropes, meta, kv)`` -> the last layer's output, h updated in place
-    as the residual stream (``DecoderForCausalLM._int8_layers``' contract), or None."""
+    as the residual stream (``DecoderForCausalLM._fused_layers``' contract), or None."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
@@ -135,9 +136,9 @@ class Int8Stack:
         sin = (_P * len(ropes))(*(s.data_ptr() for _, s in ropes))
         loc = meta.out_cache_loc.contiguous()
         attn = first.self_attn
-        rc = _lib().rs_int8_decoder(table, len(table), kernels, h.data_ptr(), x.data_ptr(), t, hidden, attn.num_heads,
+        rc = _lib().rs_decoder_layers(table, len(table), kernels, h.data_ptr(), x.data_ptr(), t, hidden, attn.num_heads,
                                     attn.num_kv_heads, attn.head_dim, cos, sin, loc.data_ptr(),
                                     (_AttnPart * len(parts))(*parts), len(parts), int(h.dtype == torch.bfloat16))
         if rc != 0:
-            raise MemoryError(f"rs_int8_decoder: no scratch for a step of {t} tokens")
+            raise MemoryError(f"rs_decoder_layers: no scratch for a step of {t} tokens")
         return x
