@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from services.scheduler.config import EngineConfig
 from services.scheduler.engine.engine import Engine
+from services.scheduler.layers.cpu_linear import amx_bf16_available
 from services.scheduler.lora.adapter import AdapterError
 from services.scheduler.models import load_model
 from services.scheduler.policy.stops import load_eos_ids
@@ -181,3 +182,23 @@ def test_unload_in_use_waits_for_the_request(lora_engine, tokenizer, adapters, g
     results = run_all(engine)
     assert results["late"].output_ids == results["mlp"].output_ids  # the same weights, to the end
     assert slot not in registry.by_slot and "late" not in registry.by_name
+
+
+@pytest.mark.skipif(not amx_bf16_available(), reason="no AMX-BF16: bf16 runs on oneDNN and its layers from Python")
+def test_the_first_adapter_takes_a_bf16_model_out_of_its_one_c_call(smollm2_dir, tokenizer, adapters, greedy_req,
+                                                                    run_all):
+    """bf16 on AMX runs a step's layers in one C call, which would bypass LoRA's wrappers: loading
+    the first adapter undoes it, and the adapter's row then differs from the base row."""
+    cfg = EngineConfig(model=smollm2_dir, dtype="bfloat16", max_running_requests=4, max_total_tokens=2048, seed=0,
+                       max_loras=2, max_lora_rank=16)
+    model = load_model(smollm2_dir, torch.bfloat16)
+    engine = Engine(model, tokenizer, load_eos_ids(smollm2_dir, tokenizer), cfg)
+    assert model.cpu_fused
+    engine.lora.load("all", str(adapters["all"][0]))
+    assert not model.cpu_fused
+    ids = tokenizer.encode(PROMPTS[0]).ids
+    engine.add_request(replace(greedy_req("base", ids, max_new_tokens=3, ignore_eos=True), return_logprob=True))
+    engine.add_request(replace(greedy_req("all", ids, max_new_tokens=3, ignore_eos=True), return_logprob=True,
+                               lora_name="all"))
+    results = run_all(engine)
+    assert results["base"].logprobs != results["all"].logprobs

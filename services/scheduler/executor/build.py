@@ -161,8 +161,8 @@ def build_stack(model: CausalLM, cfg: EngineConfig, runtime: DeviceRuntime, shap
         shape = replace(shape, deterministic=make_deterministic(model, cfg, runtime))
     elif shape.deterministic:
         make_deterministic(model, replace(cfg, deterministic_inference=True), runtime)
-    if runtime.packs_linears:
-        model.fuse_cpu_linears()  # bf16 on AMX: the layers' linears are the C library's
+    if runtime.packs_linears:  # bf16 on AMX: the layers' linears are the C library's (LoRA's first
+        model.fuse_cpu_linears()  # adapter wraps them, and undoes this: lora.layers.LoraModel.add)
     tp = model.tp
     kv = model.kv_shape()
     kv_pool = TokenToKVPool(shape.max_total_tokens, kv.num_layers, kv.num_kv_heads, kv.head_dim, kv.dtype,

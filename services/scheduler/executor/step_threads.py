@@ -8,8 +8,8 @@ its barrier for the worker one of them preempted. A small step on one thread few
 a core to them (on 2 cores: one thread, no barrier at all); measured in bench/RESULTS.md,
 "Threads by a step's size". A larger step is compute-bound and uses every thread.
 
-A model whose decoder layers run as one C call a step (``--quantization int8``/``int8wo`` on
-SmolLM2-like layers: ``models.layer_stack``) keeps every thread for every step: with no Python
+A model whose decoder layers run as one C call a step (``models.layer_stack``: SmolLM2-like
+layers with int8 linears, or bf16 ones on AMX) keeps every thread for every step: with no Python
 between its ~150 regions the pool's workers stay awake through the step and leave the core
 between steps, and the served int8 median ITL at one stream on 2 cores fell from 12.3-13.2 ms
 on one thread to 8.1-8.8 ms on two (bench/RESULTS.md, "One C call a step").

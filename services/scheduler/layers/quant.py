@@ -56,7 +56,7 @@ import torch
 
 from ringserve.options import names
 from services.scheduler.kernels.cpu_kernels import cache_dir, cpu_flags, library_path, load_json, save_json
-from services.scheduler.layers.cpu_linear import CpuLinear, lib
+from services.scheduler.layers.cpu_linear import AmxBf16Linear, CpuLinear, lib
 from services.scheduler.layers.linear import PackedLinear
 
 log = logging.getLogger(__name__)
@@ -203,7 +203,7 @@ def quantize_model(model: torch.nn.Module, method: str) -> int:
         for name, child in list(module.named_children()):
             if isinstance(child, torch.nn.Linear):
                 weight, bias = child.weight, child.bias
-            elif isinstance(child, PackedLinear):
+            elif isinstance(child, (PackedLinear, AmxBf16Linear)):
                 raise QuantizationError("quantize the model before packing its bf16 linears")
             else:
                 continue

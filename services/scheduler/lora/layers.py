@@ -194,6 +194,8 @@ class LoraModel:
         self.dtype = model.embed_tokens.weight.dtype
         self.device = model.embed_tokens.weight.device
         self.segmented = self.device.type == "cuda" if segmented is None else segmented
+        # The model's layers in one C call bypass the modules: the first adapter's wrappers undo it.
+        self._unfuse = getattr(model, "fuse_cpu_linears", None)
         for i, layer in enumerate(model.layers):
             for owner in (getattr(layer, "self_attn", None), getattr(layer, "mlp", None)):
                 for name in _PARTS:
@@ -206,6 +208,8 @@ class LoraModel:
     def add(self, slot: int, weights: AdapterWeights) -> None:
         """Place an adapter (checked against ``shapes`` by ``adapter.read_adapter``) in ``slot``."""
         if not self.linears:
+            if self._unfuse is not None:
+                self._unfuse(allowed=False)
             for t in self.targets:
                 stack = (SlotStack(len(_PARTS[t.name]), t.in_local, t.out_local, self.dtype, self.device)
                          if self.segmented else None)

@@ -66,9 +66,10 @@ class CausalLM(Protocol):
     def kv_shape(self) -> KVShape:
         """The per-layer KV cache this rank's shard reads and writes."""
 
-    def fuse_cpu_linears(self) -> bool:
-        """After ``layers.quant.quantize_model``: run each norm inside the int8 linear it feeds
-        where the layers allow; returns whether it does."""
+    def fuse_cpu_linears(self, allowed: bool = True) -> bool:
+        """After ``layers.quant.quantize_model`` or the bf16 linears' packing: run each norm inside
+        the C linear it feeds, and the layers in one C call, where the layers allow (``allowed``
+        False: never); returns whether it does."""
 
     def parameters(self) -> Iterator[torch.nn.Parameter]: ...
 

@@ -126,19 +126,24 @@ class DecoderForCausalLM(torch.nn.Module):
         if "lm_head.weight" not in loaded:
             self.lm_head.tie(self.embed_tokens)
 
-    def fuse_cpu_linears(self) -> bool:
+    def fuse_cpu_linears(self, allowed: bool = True) -> bool:
         """Run each RMSNorm and SiLU-and-mul inside the C call of the linear it feeds, and where
         the step allows all the layers in one C call (``_forward_fused``), from now on, if every
         layer is a pre-norm layer with a plain attention (no q/k norm) and gated SiLU MLP whose
         linears are the C library's (``layers.cpu_linear``: int8, or bf16 on AMX), on one rank
-        with the cpu backend's kernels; returns whether it does."""
-        self.cpu_fused = self.tp.size == 1 and self.fused is not None and self.config.norm_style == "rms" and all(
-            type(layer) is PreNormLayer and type(layer.mlp) is GatedMLP and layer.self_attn.q_norm is None
-            and layer.mlp.act is self.fused.silu_and_mul
-            and all(isinstance(m, CpuLinear) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                       layer.mlp.gate_up_proj, layer.mlp.down_proj))
-            for layer in self.layers)
+        with the cpu backend's kernels; returns whether it does. ``allowed`` False: never (LoRA
+        will wrap the linears), and a fusion made before is undone."""
+        self.cpu_fused = (allowed and self.tp.size == 1 and self.config.norm_style == "rms"
+                          and all(self._fusable(layer) for layer in self.layers))
         return self.cpu_fused
+
+    def _fusable(self, layer: torch.nn.Module) -> bool:
+        """A pre-norm layer with a plain attention and a gated SiLU MLP whose linears are the C library's."""
+        ops = self.fused
+        return (ops is not None and type(layer) is PreNormLayer and type(layer.mlp) is GatedMLP
+                and layer.self_attn.q_norm is None and layer.mlp.act is ops.silu_and_mul
+                and all(isinstance(m, CpuLinear) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                           layer.mlp.gate_up_proj, layer.mlp.down_proj)))
 
     def _forward_fused(self, h: torch.Tensor, ropes: list[Rope], meta: AttnMetadata, kv: KVBuffers) -> torch.Tensor:
         """The pre-norm layers with C linears: all of them in one C call where the step's

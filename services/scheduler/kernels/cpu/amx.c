@@ -145,22 +145,34 @@ static void bf16_amx_store(const float *c, int64_t m0, int64_t M, const float *b
         int8_store(_mm512_add_ps(_mm512_load_ps(c + i * 16), b), out, m0 + i, ldo, n0, N, out_bf16);
 }
 
+/* Rows of xa in chunks of this many bytes (a multiple of 32 rows, at least 32): every block pass
+ * of a chunk re-reads its rows from L2, where a prefill of thousands of rows would stream them. */
+#ifndef BF16_AMX_CHUNK_BYTES
+#define BF16_AMX_CHUNK_BYTES 393216
+#endif
+
 void rs_bf16_amx_blocks(const bf16_t *xa, int64_t M, int64_t K, const bf16_t *wp, const float *bias, void *out,
                         int64_t N, int64_t ldo, int out_bf16, int64_t first, int64_t last) {
     configure_tiles();
     float *c = aligned_alloc(64, sizeof(float) * 16 * 16 * 4);
     const char *pf = (const char *)(wp + first * K * 16) + BF16_AMX_PREFETCH;
     const char *pf_end = (const char *)(wp + last * K * 16);
-    for (int64_t nb = first; nb < last; nb += 2) {
-        const int two = last - nb >= 2;
-        const bf16_t *b0 = wp + nb * K * 16;
-        for (int64_t m0 = 0; m0 < M; m0 += 32) {
-            const int rows2 = M - m0 > 16;
-            bf16_tile_pass(xa, m0, K, (const char *)b0, two, rows2, m0 == 0 ? &pf : NULL, pf_end);
-            store_c_tiles(c);
-            for (int i = 0; i <= rows2; i++)
-                for (int j = 0; j <= two; j++)
-                    bf16_amx_store(c + (2 * i + j) * 256, m0 + 16 * i, M, bias, out, ldo, (nb + j) * 16, N, out_bf16);
+    int64_t chunk = BF16_AMX_CHUNK_BYTES / (K * 2) / 32 * 32;
+    chunk = chunk < 32 ? 32 : chunk;
+    for (int64_t c0 = 0; c0 < M; c0 += chunk) {
+        const int64_t c1 = M - c0 < chunk ? M : c0 + chunk;
+        for (int64_t nb = first; nb < last; nb += 2) {
+            const int two = last - nb >= 2;
+            const bf16_t *b0 = wp + nb * K * 16;
+            for (int64_t m0 = c0; m0 < c1; m0 += 32) {
+                const int rows2 = c1 - m0 > 16;
+                bf16_tile_pass(xa, m0, K, (const char *)b0, two, rows2, m0 == 0 ? &pf : NULL, pf_end);
+                store_c_tiles(c);
+                for (int i = 0; i <= rows2; i++)
+                    for (int j = 0; j <= two; j++)
+                        bf16_amx_store(c + (2 * i + j) * 256, m0 + 16 * i, M, bias, out, ldo, (nb + j) * 16, N,
+                                       out_bf16);
+            }
         }
     }
     free(c);
