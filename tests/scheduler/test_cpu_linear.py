@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from services.scheduler.kernels import cpu_kernels
+from services.scheduler.layers import cpu_linear
 from services.scheduler.layers.cpu_linear import AmxBf16Linear, amx_bf16_available, pack_amx_bf16
 from services.scheduler.layers.linear import PackedLinear, can_pack, pack_linears
 
@@ -89,3 +90,20 @@ def test_pack_linears_puts_tile_shapes_on_amx_and_the_rest_on_onednn():
     assert pack_linears(model) == 2
     assert type(model[0]) is (AmxBf16Linear if amx_bf16_available() else PackedLinear)
     assert type(model[1]) is PackedLinear
+
+
+@pytest.mark.skipif(not can_pack(torch.zeros(1, dtype=torch.bfloat16)), reason="this torch has no oneDNN bf16")
+def test_without_the_c_kernels_bf16_stays_on_onednn(monkeypatch):
+    def no_compiler():
+        raise cpu_kernels.KernelBuildError("C compiler 'cc' not usable")
+
+    cpu_linear.amx_bf16_available.cache_clear()
+    cpu_linear.lib.cache_clear()
+    monkeypatch.setattr(cpu_linear, "library", no_compiler)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(64, 48, dtype=torch.bfloat16))
+        assert pack_linears(model) == 1 and type(model[0]) is PackedLinear
+    finally:
+        monkeypatch.undo()
+        cpu_linear.amx_bf16_available.cache_clear()
+        cpu_linear.lib.cache_clear()

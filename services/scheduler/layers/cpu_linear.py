@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 
 import torch
 
-from services.scheduler.kernels.cpu_kernels import library
+from services.scheduler.kernels.cpu_kernels import KernelBuildError, cpu_flags, library
+
+log = logging.getLogger(__name__)
 
 BF16_AMX_KERNEL = 4  # rs_int8_linear's id of the bf16-weights-on-AMX kernel
 AMX_K = 32  # a tile's k step in bf16 elements: in_features must be a multiple of it
@@ -127,10 +130,19 @@ class CpuLinear(torch.nn.Module):
         super().__setattr__(name, value)
 
 
+@functools.cache
 def amx_bf16_available() -> bool:
     """Whether this CPU and the built library run ``AmxBf16Linear`` (AMX-BF16 with the process's
-    permission for the tile data, and the library's AVX-512 int8 path that calls it)."""
-    return bool(lib().rs_int8_available()) and bool(lib().rs_w8_amx_available())
+    permission for the tile data, and the library's AVX-512 int8 path that calls it). False,
+    without building anything, on a CPU without ``amx_bf16``, and where the library does not
+    build (bf16 then stays on oneDNN, as the cpu attention backend falls back to torch)."""
+    if "amx_bf16" not in cpu_flags().split():
+        return False
+    try:
+        return bool(lib().rs_int8_available()) and bool(lib().rs_w8_amx_available())
+    except KernelBuildError as exc:
+        log.warning("bf16 linears on oneDNN: the C kernels did not build (%s)", exc)
+        return False
 
 
 def can_run_amx_bf16(weight: torch.Tensor) -> bool:
