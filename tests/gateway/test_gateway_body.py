@@ -11,8 +11,9 @@ import pytest
 from tests.helpers.loop_lag import worst_lag_during
 
 # The loop's work for 50,000 messages is ~50 ms of parsing (2.5 s on main, validating and
-# converting them); the margin is for 2 cores shared with other work.
-LAG_BOUND_S = 0.25
+# converting them); the margin is for 2 cores shared with other work (0.257 s seen once, at
+# nice 10 beside make test's ring tier and a benchmark).
+LAG_BOUND_S = 0.5
 
 
 def chat_body(stack, messages: list[dict]) -> bytes:
