@@ -72,6 +72,19 @@ static inline __attribute__((always_inline)) void store_c_tiles(void *c) {
     _tile_stored(3, (char *)c + 3072, 64);
 }
 
+/* rs_bf16_amx_blocks prefetches its weight stream this many bytes ahead, into L2. At one row a
+ * tile load waits for the product reading the tile before it (tiles are not renamed), so the
+ * stream runs at a third of the read bandwidth; measured on SmolLM2's linears at one row, 2
+ * threads, against 32 KiB into L1: 1.10-1.15x (64 KiB into L2 or L3; 4 blocks a pass over 3
+ * rotating B tiles was 0.88x; an AVX-512 path cannot give the tiles' bits: their internal sum
+ * is not a sequence of fp32 adds). */
+#ifndef BF16_AMX_PREFETCH
+#define BF16_AMX_PREFETCH 65536
+#endif
+#ifndef BF16_AMX_HINT
+#define BF16_AMX_HINT _MM_HINT_T1
+#endif
+
 /* C tiles 0-3 (zeroed first) = xa's row tile at m0 (and the next, rows2) times one 16-channel
  * block of bf16 k-pair rows at b (and the next, two, K * 32 bytes on), over all of K, in k order.
  * With pf: prefetches from *pf up to pf_end, 2 KiB a k step. */
@@ -81,7 +94,7 @@ static inline __attribute__((always_inline)) void bf16_tile_pass(const bf16_t *x
     zero_c_tiles();
     for (int64_t k = 0; k < K; k += 32) {
         if (pf)
-            for (int l = 0; l < 32 && *pf < pf_end; l++, *pf += 64) _mm_prefetch(*pf, _MM_HINT_T0);
+            for (int l = 0; l < 32 && *pf < pf_end; l++, *pf += 64) _mm_prefetch(*pf, BF16_AMX_HINT);
         _tile_loadd(4, xa + m0 * K + k, K * 2);
         _tile_loadd(6, b + k * 32, 64);
         _tile_dpbf16ps(0, 4, 6);
@@ -135,9 +148,6 @@ void rs_w8_amx_blocks(const bf16_t *xa, int64_t M, int64_t K, const int8_t *wp, 
  * loop is rs_w8_amx_blocks' without the widening; the first row tile's pass prefetches the
  * stream BF16_AMX_PREFETCH bytes ahead. Numerics as there: a row's sums do not depend on the
  * batch, the tile or the thread, so the linear is batch-invariant at every row count. */
-#ifndef BF16_AMX_PREFETCH
-#define BF16_AMX_PREFETCH 32768
-#endif
 static void bf16_amx_store(const float *c, int64_t m0, int64_t M, const float *bias, void *out, int64_t ldo,
                            int64_t n0, int64_t N, int out_bf16) {
     const __m512 b = load_bias(bias, n0, N);
