@@ -73,7 +73,7 @@ static inline __attribute__((always_inline)) void store_c_tiles(void *c) {
 }
 
 /* rs_bf16_amx_blocks prefetches its weight stream this many bytes ahead, into L2. At one row a
- * tile load waits for the product reading the tile before it (tiles are not renamed), so the
+ * tile load seems to wait for the product reading the tile before it (no renaming), so the
  * stream runs at a third of the read bandwidth; measured on SmolLM2's linears at one row, 2
  * threads, against 32 KiB into L1: 1.10-1.15x (64 KiB into L2 or L3; 4 blocks a pass over 3
  * rotating B tiles was 0.88x; an AVX-512 path cannot give the tiles' bits: their internal sum
