@@ -97,8 +97,10 @@ model-all: $(STAMPS)/venv-dev
 ports-free:
 	@$(PYTHON) -m ringserve.ports --host $(HOST) --port $(PORT) --tokenizer-port $(GRPC_PORT)
 
+# RUN_ARGS: more `ringserve launch` flags, e.g. RUN_ARGS='--quantization int8'.
+RUN_ARGS ?=
 run: ports-free setup-serve
-	$(VENV)/bin/ringserve launch --model $(MODEL) --host $(HOST) --port $(PORT) --tokenizer-port $(GRPC_PORT)
+	$(VENV)/bin/ringserve launch --model $(MODEL) --host $(HOST) --port $(PORT) --tokenizer-port $(GRPC_PORT)$(if $(RUN_ARGS), $(RUN_ARGS))
 
 # The whole suite: the ring tier, and beside it the unit and model tiers at nice 10
 # (tests/run_suite.sh); PYTEST_ARGS given: one plain pytest session with them.

@@ -115,3 +115,5 @@ def test_make_run_checks_its_ports_before_setup() -> None:
     assert dry[-1].endswith("ringserve launch --model "
                             f"{Path.home()}/.cache/ringserve/models/SmolLM2-135M-Instruct --host 127.0.0.1 --port 8123 "
                             "--tokenizer-port 30123")
+    dry = run_make("-n", "run", "RUN_ARGS=--quantization int8").stdout.splitlines()
+    assert dry[-1].endswith("--tokenizer-port 30010 --quantization int8")
