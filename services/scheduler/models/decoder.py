@@ -22,7 +22,7 @@ from services.scheduler.layers.parallel import local_kv_heads
 from services.scheduler.layers.parallel_linear import ParallelLMHead, VocabParallelEmbedding
 from services.scheduler.layers.rotary import RotaryEmbedding
 from services.scheduler.models.base import KVShape, LayerEnv
-from services.scheduler.models.blocks import GatedMLP, PreNormLayer, Rope, make_norm
+from services.scheduler.models.blocks import Attention, GatedMLP, PreNormLayer, Rope, make_norm
 from services.scheduler.models.config import ModelConfig, RopeSpec
 from services.scheduler.models.layer_stack import LayerStack
 
@@ -141,7 +141,8 @@ class DecoderForCausalLM(torch.nn.Module):
         """A pre-norm layer with a plain attention and a gated SiLU MLP whose linears are the C library's."""
         ops = self.fused
         return (ops is not None and type(layer) is PreNormLayer and type(layer.mlp) is GatedMLP
-                and layer.self_attn.q_norm is None and layer.mlp.act is ops.silu_and_mul
+                and type(layer.self_attn) is Attention and layer.self_attn.q_norm is None
+                and layer.mlp.act is ops.silu_and_mul
                 and all(isinstance(m, CpuLinear) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                            layer.mlp.gate_up_proj, layer.mlp.down_proj)))
 

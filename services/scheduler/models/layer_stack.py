@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import weakref
 
 import torch
 
@@ -70,19 +71,27 @@ class LayerStack:
     as the residual stream (``DecoderForCausalLM._fused_layers``' contract), or None."""
 
     def __init__(self, model: torch.nn.Module):
-        self.model = model
+        self._model = weakref.ref(model)  # the model holds this object: no reference cycle
         self.forget()
 
+    @property
+    def model(self) -> torch.nn.Module:
+        model = self._model()
+        assert model is not None, "the model of this LayerStack was freed"
+        return model
+
     def forget(self) -> None:
-        """Drop the table: the weights or norms may have moved."""
+        """Drop the table: call it after moving the weights or norms, or changing a layer's
+        window, soft-cap or kernels (the model's ``_apply`` calls it)."""
         self._table: ctypes.Array | None = None
         self._key: tuple | None = None
+        self._kv: KVBuffers | None = None  # the pool the table points into, held so it cannot be reused
 
     def _build(self, kv: KVBuffers, key: tuple) -> ctypes.Array | None:
         """The layers' table, or None where some layer's linear of a role chose other kernels
         than layer 0's (``choose_kernels`` gives a shape one choice; this guards a hand-set one)."""
         layers = self.model.layers
-        self._key = key
+        self._key, self._kv = key, kv
         first = _linears(layers[0])
         if any(lin.kernels != ref.kernels for layer in layers for lin, ref in zip(_linears(layer), first, strict=True)):
             self._table = None
@@ -107,14 +116,20 @@ class LayerStack:
         part; an extend part under deterministic inference, whose tokens are decode queries)
         and the KV pool holds the activations' dtype."""
         ext = meta.extend
-        if ((ext is not None and ext.token_seq_lens is None) or h.dtype not in (torch.bfloat16, torch.float32)
-                or kv.k_buffer[0].dtype != h.dtype or kv.v_buffer[0].dtype != h.dtype or not h.is_contiguous()
+        index_tensors = [meta.out_cache_loc]  # read through raw pointers as int64
+        if ext is not None and ext.token_seq_lens is not None:
+            index_tensors += [ext.kv_indices, ext.token_rows, ext.token_seq_lens]
+        if meta.decode is not None:
+            index_tensors += [meta.decode.kv_indices, meta.decode.seq_lens]
+        if (any(t.dtype != torch.int64 for t in index_tensors) or (ext is not None and ext.token_seq_lens is None)
+                or h.dtype not in (torch.bfloat16, torch.float32) or not h.is_contiguous()
+                or kv.k_buffer[0].dtype != h.dtype or kv.v_buffer[0].dtype != h.dtype
                 or not all(c.is_contiguous() and s.is_contiguous() for c, s in ropes)):
             return None
         first = self.model.layers[0]
         linears = _linears(first)
-        key = (id(kv), kv.k_buffer[0].data_ptr(), kv.v_buffer[0].data_ptr(), *(lin.kernels for lin in linears))
-        table = self._table if key == self._key else self._build(kv, key)
+        key = (kv.k_buffer[0].data_ptr(), kv.v_buffer[0].data_ptr(), *(lin.kernels for lin in linears))
+        table = self._table if kv is self._kv and key == self._key else self._build(kv, key)
         if table is None:
             return None
         t, hidden = h.shape
