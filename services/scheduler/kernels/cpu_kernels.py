@@ -5,7 +5,7 @@ per-op overhead was ~9 ms of a 32 ms step (one core); at batch 64 the torch deco
 attention gathered every request's K/V rows into a copy before two matmuls read it, ~30 %
 of the step. These kernels replace them (``cpu/attention.c`` and ``cpu/elementwise.c`` have the
 algorithms; ``cpu/int8.c`` holds the int8 linears of ``layers.quant``, ``cpu/decoder.c`` a
-step's int8 decoder layers in one call (``models.layer_stack``), ``cpu/common.h`` what they
+step's decoder layers of those linears in one call (``models.layer_stack``), ``cpu/common.h`` what they
 share, ``cpu/parallel.c`` their parallel regions):
 
 - ``decode_attention``: reads each request's K/V rows in place in the paged pool.

@@ -102,7 +102,7 @@ class CpuLinear(torch.nn.Module):
             residual = None if residual is None else residual.data_ptr()
         elif silu_and_mul:
             pre = 2
-        packed, scale, comp, bias = self._weight_ptrs or self._find_weights()
+        packed, scale, comp, bias = self.weight_ptrs()
         lib().rs_int8_linear(kernel_id, pre, x.data_ptr(), residual, weight, eps, t, self.in_features, self.k_padded,
                              packed, scale, comp, bias, out.data_ptr(), self.out_features,
                              int(x.dtype == torch.bfloat16), int(out.dtype == torch.bfloat16))
@@ -112,12 +112,15 @@ class CpuLinear(torch.nn.Module):
     # a call's Python time, ~120 calls a step. Whatever may move a buffer forgets them.
     _weight_ptrs: tuple[int, int | None, int | None, int | None] | None = None
 
-    def _find_weights(self) -> tuple[int, int | None, int | None, int | None]:
-        def ptr(name: str) -> int | None:
-            t = getattr(self, name)
-            return None if t is None else t.data_ptr()
+    def weight_ptrs(self) -> tuple[int, int | None, int | None, int | None]:
+        """The addresses of ``packed``, ``scale``, ``comp`` and ``bias`` (None: absent), as
+        ``rs_int8_linear`` takes them."""
+        if self._weight_ptrs is None:
+            def ptr(name: str) -> int | None:
+                t = getattr(self, name)
+                return None if t is None else t.data_ptr()
 
-        self._weight_ptrs = (self.packed.data_ptr(), ptr("scale"), ptr("comp"), ptr("bias"))
+            self._weight_ptrs = (self.packed.data_ptr(), ptr("scale"), ptr("comp"), ptr("bias"))
         return self._weight_ptrs
 
     def _apply(self, fn, recurse=True):

@@ -96,8 +96,6 @@ def cpu_runs_int8() -> bool:
     return "avx512_vnni" in cpu_flags().split() and bool(lib().rs_int8_available())
 
 
-
-
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel int8 of ``weight`` [N, K] (any float dtype, CPU).
 

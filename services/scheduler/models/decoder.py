@@ -24,7 +24,7 @@ from services.scheduler.layers.rotary import RotaryEmbedding
 from services.scheduler.models.base import KVShape, LayerEnv
 from services.scheduler.models.blocks import Attention, GatedMLP, PreNormLayer, Rope, make_norm
 from services.scheduler.models.config import ModelConfig, RopeSpec
-from services.scheduler.models.layer_stack import LayerStack
+from services.scheduler.models.layer_stack import LayerStack, layer_linears
 
 
 class DecoderForCausalLM(torch.nn.Module):
@@ -143,8 +143,7 @@ class DecoderForCausalLM(torch.nn.Module):
         return (ops is not None and type(layer) is PreNormLayer and type(layer.mlp) is GatedMLP
                 and type(layer.self_attn) is Attention and layer.self_attn.q_norm is None
                 and layer.mlp.act is ops.silu_and_mul
-                and all(isinstance(m, CpuLinear) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                           layer.mlp.gate_up_proj, layer.mlp.down_proj)))
+                and all(isinstance(m, CpuLinear) for m in layer_linears(layer)))
 
     def _forward_fused(self, h: torch.Tensor, ropes: list[Rope], meta: AttnMetadata, kv: KVBuffers) -> torch.Tensor:
         """The pre-norm layers with C linears: all of them in one C call where the step's

@@ -48,18 +48,17 @@ class _AttnPart(ctypes.Structure):
 def _lib() -> ctypes.CDLL:
     lib = library()
     lib.rs_decoder_layers.argtypes = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I64,
-                                    ctypes.c_int]
+                                      ctypes.c_int]
     lib.rs_decoder_layers.restype = ctypes.c_int
     return lib
 
 
 def _weights(linear) -> _Weights:
     """A ``CpuLinear``'s buffers as decoder.c reads them."""
-    wp, ws, comp, bias = linear._weight_ptrs or linear._find_weights()
-    return _Weights(wp, ws, comp, bias, linear.out_features, linear.in_features, linear.k_padded)
+    return _Weights(*linear.weight_ptrs(), linear.out_features, linear.in_features, linear.k_padded)
 
 
-def _linears(layer) -> tuple:
+def layer_linears(layer) -> tuple:
     """A ``PreNormLayer``'s four linears in ``ROLES`` order."""
     attn, mlp = layer.self_attn, layer.mlp
     return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
@@ -92,14 +91,15 @@ class LayerStack:
         than layer 0's (``choose_kernels`` gives a shape one choice; this guards a hand-set one)."""
         layers = self.model.layers
         self._key, self._kv = key, kv
-        first = _linears(layers[0])
-        if any(lin.kernels != ref.kernels for layer in layers for lin, ref in zip(_linears(layer), first, strict=True)):
+        first = layer_linears(layers[0])
+        if any(lin.kernels != ref.kernels
+               for layer in layers for lin, ref in zip(layer_linears(layer), first, strict=True)):
             self._table = None
             return None
         table = (_Layer * len(layers))()
         for entry, layer, rope in zip(table, layers, self.model.layer_rope, strict=True):
             attn, pre, post = layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm
-            for role, linear in zip(ROLES, _linears(layer), strict=True):
+            for role, linear in zip(ROLES, layer_linears(layer), strict=True):
                 setattr(entry, role, _weights(linear))
             entry.input_norm, entry.input_eps = pre.weight.data_ptr(), pre.eps
             entry.post_norm, entry.post_eps = post.weight.data_ptr(), post.eps
@@ -115,45 +115,43 @@ class LayerStack:
         run on the C kernels alone. They run it where every part is decode queries (a decode
         part; an extend part under deterministic inference, whose tokens are decode queries)
         and the KV pool holds the activations' dtype."""
-        ext = meta.extend
-        index_tensors = [meta.out_cache_loc]  # read through raw pointers as int64
-        if ext is not None and ext.token_seq_lens is not None:
-            index_tensors += [ext.kv_indices, ext.token_rows, ext.token_seq_lens]
-        if meta.decode is not None:
-            index_tensors += [meta.decode.kv_indices, meta.decode.seq_lens]
-        if (any(t.dtype != torch.int64 for t in index_tensors) or (ext is not None and ext.token_seq_lens is None)
-                or h.dtype not in (torch.bfloat16, torch.float32) or not h.is_contiguous()
-                or kv.k_buffer[0].dtype != h.dtype or kv.v_buffer[0].dtype != h.dtype
+        ext, dec = meta.extend, meta.decode
+        if ext is not None and ext.token_seq_lens is None:
+            return None  # an extend part attended by SDPA (deterministic inference off)
+        t, hidden = h.shape
+        n = meta.num_extend_tokens
+        # Each part's (tokens, kv_indices, rows or None, seq_lens), the extend one first: read
+        # through raw pointers, so int64 and contiguous (held here while the call reads them).
+        parts = []
+        if ext is not None:
+            parts.append((n, ext.kv_indices.contiguous(), ext.token_rows.contiguous(), ext.token_seq_lens.contiguous()))
+        if dec is not None:
+            parts.append((t - n, dec.kv_indices.contiguous(), None, dec.seq_lens.contiguous()))
+        loc = meta.out_cache_loc.contiguous()
+        index = [loc, *(x for part in parts for x in part[1:] if x is not None)]
+        if (any(x.dtype != torch.int64 for x in index) or h.dtype not in (torch.bfloat16, torch.float32)
+                or not h.is_contiguous() or kv.k_buffer[0].dtype != h.dtype or kv.v_buffer[0].dtype != h.dtype
                 or not all(c.is_contiguous() and s.is_contiguous() for c, s in ropes)):
             return None
         first = self.model.layers[0]
-        linears = _linears(first)
+        linears = layer_linears(first)
         key = (kv.k_buffer[0].data_ptr(), kv.v_buffer[0].data_ptr(), *(lin.kernels for lin in linears))
         table = self._table if kv is self._kv and key == self._key else self._build(kv, key)
         if table is None:
             return None
-        t, hidden = h.shape
-        x = torch.empty_like(h)
+        out = torch.empty_like(h)
         if t == 0:
-            return x
+            return out
         kernels = (ctypes.c_int * 4)(*(lin.kernel_id(lin.kernel_for(t), h.dtype) for lin in linears))
-        keep, parts = [], []  # keep: the tensors whose addresses the call reads
-        n = meta.num_extend_tokens
-        if ext is not None:
-            idx, rows, lens = ext.kv_indices.contiguous(), ext.token_rows.contiguous(), ext.token_seq_lens.contiguous()
-            keep += [idx, rows, lens]
-            parts.append(_AttnPart(n, idx.data_ptr(), idx.shape[1], rows.data_ptr(), lens.data_ptr()))
-        if meta.decode is not None:
-            idx, lens = meta.decode.kv_indices.contiguous(), meta.decode.seq_lens.contiguous()
-            keep += [idx, lens]
-            parts.append(_AttnPart(t - n, idx.data_ptr(), idx.shape[1], None, lens.data_ptr()))
+        c_parts = (_AttnPart * len(parts))(*(
+            _AttnPart(tokens, idx.data_ptr(), idx.shape[1], None if rows is None else rows.data_ptr(), lens.data_ptr())
+            for tokens, idx, rows, lens in parts))
         cos = (_P * len(ropes))(*(c.data_ptr() for c, _ in ropes))
         sin = (_P * len(ropes))(*(s.data_ptr() for _, s in ropes))
-        loc = meta.out_cache_loc.contiguous()
         attn = first.self_attn
-        rc = _lib().rs_decoder_layers(table, len(table), kernels, h.data_ptr(), x.data_ptr(), t, hidden, attn.num_heads,
-                                    attn.num_kv_heads, attn.head_dim, cos, sin, loc.data_ptr(),
-                                    (_AttnPart * len(parts))(*parts), len(parts), int(h.dtype == torch.bfloat16))
+        rc = _lib().rs_decoder_layers(table, len(table), kernels, h.data_ptr(), out.data_ptr(), t, hidden,
+                                      attn.num_heads, attn.num_kv_heads, attn.head_dim, cos, sin, loc.data_ptr(),
+                                      c_parts, len(parts), int(h.dtype == torch.bfloat16))
         if rc != 0:
             raise MemoryError(f"rs_decoder_layers: no scratch for a step of {t} tokens")
-        return x
+        return out

@@ -1,7 +1,7 @@
 /* A stack of pre-norm decoder layers with the library's linears (int8.c's rs_int8_linear: int8,
  * or bf16 on AMX) in one call (models/layer_stack.py).
  *
- * Why: the model's Python loop over the layers (models/decoder.py, _forward_fused) makes six
+ * Why: the model's Python loop over the layers (models/decoder.py, _fused_layers) makes six
  * C calls a layer, and between them Python allocates outputs, finds metadata and crosses
  * ctypes: ~5 ms of a 15 ms batch-1 int8 step on one core, measured by perf. This file runs
  * the same calls, in the same order and with the same arguments, from C, so a step gives
